@@ -1,0 +1,36 @@
+"""Exceptions raised by fastprefill.
+
+Every error a user can cause derives from :class:`FastprefillError`, and the ones about a bad
+value also derive from :class:`ValueError`, so callers can catch either. Messages say what was
+wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class FastprefillError(Exception):
+    """Base class of every error fastprefill raises on purpose."""
+
+
+class ConfigError(FastprefillError, ValueError):
+    """A configuration value (method field, task length, CLI flag) is out of its allowed range."""
+
+
+class ModelNotFoundError(FastprefillError, ValueError):
+    """A model name is neither in the zoo, nor a local directory, nor loadable by transformers."""
+
+
+class MissingPackageError(FastprefillError, ImportError):
+    """A package that ships model weights or data is not installed (the message has the pip command)."""
+
+
+class ChecksumError(FastprefillError, ValueError):
+    """A packaged file's sha256 does not match the pinned value; nothing was cached."""
+
+
+class UnsupportedModelError(FastprefillError, ValueError):
+    """The model's family is not supported by the requested method (or it is not a causal LM)."""
+
+
+class PromptError(FastprefillError, ValueError):
+    """The prompt is empty, or longer than the model's context allows."""

@@ -1,0 +1,89 @@
+"""The method contract: what the engine asks of every prefill method.
+
+A method is a small typed dataclass whose fields are its settings, checked in ``__post_init__``
+(a :class:`~fastprefill.errors.ConfigError` names the field and its allowed range). The engine
+asks it for two things:
+
+- :meth:`Method.prefill`: prompt ids in, first-token logits and a decode state out;
+- :meth:`Method.decode`: one token in, next-token logits out.
+
+Each prefill reports what it computed in a :class:`ComputeStats`: the prompt (token, layer)
+pairs computed against the full count, and a FLOPs estimate. Everything a method does to get
+the first token (scoring, gathering, an auxiliary model, communication) happens inside
+``prefill``, so the engine's TTFT timer includes it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from transformers import PreTrainedModel
+
+
+@dataclass
+class ComputeStats:
+    """What a prefill computed.
+
+    Attributes:
+        token_layers: prompt (token, layer) pairs computed by the base model.
+        total_token_layers: ``prompt_length * num_layers``, the full-prefill count.
+        flops: estimated FLOPs to the first token (all models involved, LM head included).
+        extra: method-specific counters (for example LazyLLM's kept tokens per layer).
+    """
+
+    token_layers: int
+    total_token_layers: int
+    flops: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fraction(self) -> float:
+        """``token_layers / total_token_layers`` (1.0 for full prefill)."""
+        return self.token_layers / self.total_token_layers if self.total_token_layers else 1.0
+
+
+@dataclass
+class PrefillOutput:
+    """Result of a method's prefill.
+
+    Attributes:
+        logits: ``(V,)`` float32 logits for the token after the prompt.
+        state: the method's decode state, handed back to :meth:`Method.decode`.
+        stats: what was computed.
+    """
+
+    logits: torch.Tensor
+    state: Any
+    stats: ComputeStats
+
+
+class Method(ABC):
+    """Base class of prefill methods (subclasses are dataclasses)."""
+
+    #: Short name used by the CLI and in benchmark records.
+    name: ClassVar[str] = "method"
+
+    @abstractmethod
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+        """Process the prompt.
+
+        Args:
+            model: a causal LM in eval mode.
+            input_ids: ``(1, T)`` int64 prompt ids on the model's device, ``T >= 1``.
+        """
+
+    @abstractmethod
+    def decode(self, state: Any, token_id: int) -> torch.Tensor:
+        """Feed one generated token; return ``(V,)`` float32 logits for the next one."""
+
+    def decode_stats(self, state: Any) -> dict[str, Any]:
+        """Counters gathered while decoding (for example LazyLLM's revivals per step)."""
+        del state
+        return {}
+
+    def describe(self) -> str:
+        """One line naming the method and its settings, for tables and logs."""
+        return self.name
