@@ -1,0 +1,194 @@
+"""LazyLLM's baselines at matched token budgets: random token drop and static (GemFilter-style) pruning.
+
+Both run through the same layer loop as :class:`~fastprefill.methods.lazyllm.LazyLLM`
+(original positions, gathered rows, one :class:`~fastprefill.cache.PositionKVCache`) and decode
+normally from their shorter cache: each generated token at its true position attends every
+cached key of every layer.
+
+- :class:`RandomDrop`: a random subset of the prompt (the last token always kept) through every
+  layer.
+- :class:`StaticPruning`: layers ``0..select_layer`` on the full prompt; the last query's
+  attention at ``select_layer`` (averaged over all query heads) picks the top-k (+ last); then
+  *all* layers run from layer 0 on the kept tokens only. The selection pass is part of its cost
+  (token-layers, FLOPs and TTFT).
+
+:func:`equivalent_keep` turns a LazyLLM schedule into the uniform keep fraction with the same
+prompt token-layer count, so all three are compared at the same budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers import PreTrainedModel
+
+from fastprefill.cache import PositionKVCache
+from fastprefill.errors import ConfigError
+from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
+from fastprefill.methods.lazyllm import (
+    Schedule,
+    check_layers,
+    check_prompt,
+    check_schedule,
+    decode_step,
+    keep_count,
+    new_state,
+    schedule_token_layers,
+    subset_prefill,
+    top_k_keep,
+)
+from fastprefill.models.adapters import DecoderAdapter
+
+__all__ = ["RandomDrop", "StaticPruning", "equivalent_keep"]
+
+
+def _check_keep(keep: Any) -> float:
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < float(keep) <= 1.0:
+        raise ConfigError(f"keep must be a fraction in (0, 1], got {keep!r}")
+    return float(keep)
+
+
+def equivalent_keep(
+    schedule: Schedule, num_layers: int, prompt_len: int, select_layer: int | None = None
+) -> float:
+    """Uniform keep fraction whose prefill computes as many prompt token-layers as ``schedule``.
+
+    Args:
+        schedule: a LazyLLM absolute schedule ``((layer, keep), ...)``.
+        num_layers: ``L``.
+        prompt_len: ``T``.
+        select_layer: ``None`` for :class:`RandomDrop` (``keep * T * L`` token-layers); a layer
+            for :class:`StaticPruning`, whose selection pass over layers ``0..select_layer``
+            costs ``T * (select_layer + 1)`` on top of ``keep * T * L``.
+
+    Returns:
+        the keep fraction in ``(0, 1]`` (``keep_count(keep, T)`` is within one token of the
+        budget).
+
+    Raises:
+        ConfigError: if the selection pass alone exceeds the budget.
+    """
+    schedule = check_schedule(schedule)
+    check_layers(schedule, num_layers)
+    budget = schedule_token_layers(schedule, num_layers, prompt_len)
+    if select_layer is not None:
+        budget -= prompt_len * (select_layer + 1)
+    if budget < num_layers:
+        raise ConfigError(
+            f"select_layer={select_layer}: the selection pass alone costs {prompt_len * (select_layer + 1)} "
+            f"token-layers, leaving {budget} of the schedule's budget; choose an earlier select_layer"
+        )
+    return min(1.0, budget / (num_layers * prompt_len))
+
+
+@dataclass
+class RandomDrop(Method):
+    """Random token drop: ``ceil(keep * T)`` prompt tokens (the last always among them) through every layer.
+
+    Args:
+        keep: fraction of the prompt kept, in ``(0, 1]``.
+        seed: seed of the choice (a CPU ``torch.Generator``; the same prompt length and seed give
+            the same subset on any device).
+    """
+
+    name: ClassVar[str] = "random"
+
+    keep: float = 0.5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.keep = _check_keep(self.keep)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+
+    def choose(self, n: int) -> torch.Tensor:
+        """Ascending kept positions ``(K,)`` of an ``n``-token prompt (``n - 1`` always included)."""
+        k = keep_count(self.keep, n)
+        gen = torch.Generator().manual_seed(self.seed)
+        others = torch.randperm(n - 1, generator=gen)[: k - 1]
+        return torch.cat([others.sort().values, torch.tensor([n - 1])])
+
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+        ad = DecoderAdapter(model, method="RandomDrop")
+        n = check_prompt(input_ids, "RandomDrop")
+        state = new_state(ad, (), n)
+        keep = self.choose(n).to(ad.device)
+        with torch.inference_mode(), ad.attention_scope():
+            logits, flops = subset_prefill(ad, state, input_ids, keep)
+        k = int(keep.numel())
+        stats = ComputeStats(token_layers=k * ad.num_layers, total_token_layers=n * ad.num_layers, flops=flops,
+                             extra={"kept": k})
+        return PrefillOutput(logits=logits, state=state, stats=stats)
+
+    def decode(self, state: Any, token_id: int) -> torch.Tensor:
+        return decode_step(self, state, token_id)
+
+    def describe(self) -> str:
+        return f"random[keep={self.keep:g},seed={self.seed}]"
+
+
+@dataclass
+class StaticPruning(Method):
+    """GemFilter-style static pruning: select once at ``select_layer``, then a full run on the kept tokens.
+
+    Args:
+        keep: fraction of the prompt kept, in ``(0, 1]``.
+        select_layer: the layer whose last-query attention selects the tokens, in ``[0, L - 1]``
+            (checked at prefill).
+    """
+
+    name: ClassVar[str] = "static"
+
+    keep: float = 0.5
+    select_layer: int = 8
+
+    def __post_init__(self) -> None:
+        self.keep = _check_keep(self.keep)
+        if isinstance(self.select_layer, bool) or not isinstance(self.select_layer, int) or self.select_layer < 0:
+            raise ConfigError(f"select_layer must be an integer >= 0, got {self.select_layer!r}")
+
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+        ad = DecoderAdapter(model, method="StaticPruning")
+        n = check_prompt(input_ids, "StaticPruning")
+        if self.select_layer > ad.num_layers - 1:
+            raise ConfigError(
+                f"select_layer {self.select_layer} out of range for a {ad.num_layers}-layer model; "
+                f"allowed 0..{ad.num_layers - 1}"
+            )
+        shape = ad.shape
+        k = keep_count(self.keep, n)
+        s = self.select_layer
+        with torch.inference_mode(), ad.attention_scope():
+            # selection pass: layers 0..s on the whole prompt, into a throwaway cache
+            probe = PositionKVCache(ad.num_layers)
+            pos = torch.arange(n, device=ad.device)
+            hidden = ad.embed(input_ids)
+            rot = ad.rotary(hidden, pos[None])
+            scores: dict[int, torch.Tensor] = {}
+            for layer in range(s + 1):
+                probe.stage(layer, pos)
+                hidden = ad.layer(layer, hidden, pos[None], probe, mask=None, rotary=rot,
+                                  scores=scores if layer == s else None)
+            row = scores[s][0].clone()
+            row[-1] = float("inf")
+            keep = top_k_keep(row, k)  # ascending positions
+            del probe, hidden
+            state = new_state(ad, (), n)
+            logits, flops = subset_prefill(ad, state, input_ids, keep)
+        select_flops = (s + 1) * (shape.linear_flops_per_token() * n + shape.attention_flops(n, n * (n + 1) // 2))
+        select_flops += shape.attention_flops(1, n) / 2
+        stats = ComputeStats(
+            token_layers=n * (s + 1) + k * ad.num_layers,
+            total_token_layers=n * ad.num_layers,
+            flops=flops + select_flops,
+            extra={"kept": k, "selection_token_layers": n * (s + 1)},
+        )
+        return PrefillOutput(logits=logits, state=state, stats=stats)
+
+    def decode(self, state: Any, token_id: int) -> torch.Tensor:
+        return decode_step(self, state, token_id)
+
+    def describe(self) -> str:
+        return f"static[keep={self.keep:g},select_layer={self.select_layer}]"

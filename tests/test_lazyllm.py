@@ -1,0 +1,231 @@
+"""LazyLLM: equivalence with full prefill, the at-most-once invariant, Aux Cache revival,
+positions/masks with non-contiguous kept tokens, schedule validation and token-layer counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fastprefill.cache import PositionKVCache
+from fastprefill.engine import generate
+from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
+from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.lazyllm import (
+    LazyLLM,
+    keep_count,
+    resolve_depth_schedule,
+    schedule_token_layers,
+)
+from fastprefill.models.adapters import DecoderAdapter, causal_mask
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _decode_n(method, model, ids, n):
+    """Prefill then ``n`` greedy decode steps; returns (prefill output, generated ids)."""
+    with torch.inference_mode():
+        out = method.prefill(model, ids)
+        tokens = [int(out.logits.argmax())]
+        for _ in range(n):
+            tokens.append(int(method.decode(out.state, tokens[-1]).argmax()))
+    return out, tokens
+
+
+# --- equivalence --------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", [LazyLLM(), LazyLLM.preset("keep-all"), LazyLLM(schedule=((1, 1.0), (2, 1.0)))])
+def test_keep_all_equals_full_prefill(tiny_model, method):
+    ids = _ids(41, 1)
+    with torch.inference_mode():
+        ref = FullPrefill().prefill(tiny_model, ids).logits
+        got = method.prefill(tiny_model, ids).logits
+    assert (got - ref).abs().max() <= 1e-4
+    full = generate(tiny_model, None, ids, max_new_tokens=10, stop_at_eos=False)
+    lazy = generate(tiny_model, None, ids, method, max_new_tokens=10, stop_at_eos=False)
+    assert lazy.token_ids == full.token_ids
+    assert lazy.timing.token_layers == full.timing.token_layers
+    assert lazy.timing.extra["revived_total"] == 0
+
+
+@pytest.mark.integration
+def test_keep_all_equals_full_prefill_smollm2(smollm2):
+    model, tok = smollm2
+    prompt = "Question: what is the capital of France? Answer briefly.\nAnswer:"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        ref = FullPrefill().prefill(model, ids).logits
+        got = LazyLLM.preset("keep-all").prefill(model, ids).logits
+    assert (got - ref).abs().max() <= 1e-4
+    full = generate(model, tok, prompt, max_new_tokens=10, stop_at_eos=False)
+    lazy = generate(model, tok, prompt, LazyLLM.preset("keep-all"), max_new_tokens=10, stop_at_eos=False)
+    assert lazy.token_ids == full.token_ids and len(lazy.token_ids) == 10
+    # and the default preset really prunes on the real model, still decoding 10 tokens
+    res = generate(model, tok, prompt, LazyLLM.preset("default"), max_new_tokens=10, stop_at_eos=False)
+    assert res.timing.token_layers < res.timing.total_token_layers and len(res.token_ids) == 10
+
+
+# --- the at-most-once invariant ---------------------------------------------------------------
+def test_each_token_layer_computed_at_most_once(tiny_model):
+    method = LazyLLM(schedule=((0, 0.5), (1, 0.25), (2, 0.1)))
+    n, steps = 40, 12
+    out, _ = _decode_n(method, tiny_model, _ids(n, 4), steps)
+    st = out.state
+    counts = st.counter.counts  # (L, n + steps)
+    assert counts.shape == (4, n + steps)
+    assert int(counts.max()) == 1
+    assert bool((counts[0] == 1).all())  # layer 0 (before any pruning) computes everyone once
+    assert bool((counts[:, n:] == 1).all())  # every generated token through every layer once
+    assert sum(st.revived_per_step) > 0  # revivals did happen, so the invariant was exercised
+    # counted total = prefill + a full column per decoded token + revived rows
+    assert int(counts.sum()) == out.stats.token_layers + 4 * steps + sum(st.revived_token_layers_per_step)
+    # the caches agree: no position stored twice at a layer
+    for layer in range(4):
+        pos = st.cache.positions(layer)
+        assert pos.unique().numel() == pos.numel() == int(counts[layer].sum())
+
+
+# --- revival from the Aux Cache ----------------------------------------------------------------
+@dataclass
+class _ForcedLazy(LazyLLM):
+    """LazyLLM that, once ``force`` is set, always selects that storage index at the pruning layer."""
+
+    force: int = -1
+
+    def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        if self.force >= 0:
+            scores = scores.clone()
+            scores[self.force] = 1e30  # below +inf (the new token) and above every real score
+        return super().select(scores, k)
+
+
+def test_revival_resumes_from_aux_cache_at_the_right_layer(tiny_llama):
+    n = 16
+    ids = _ids(n, 5)
+    method = _ForcedLazy(schedule=((0, 0.25), (2, 0.25)))
+    with torch.inference_mode():
+        out = method.prefill(tiny_llama, ids)
+        st = out.state
+        kept = set(st.selected[0].tolist())
+        target = min(set(range(n - 1)) - kept)  # a token pruned after layer 0
+        counts = st.counter.counts[:, target].tolist()
+        assert counts == [1, 0, 0, 0]
+        stored = st.aux.take(1, torch.tensor([target]))
+        st.aux.put(1, torch.tensor([target]), stored)
+        # the stored state is the token's layer-0 output, identical to the full model's
+        full = tiny_llama(ids, output_hidden_states=True, use_cache=True)
+        torch.testing.assert_close(stored[0, 0], full.hidden_states[1][0, target], atol=1e-5, rtol=0)
+        method.force = target  # layer 0 stores positions in order, so storage index == position
+        method.decode(st, 7)
+    assert (0, target, 1) in st.revivals
+    assert st.revived_per_step[0] >= 1
+    # resumed at layer 1: layer 0 not recomputed, layers 1.. computed once (layer 2 prunes again:
+    # the forced index at layer 2 is not the target, so it may stop after layer 2)
+    after = st.counter.counts[:, target].tolist()
+    assert after[0] == 1 and after[1] == 1 and after[2] == 1
+    assert int(st.counter.counts.max()) == 1
+    # its layer-1 key was computed from the stored state: equal to the full model's key at layer 1
+    layer1 = st.cache.layers[1]
+    row = int((layer1.positions == target).nonzero())
+    torch.testing.assert_close(layer1.keys[0, :, row], full.past_key_values.layers[1].keys[0, :, target],
+                               atol=1e-5, rtol=0)
+    assert target not in st.aux.positions(1)
+
+
+# --- positions and masks ------------------------------------------------------------------------
+def test_pruned_prefill_matches_masked_reference(tiny_model):
+    """Gathered rows at original positions == all rows computed with pruned keys masked out."""
+    n = 30
+    ids = _ids(n, 6)
+    method = LazyLLM(schedule=((1, 0.4),))
+    with torch.inference_mode():
+        out = method.prefill(tiny_model, ids)
+        kept = out.state.selected[0]
+        assert kept.numel() == keep_count(0.4, n) and int(kept[-1]) == n - 1
+        assert not torch.equal(kept, torch.arange(n - kept.numel(), n))  # non-contiguous
+        ad = DecoderAdapter(tiny_model)
+        cache = PositionKVCache(ad.num_layers)
+        pos = torch.arange(n)
+        allowed = torch.zeros(n, dtype=torch.bool)
+        allowed[kept] = True
+        with ad.attention_scope():
+            h = ad.embed(ids)
+            for i in range(ad.num_layers):
+                cache.stage(i, pos)
+                mask = causal_mask(pos, pos)
+                if i > 1:
+                    mask = mask & allowed[None, None, None, :]
+                h = ad.layer(i, h, pos[None], cache, mask=mask)
+            ref = ad.head(h[:, -1:])[0, -1]
+    torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
+    assert out.stats.extra["kept_per_stage"] == [kept.numel()]
+
+
+# --- validation --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("schedule", "match"),
+    [
+        (((1, 0.0),), r"\(0, 1\]"),
+        (((1, 1.5),), r"\(0, 1\]"),
+        (((1, -0.2),), r"\(0, 1\]"),
+        (((2, 0.5), (1, 0.4)), "strictly increasing"),
+        (((1, 0.5), (1, 0.4)), "strictly increasing"),
+        (((0, 0.3), (2, 0.6)), "must not grow"),
+        (((-1, 0.5),), ">= 0"),
+        (((1.5, 0.5),), "integer"),
+        ((1, 0.5), "pairs"),
+    ],
+)
+def test_schedule_validation(schedule, match):
+    with pytest.raises(ConfigError, match=match):
+        LazyLLM(schedule=schedule)
+
+
+def test_validation_against_the_model(tiny_llama):
+    with pytest.raises(ConfigError, match=r"out of range.*allowed 0..2"):
+        LazyLLM(schedule=((3, 0.5),)).prefill(tiny_llama, _ids(8, 0))
+    LazyLLM(schedule=((2, 0.5),)).prefill(tiny_llama, _ids(8, 0))  # the deepest allowed layer
+    with pytest.raises(PromptError, match="empty"):
+        LazyLLM().prefill(tiny_llama, torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ConfigError, match="preset"):
+        LazyLLM.preset("fastest")
+    with pytest.raises(ConfigError, match="not both"):
+        LazyLLM(schedule=((1, 0.5),), depth_schedule=((0.5, 0.5),))
+    with pytest.raises(ConfigError, match="depth"):
+        LazyLLM(depth_schedule=((1.0, 0.5),))
+
+
+def test_gemma3_refused():
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(UnsupportedModelError, match="LazyLLM"):
+        LazyLLM().prefill(model, _ids(5, 0) % 64)
+
+
+def test_presets_and_spec_resolve():
+    assert LazyLLM.preset("default").resolved(30) == ((7, 0.7), (15, 0.5), (22, 0.3))
+    # on a 4-layer model the deeper pairs collapse onto layer 2 and keep the smaller fraction
+    assert resolve_depth_schedule(((0.25, 0.7), (0.5, 0.5), (0.75, 0.3)), 4) == ((1, 0.7), (2, 0.3))
+    assert LazyLLM.from_spec(schedule="8:0.7+16:0.5").schedule == ((8, 0.7), (16, 0.5))
+    assert LazyLLM.from_spec(preset="gentle").preset_name == "gentle"
+    with pytest.raises(ConfigError, match="layer:keep"):
+        LazyLLM.from_spec(schedule="8-0.7")
+
+
+# --- the cost really shrinks --------------------------------------------------------------------
+def test_pruning_reduces_token_layers_by_the_expected_count(tiny_qwen2):
+    n = 40
+    out, _ = _decode_n(LazyLLM(schedule=((0, 0.5), (2, 0.25))), tiny_qwen2, _ids(n, 7), 0)
+    # layer 0: 40, layers 1-2: 20, layer 3: 10
+    assert out.stats.token_layers == 40 + 20 + 20 + 10 == schedule_token_layers(((0, 0.5), (2, 0.25)), 4, n)
+    assert out.stats.total_token_layers == 160
+    assert out.stats.extra["kept_per_stage"] == [20, 10]
+    assert int(out.state.counter.counts.sum()) == 90  # rows really run, not just masked
+    full = FullPrefill().prefill(tiny_qwen2, _ids(n, 7)).stats
+    assert out.stats.flops < full.flops
+    assert len(out.state.aux) == 20 + 10  # every pruned token is waiting in the Aux Cache
