@@ -1,0 +1,141 @@
+"""Auxiliary models for KV Prediction, and the checks that an aux model fits its base.
+
+Two kinds (arXiv 2410.08391, Sec. 4):
+
+- **KVP-C** (:meth:`AuxSpec.model`): a smaller member of the same family with the same tokenizer,
+  named in the zoo (``qwen2.5-coder-0.5b`` for base ``qwen2.5-coder-1.5b``).
+- **KVP-LP** (:meth:`AuxSpec.layer_drop`): the base itself with only every ``stride``-th layer
+  kept, built at load time from the base's own weight tensors by
+  :func:`fastprefill.models.adapters.drop_layers` (no copy, no extra memory).
+
+Identity of models and tokenizers is checked with cheap fingerprints
+(:func:`weights_fingerprint`, :func:`tokenizer_fingerprint`) stored in checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.models.adapters import ModelShape, drop_layers
+
+__all__ = [
+    "AuxSpec",
+    "TokenizerMismatchError",
+    "check_tokenizers",
+    "tokenizer_fingerprint",
+    "weights_fingerprint",
+]
+
+#: Probe text for tokenizer comparison: prose, code, digits, whitespace and non-ASCII.
+PROBE_TEXT = "def f(x):\n    return x ** 2  # The café's 3.14 π — 東京 naïve\tend"
+
+
+class TokenizerMismatchError(FastprefillError, ValueError):
+    """The aux and base tokenizers differ, so the aux model cannot read the base's prompt ids."""
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of the tokenizer's full vocabulary (token -> id) and of a probe encoding."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
+    digest.update(json.dumps(tokenizer.encode(PROBE_TEXT, add_special_tokens=False)).encode())
+    return digest.hexdigest()
+
+
+def check_tokenizers(base: PreTrainedTokenizerBase, aux: PreTrainedTokenizerBase) -> None:
+    """Raise :class:`TokenizerMismatchError` unless both tokenizers have the same vocabulary and
+    encode the probe text identically."""
+    if len(base) != len(aux):
+        raise TokenizerMismatchError(
+            f"aux tokenizer has {len(aux)} tokens, base has {len(base)}: KV Prediction needs an aux "
+            "model with the base's tokenizer (e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)"
+        )
+    probe_b = base.encode(PROBE_TEXT, add_special_tokens=False)
+    probe_a = aux.encode(PROBE_TEXT, add_special_tokens=False)
+    if probe_a != probe_b or base.get_vocab() != aux.get_vocab():
+        raise TokenizerMismatchError(
+            "aux and base tokenizers encode text differently (vocabulary or probe encoding differ): "
+            "KV Prediction needs an aux model with the base's tokenizer"
+        )
+
+
+def weights_fingerprint(model: PreTrainedModel) -> str:
+    """A cheap sha256 identifying a model's weights.
+
+    Hashes the shape (:class:`ModelShape`) and, for every parameter in name order, its name,
+    shape and a fixed sample of its values (the first 256 and 256 evenly strided elements,
+    as float32). That is milliseconds even for 1.5B parameters, yet any other checkpoint of the
+    same architecture differs in the sampled values. Parameters shared under several names
+    (tied embeddings) are hashed once.
+    """
+    digest = hashlib.sha256(repr(ModelShape.from_config(model.config)).encode())
+    seen: set[int] = set()
+    for name, param in sorted(model.named_parameters(remove_duplicate=False), key=lambda kv: kv[0]):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // 256)
+        sample = torch.cat([flat[:256], flat[::step][:256]]).float().cpu()
+        digest.update(f"{name}:{tuple(param.shape)}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class AuxSpec:
+    """How to obtain the aux model.
+
+    Attributes:
+        kind: ``"model"`` (KVP-C: a separate model, by zoo name) or ``"layer_drop"`` (KVP-LP).
+        name: zoo name of the aux model (``kind="model"``).
+        stride: keep base layers ``0, stride, 2*stride, ...`` (``kind="layer_drop"``; 2 or 4 in
+            the paper, any ``>= 1`` accepted).
+    """
+
+    kind: str
+    name: str | None = None
+    stride: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("model", "layer_drop"):
+            raise ConfigError(f"AuxSpec.kind must be 'model' or 'layer_drop', got {self.kind!r}")
+        if self.kind == "layer_drop" and (not isinstance(self.stride, int) or self.stride < 1):
+            raise ConfigError(f"AuxSpec.stride must be an int >= 1 for layer dropping, got {self.stride!r}")
+
+    @classmethod
+    def model(cls, name: str | None) -> AuxSpec:
+        """KVP-C: a separate aux model (``name`` = its zoo name, or None if passed in directly)."""
+        return cls("model", name=name)
+
+    @classmethod
+    def layer_drop(cls, stride: int) -> AuxSpec:
+        """KVP-LP: the base with every ``stride``-th layer kept."""
+        return cls("layer_drop", stride=stride)
+
+    def keep(self, num_base_layers: int) -> list[int]:
+        """Base layers kept by a layer-drop spec."""
+        return list(range(0, num_base_layers, int(self.stride)))
+
+    def build(self, base: PreTrainedModel) -> PreTrainedModel:
+        """The aux model for ``base`` (layer-drop only; a separate model is loaded by name)."""
+        if self.kind != "layer_drop":
+            raise ConfigError("AuxSpec.build is for layer-drop aux models; load a separate aux by name")
+        return drop_layers(base, self.keep(base.config.num_hidden_layers)).eval()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "stride": self.stride}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AuxSpec:
+        return cls(kind=data["kind"], name=data.get("name"), stride=data.get("stride"))
+
+    def describe(self) -> str:
+        return f"drop/{self.stride}" if self.kind == "layer_drop" else f"aux={self.name}"

@@ -1,0 +1,232 @@
+"""The KV Prediction method (arXiv 2410.08391): an aux model's KV, mapped, stands in for the base's.
+
+Prefill (everything inside TTFT):
+
+1. the aux model runs ``prompt[:-1]`` (its own fused forward, no LM head);
+2. the predictor maps its per-layer KV to every base layer's KV (keys before rotation; the base's
+   rotary is applied at the original positions) and fills a transformers ``DynamicCache``;
+3. the base runs only the last prompt token against that cache and emits the first token.
+
+Decoding is then the base alone on that cache (the aux model is not used again), exactly as in
+:class:`~fastprefill.methods.full.FullPrefill`.
+
+Usage::
+
+    method = KVPrediction.load("benchmarks/checkpoints/kvp-c-qwen2.5-coder")
+    generate(base, tokenizer, prompt, method=method)
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fastprefill.errors import ConfigError
+from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
+from fastprefill.methods.full import FullPrefill, FullState
+from fastprefill.methods.kv_prediction.aux import AuxSpec, check_tokenizers, tokenizer_fingerprint, weights_fingerprint
+from fastprefill.methods.kv_prediction.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from fastprefill.methods.kv_prediction.predictor import KVPredictor
+from fastprefill.models.adapters import DecoderAdapter, ModelShape, cache_from_kv, prefix_kv
+
+__all__ = ["KVPrediction", "shape_to_json", "shape_from_json"]
+
+
+def shape_to_json(shape: ModelShape) -> dict[str, int]:
+    return dict(vars(shape))
+
+
+def shape_from_json(data: dict[str, Any]) -> ModelShape:
+    return ModelShape(**{k: int(v) for k, v in data.items()})
+
+
+@dataclass
+class KVPrediction(Method):
+    """KV Prediction with a trained :class:`KVPredictor`.
+
+    Args:
+        predictor: the maps (aux KV -> base KV).
+        aux_spec: where the aux model comes from: :meth:`AuxSpec.model` (KVP-C, ``aux`` required)
+            or :meth:`AuxSpec.layer_drop` (KVP-LP, built from the base at the first prefill).
+        aux: the aux model for KVP-C (same tokenizer as the base; check with
+            :func:`~fastprefill.methods.kv_prediction.aux.check_tokenizers`).
+        base_fingerprint: :func:`weights_fingerprint` of the base the predictor was trained for;
+            when set, the first prefill on a base refuses any other model.
+        meta: checkpoint metadata (model names, λ, step, ...), written back by :meth:`save`.
+    """
+
+    name: ClassVar[str] = "kvp"
+
+    predictor: KVPredictor
+    aux_spec: AuxSpec = field(default_factory=lambda: AuxSpec.model(None))
+    aux: PreTrainedModel | None = None
+    base_fingerprint: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.predictor, KVPredictor):
+            raise ConfigError(f"KVPrediction.predictor must be a KVPredictor, got {type(self.predictor).__name__}")
+        if not isinstance(self.aux_spec, AuxSpec):
+            raise ConfigError(f"KVPrediction.aux_spec must be an AuxSpec, got {type(self.aux_spec).__name__}")
+        if self.aux_spec.kind == "model":
+            if self.aux is None:
+                raise ConfigError("KVPrediction.aux is required for a separate aux model (KVP-C)")
+            DecoderAdapter(self.aux, method="KV Prediction (aux model)")
+            self._check_shape("aux", ModelShape.from_config(self.aux.config), self.predictor.aux_shape)
+        elif self.aux is not None:
+            raise ConfigError("KVPrediction.aux must be None for a layer-drop aux (it is built from the base)")
+        self._bound: tuple[weakref.ref, PreTrainedModel] | None = None
+
+    @staticmethod
+    def _check_shape(role: str, got: ModelShape, want: ModelShape) -> None:
+        if got != want:
+            raise CheckpointError(
+                f"the predictor was trained for a {role} model of shape {want}, but the {role} model has shape {got}"
+            )
+
+    # --- binding to a base --------------------------------------------------------------------
+    def bind(self, base: PreTrainedModel) -> PreTrainedModel:
+        """Check ``base`` against the predictor (shape, fingerprint) and return the aux model.
+
+        Called by :meth:`prefill`; the result is remembered per base model, so the checks (a few
+        milliseconds) run once. Call it before timing to keep them out of the first TTFT.
+
+        Raises:
+            CheckpointError: ``base`` is not the model the predictor was trained for.
+            UnsupportedModelError: ``base`` is not a llama / qwen2 causal LM.
+        """
+        if self._bound is not None and self._bound[0]() is base:
+            return self._bound[1]
+        DecoderAdapter(base, method="KV Prediction")
+        self._check_shape("base", ModelShape.from_config(base.config), self.predictor.base_shape)
+        if self.base_fingerprint is not None and weights_fingerprint(base) != self.base_fingerprint:
+            raise CheckpointError(
+                f"this predictor was trained for base {self.meta.get('base', {}).get('name', '?')!r}, "
+                "whose weights differ from the model passed in (weights fingerprint mismatch)"
+            )
+        aux = self.aux if self.aux_spec.kind == "model" else self.aux_spec.build(base)
+        self._check_shape("aux", ModelShape.from_config(aux.config), self.predictor.aux_shape)
+        self.predictor.to(base.device)
+        self._bound = (weakref.ref(base), aux)
+        return aux
+
+    # --- the method contract ------------------------------------------------------------------
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+        aux = self.bind(model)
+        base_shape = self.predictor.base_shape
+        n = int(input_ids.shape[1])
+        with torch.no_grad():
+            if n == 1:  # nothing to predict: the base reads its only token
+                return FullPrefill().prefill(model, input_ids)
+            aux_kv, _ = prefix_kv(aux, input_ids[:, :-1])  # aux prefill, pre-rotation keys
+            predicted = self.predictor(aux_kv, dtype=model.dtype)  # L_base x (1, H, T-1, d)
+            cache = cache_from_kv(model, predicted, pre_rotation=True)
+            out = model(input_ids=input_ids[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+        aux_shape = ModelShape.from_config(aux.config)
+        aux_flops = aux_shape.causal_prefill_flops(n - 1) - aux_shape.head_flops(1)  # no LM head
+        predictor_flops = self.predictor.flops(n - 1)
+        base_flops = base_shape.num_layers * (
+            base_shape.linear_flops_per_token() + base_shape.attention_flops(1, n)
+        ) + base_shape.head_flops(1)
+        stats = ComputeStats(
+            token_layers=base_shape.num_layers,
+            total_token_layers=n * base_shape.num_layers,
+            flops=aux_flops + predictor_flops + base_flops,
+            extra={
+                "aux_token_layers": (n - 1) * aux_shape.num_layers,
+                "aux_flops": aux_flops,
+                "predictor_flops": predictor_flops,
+                "base_flops": base_flops,
+            },
+        )
+        return PrefillOutput(logits=logits, state=FullState(model, cache), stats=stats)
+
+    def decode(self, state: Any, token_id: int) -> torch.Tensor:
+        return FullPrefill().decode(state, token_id)
+
+    def describe(self) -> str:
+        return f"kvp({self.aux_spec.describe()})"
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the predictor and its metadata to ``path`` (atomic; see :mod:`.checkpoint`)."""
+        meta = dict(self.meta)
+        meta.setdefault("base", {})
+        meta["base"] = {**meta["base"], "shape": shape_to_json(self.predictor.base_shape),
+                        "fingerprint": self.base_fingerprint}
+        meta.setdefault("aux", {})
+        meta["aux"] = {**meta["aux"], "spec": self.aux_spec.to_json(), "shape": shape_to_json(self.predictor.aux_shape)}
+        meta["layer_map"] = list(self.predictor.layer_map)
+        write_checkpoint(path, self.predictor.state_dict(), meta, step=int(meta.get("step", 0)))
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        aux: PreTrainedModel | None = None,
+        aux_tokenizer: PreTrainedTokenizerBase | None = None,
+        base_tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> KVPrediction:
+        """Load a checkpoint written by :meth:`save` or ``train_kvp``.
+
+        Args:
+            path: the checkpoint directory.
+            aux: the aux model for a KVP-C checkpoint; ``None`` loads it from the zoo by the name
+                recorded in the checkpoint. Ignored for layer-drop checkpoints.
+            aux_tokenizer: the aux tokenizer (with ``aux``); checked against the recorded one.
+            base_tokenizer: if given, checked against the aux tokenizer / the recorded one.
+
+        Raises:
+            CheckpointError: missing or corrupted checkpoint, or an aux model of another shape /
+                other weights than recorded.
+            TokenizerMismatchError: the aux and base tokenizers differ.
+        """
+        config, state, _ = read_checkpoint(path)
+        try:
+            base_shape = shape_from_json(config["base"]["shape"])
+            aux_shape = shape_from_json(config["aux"]["shape"])
+            spec = AuxSpec.from_json(config["aux"]["spec"])
+            predictor = KVPredictor(aux_shape, base_shape, layer_map=config["layer_map"])
+            predictor.load_state_dict(state, strict=True)
+        except (KeyError, TypeError, RuntimeError, ConfigError) as exc:
+            raise CheckpointError(f"corrupted checkpoint {path}: {exc}") from None
+        predictor.eval().requires_grad_(False)
+        recorded_tok = config["base"].get("tokenizer")
+        if spec.kind == "model":
+            if aux is None:
+                if not spec.name:
+                    raise CheckpointError(f"checkpoint {path} names no aux model; pass aux=...")
+                from fastprefill.models import zoo
+
+                aux, aux_tokenizer = zoo.load(spec.name)
+            fp = config["aux"].get("fingerprint")
+            if fp is not None and weights_fingerprint(aux) != fp:
+                raise CheckpointError(
+                    f"the aux model passed in is not {spec.name!r}, the one this predictor was trained with "
+                    "(weights fingerprint mismatch)"
+                )
+        else:
+            aux = None
+        if aux_tokenizer is not None and base_tokenizer is not None:
+            check_tokenizers(base_tokenizer, aux_tokenizer)
+        for tok in (aux_tokenizer, base_tokenizer):
+            if tok is not None and recorded_tok is not None and tokenizer_fingerprint(tok) != recorded_tok:
+                from fastprefill.methods.kv_prediction.aux import TokenizerMismatchError
+
+                raise TokenizerMismatchError(
+                    f"tokenizer differs from the one the predictor at {path} was trained with "
+                    f"(base {config['base'].get('name', '?')!r})"
+                )
+        meta = {k: v for k, v in config.items() if k not in ("weights", "weights_sha256", "train_state", "format", "version")}
+        return cls(predictor=predictor, aux_spec=spec, aux=aux, base_fingerprint=config["base"].get("fingerprint"), meta=meta)
+
+    @classmethod
+    def from_spec(cls, predictor: str) -> KVPrediction:
+        """CLI / registry factory: ``kvp:predictor=<checkpoint dir>``."""
+        return cls.load(predictor)

@@ -1,0 +1,445 @@
+"""Training KV predictors: a closed-form least-squares fit, then a short gradient phase.
+
+The paper (arXiv 2410.08391, Sec. 3.3) trains the predictor (and the aux model) end to end with
+
+    loss = CE(base next-token predictions when attending to the *predicted* KV)
+           + λ · Σ_l ( L1(K̂_l, K_l) + L1(V̂_l, V_l) )          [+ aux CE if the aux is trained]
+
+for ~140B tokens. Two CPU cores allow far less, so (as METHODS.md suggests):
+
+1. **Least squares** (:func:`fit_least_squares`). Each map is linear, so its L2-optimal weights
+   are closed form. For every aux layer the Gram matrix ``[X 1]^T [X 1]`` (X = aux KV rows,
+   heads merged, keys before rotation) and for every base layer ``[X 1]^T Y`` (Y = the base KV
+   rows) are accumulated in float64 over the corpus (streaming, no activations kept), then
+   ``W = (G + ρ·mean(diag G)·I)^{-1} [X 1]^T Y`` (ridge ρ, bias not penalised).
+2. **Gradient refinement** (:func:`train_kvp` ``steps``): Adam on the maps (and the aux model if
+   ``train_aux``), base frozen. Each step takes one training sequence, lets the aux model read
+   its first ``seq_len - suffix_len`` tokens, predicts the base KV for them, and runs the base
+   over the last ``suffix_len`` tokens *against the predicted prefix KV* (exactly the inference
+   situation: predicted history, real base computation of new tokens). CE is on those tokens'
+   next-token predictions; L1 is on the prefix KV against the true base KV (mean over elements,
+   summed over layers). *Choice*: λ = 0.1 by default, so that the L1 sum over ~24-28 layers
+   (≈ 0.2-0.5 each after the least-squares fit) weighs about as much as the CE (≈ 1-3 nats);
+   the loss curve (``loss.png``) shows both terms.
+
+**Data** (:func:`training_corpus`), disjoint from every reported evaluation: Wikipedia paragraphs
+(SQuAD paragraphs of the data module's ``dev`` split, i.e. never the gold paragraph of a ``test``
+question, plus HotpotQA paragraphs whose titles appear in no ``test`` record) and real Python code
+(the standard library's own ``.py`` files, ``sysconfig.get_paths()["stdlib"]``), interleaved
+half and half, cut into ``seq_len``-token sequences.
+
+**Checkpoints**: every ``checkpoint_every`` steps and at the end, atomically
+(:mod:`.checkpoint`); ``resume=True`` continues from the last one (the least-squares phase is
+skipped if it finished). ``loss.png`` / ``loss.json`` hold the loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sysconfig
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fastprefill.errors import ConfigError
+from fastprefill.methods.kv_prediction.aux import AuxSpec, check_tokenizers, tokenizer_fingerprint, weights_fingerprint
+from fastprefill.methods.kv_prediction.checkpoint import (
+    CheckpointError,
+    atomic_write_bytes,
+    read_checkpoint,
+    write_checkpoint,
+)
+from fastprefill.methods.kv_prediction.method import KVPrediction, shape_to_json
+from fastprefill.methods.kv_prediction.predictor import KVPredictor
+from fastprefill.models.adapters import ModelShape, cache_from_kv, prefix_kv
+
+__all__ = ["TrainConfig", "fit_least_squares", "kv_relative_errors", "train_kvp", "training_corpus"]
+
+
+# ----------------------------------------------------------------------------------- data
+def _wikipedia_paragraphs() -> list[str]:
+    """Wikipedia paragraphs outside every ``test`` split (see the module docstring)."""
+    from fastprefill.data import sources
+    from fastprefill.data.tasks import split_of
+
+    texts = [text for key, text in sources.squad_paragraphs() if split_of(key) == "dev"]
+    test_titles = {title for r in sources.hotpotqa() if split_of(r.id) == "test" for title, _ in r.paragraphs}
+    texts += [text for title, text in sources.hotpotqa_paragraphs() if title not in test_titles]
+    return texts
+
+
+def _stdlib_sources(limit_chars: int, seed: int) -> list[str]:
+    """Python standard-library sources (tests and site-packages excluded), shuffled by ``seed``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
+                   and "tests" not in p.parts)
+    random.Random(seed).shuffle(files)
+    out, total = [], 0
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        out.append(text)
+        total += len(text)
+        if total >= limit_chars:
+            break
+    return out
+
+
+def training_corpus(
+    tokenizer: PreTrainedTokenizerBase, n_tokens: int, seq_len: int, seed: int = 0, code_fraction: float = 0.5
+) -> list[torch.Tensor]:
+    """About ``n_tokens`` of training text as ``(1, seq_len)`` int64 sequences, shuffled.
+
+    Args:
+        tokenizer: the base (= aux) tokenizer.
+        n_tokens: total tokens wanted (rounded up to whole sequences).
+        seq_len: tokens per sequence.
+        code_fraction: share of sequences cut from standard-library code; the rest is Wikipedia.
+    """
+    if seq_len < 2 or n_tokens < seq_len:
+        raise ConfigError(f"need seq_len >= 2 and n_tokens >= seq_len, got seq_len={seq_len}, n_tokens={n_tokens}")
+    n_seq = math.ceil(n_tokens / seq_len)
+    n_code = round(n_seq * code_fraction)
+    rng = random.Random(seed)
+
+    def cut(texts: Sequence[str], count: int) -> list[torch.Tensor]:
+        seqs: list[torch.Tensor] = []
+        buf: list[int] = []
+        for text in texts:
+            buf += tokenizer.encode(text + "\n\n", add_special_tokens=False)
+            while len(buf) >= seq_len and len(seqs) < count:
+                seqs.append(torch.tensor(buf[:seq_len])[None])
+                buf = buf[seq_len:]
+            if len(seqs) >= count:
+                break
+        return seqs
+
+    wiki = _wikipedia_paragraphs()
+    rng.shuffle(wiki)
+    seqs = cut(wiki, n_seq - n_code) + cut(_stdlib_sources(8 * seq_len * n_code + 1, seed), n_code)
+    rng.shuffle(seqs)
+    return seqs
+
+
+# ----------------------------------------------------------------------------------- least squares
+@torch.no_grad()
+def fit_least_squares(
+    predictor: KVPredictor,
+    pairs: Iterator[tuple[Sequence[tuple[torch.Tensor, torch.Tensor]], Sequence[tuple[torch.Tensor, torch.Tensor]]]],
+    ridge: float = 1e-4,
+) -> int:
+    """Fit every map of ``predictor`` in closed form on streamed ``(aux KV, base KV)`` pairs.
+
+    Args:
+        predictor: its ``k_maps`` / ``v_maps`` are overwritten.
+        pairs: yields ``(aux_kv, base_kv)``: ``L_aux`` and ``L_base`` pairs ``(K, V)`` of shape
+            ``(1, H, N, d)`` for the same ``N`` tokens (keys before rotation).
+        ridge: ρ, relative to the mean diagonal of the Gram matrix (bias not penalised).
+
+    Returns:
+        The number of token rows fitted.
+    """
+    din, dout = predictor.in_features, predictor.out_features
+    aux_layers = sorted(set(predictor.layer_map))
+    gram = {(a, w): torch.zeros(din + 1, din + 1, dtype=torch.float64) for a in aux_layers for w in (0, 1)}
+    cross = [[torch.zeros(din + 1, dout, dtype=torch.float64) for _ in (0, 1)] for _ in predictor.layer_map]
+    rows = 0
+
+    def merged(t: torch.Tensor) -> torch.Tensor:  # (1, H, N, d) -> (N, H*d + 1) with a ones column
+        x = t[0].transpose(0, 1).reshape(t.shape[2], -1).to("cpu", torch.float64)
+        return torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
+
+    for aux_kv, base_kv in pairs:
+        xs = {(a, w): merged(aux_kv[a][w]) for a in aux_layers for w in (0, 1)}
+        for key, x in xs.items():
+            gram[key] += x.T @ x
+        for l, a in enumerate(predictor.layer_map):
+            for w in (0, 1):
+                y = merged(base_kv[l][w])[:, :-1]
+                cross[l][w] += xs[(a, w)].T @ y
+        rows += int(aux_kv[0][0].shape[2])
+    if rows == 0:
+        raise ConfigError("fit_least_squares got no data")
+    for l, a in enumerate(predictor.layer_map):
+        for w, maps in ((0, predictor.k_maps), (1, predictor.v_maps)):
+            g = gram[(a, w)].clone()
+            scale = g.diagonal()[:-1].mean().clamp_min(1e-12)
+            g.diagonal()[:-1] += ridge * scale
+            sol = torch.linalg.solve(g, cross[l][w])  # (din + 1, dout)
+            maps[l].weight.copy_(sol[:-1].T.to(maps[l].weight.dtype))
+            maps[l].bias.copy_(sol[-1].to(maps[l].bias.dtype))
+    return rows
+
+
+@torch.no_grad()
+def kv_relative_errors(
+    base: PreTrainedModel, aux: PreTrainedModel, predictor: KVPredictor, sequences: Sequence[torch.Tensor]
+) -> dict[str, list[float]]:
+    """Per-base-layer relative error ``||K̂ - K||_F / ||K||_F`` (and for V), pooled over sequences.
+
+    Keys are compared *after* the base's rotation (what attention sees; RoPE is orthogonal, so
+    the norms equal the pre-rotation ones).
+    """
+    n = predictor.base_shape.num_layers
+    num = {"k": [0.0] * n, "v": [0.0] * n}
+    den = {"k": [0.0] * n, "v": [0.0] * n}
+    for ids in sequences:
+        ids = ids.to(base.device)
+        true, _ = prefix_kv(base, ids)
+        aux_kv, _ = prefix_kv(aux, ids)
+        pred = predictor(aux_kv, dtype=torch.float32)
+        for l in range(n):
+            for w, name in ((0, "k"), (1, "v")):
+                num[name][l] += float((pred[l][w] - true[l][w].float()).pow(2).sum())
+                den[name][l] += float(true[l][w].float().pow(2).sum())
+    return {name: [math.sqrt(a / max(b, 1e-30)) for a, b in zip(num[name], den[name])] for name in num}
+
+
+# ----------------------------------------------------------------------------------- training
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of :func:`train_kvp` (validated; all recorded in the checkpoint).
+
+    Attributes:
+        lsq_tokens: tokens for the least-squares fit (>= seq_len).
+        steps: gradient steps after it (0 = least squares only).
+        seq_len: tokens per training sequence.
+        suffix_len: tokens the base runs against the predicted prefix per gradient step
+            (``2 <= suffix_len < seq_len``).
+        lr: Adam learning rate.
+        l1_weight: λ.
+        ridge: least-squares ridge ρ (relative).
+        checkpoint_every: gradient steps between checkpoints.
+        train_aux: also train the aux model (adds its own CE); default: maps only.
+        seed: data order.
+    """
+
+    lsq_tokens: int = 100_000
+    steps: int = 200
+    seq_len: int = 512
+    suffix_len: int = 32
+    lr: float = 1e-4
+    l1_weight: float = 0.1
+    ridge: float = 1e-4
+    checkpoint_every: int = 25
+    train_aux: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("seq_len", self.seq_len >= 4, ">= 4"),
+            ("lsq_tokens", self.lsq_tokens >= self.seq_len, f">= seq_len ({self.seq_len})"),
+            ("steps", self.steps >= 0, ">= 0"),
+            ("suffix_len", 2 <= self.suffix_len < self.seq_len, f"in [2, seq_len={self.seq_len})"),
+            ("lr", self.lr > 0, "> 0"),
+            ("l1_weight", self.l1_weight >= 0, ">= 0"),
+            ("ridge", self.ridge >= 0, ">= 0"),
+            ("checkpoint_every", self.checkpoint_every >= 1, ">= 1"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(f"TrainConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
+
+
+def _plot_loss(out_dir: Path, history: list[dict[str, float]]) -> None:
+    """Write ``loss.json`` and ``loss.png`` (matplotlib, Agg) atomically."""
+    atomic_write_bytes(out_dir / "loss.json", json.dumps(history).encode())
+    if not history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [h["step"] for h in history]
+    for key in ("loss", "ce", "l1"):
+        ax.plot(steps, [h[key] for h in history], label=key)
+    ax.set_xlabel("gradient step")
+    ax.set_ylabel("loss")
+    ax.set_title("KV predictor training")
+    ax.legend()
+    fig.tight_layout()
+    tmp = out_dir / ".loss.png.tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out_dir / "loss.png")
+
+
+def _step_loss(
+    base: PreTrainedModel, aux: PreTrainedModel, predictor: KVPredictor, ids: torch.Tensor, cfg: TrainConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One sequence's loss: base CE on the suffix against the predicted prefix KV + λ·L1 (+ aux CE)."""
+    prefix = ids[:, : cfg.seq_len - cfg.suffix_len]
+    suffix = ids[:, cfg.seq_len - cfg.suffix_len :]
+    with torch.no_grad():
+        true_kv, _ = prefix_kv(base, prefix)
+    with torch.set_grad_enabled(cfg.train_aux):
+        aux_kv, aux_logits = prefix_kv(aux, prefix, with_logits=cfg.train_aux)
+    pred = predictor(aux_kv, dtype=base.dtype)
+    cache = cache_from_kv(base, pred, pre_rotation=True)
+    logits = base(input_ids=suffix, past_key_values=cache, use_cache=True).logits[0, :-1].float()
+    ce = F.cross_entropy(logits, suffix[0, 1:])
+    l1 = sum(F.l1_loss(pk.float(), tk.float()) + F.l1_loss(pv.float(), tv.float())
+             for (pk, pv), (tk, tv) in zip(pred, true_kv))
+    loss = ce + cfg.l1_weight * l1
+    parts = {"ce": float(ce.detach()), "l1": float(l1.detach())}
+    if cfg.train_aux:
+        aux_ce = F.cross_entropy(aux_logits[0, :-1], prefix[0, 1:])
+        loss = loss + aux_ce
+        parts["aux_ce"] = float(aux_ce.detach())
+    parts["loss"] = float(loss.detach())
+    return loss, parts
+
+
+def train_kvp(
+    base: PreTrainedModel,
+    aux: PreTrainedModel | AuxSpec,
+    out_dir: str | os.PathLike[str],
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    aux_tokenizer: PreTrainedTokenizerBase | None = None,
+    base_name: str | None = None,
+    aux_name: str | None = None,
+    layer_map: Sequence[int] | None = None,
+    config: TrainConfig | None = None,
+    corpus: Sequence[torch.Tensor] | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> KVPrediction:
+    """Train a KV predictor for ``base`` from ``aux`` and write checkpoints to ``out_dir``.
+
+    Args:
+        base: the base model (frozen; its ``requires_grad`` flags are restored afterwards).
+        aux: the aux model (KVP-C), or :meth:`AuxSpec.layer_drop` (KVP-LP, built from ``base``).
+        out_dir: checkpoint directory (see :mod:`.checkpoint`); ``loss.png`` goes there too.
+        tokenizer: the base tokenizer (used for the corpus; fingerprinted in the checkpoint).
+        aux_tokenizer: the aux model's tokenizer (KVP-C): must equal the base's.
+        base_name, aux_name: zoo names recorded in the checkpoint (``aux_name`` lets
+            :meth:`KVPrediction.load` load the aux model by itself).
+        layer_map: ``a(l)``; default proportional.
+        config: :class:`TrainConfig`.
+        corpus: training sequences ``(1, seq_len)``; default :func:`training_corpus`.
+        resume: continue from the checkpoint in ``out_dir`` (must exist).
+        progress: tqdm bars.
+
+    Returns:
+        The trained :class:`KVPrediction` (also saved in ``out_dir``).
+
+    Raises:
+        TokenizerMismatchError: ``aux_tokenizer`` differs from ``tokenizer``.
+        CheckpointError: ``resume`` without a checkpoint, or one made for other models.
+    """
+    cfg = config or TrainConfig()
+    out = Path(out_dir)
+    if isinstance(aux, AuxSpec):
+        spec = aux
+        aux_model = spec.build(base)
+    else:
+        spec = AuxSpec.model(aux_name)
+        aux_model = aux
+    if cfg.train_aux and spec.kind == "layer_drop":
+        raise ConfigError("TrainConfig.train_aux must be False for a layer-drop aux: its layers are the base's own")
+    if aux_tokenizer is not None:
+        check_tokenizers(tokenizer, aux_tokenizer)
+    base_shape = ModelShape.from_config(base.config)
+    aux_shape = ModelShape.from_config(aux_model.config)
+    predictor = KVPredictor(aux_shape, base_shape, layer_map).to(base.device)
+    meta: dict[str, Any] = {
+        "base": {"name": base_name, "shape": shape_to_json(base_shape), "fingerprint": weights_fingerprint(base),
+                 "tokenizer": tokenizer_fingerprint(tokenizer)},
+        "aux": {"spec": spec.to_json(), "name": aux_name or spec.name, "shape": shape_to_json(aux_shape),
+                "fingerprint": weights_fingerprint(aux_model) if spec.kind == "model" else None},
+        "layer_map": list(predictor.layer_map),
+        "l1_weight": cfg.l1_weight,
+        "train_config": vars(cfg).copy(),
+    }
+
+    state: dict[str, Any] = {"phase": "start", "step": 0, "history": [], "seconds": 0.0}
+    optim_state = None
+    if resume:
+        ckpt, weights, train_state = read_checkpoint(out, with_train_state=True)
+        if ckpt["base"].get("fingerprint") != meta["base"]["fingerprint"] or ckpt["aux"].get("shape") != meta["aux"]["shape"]:
+            raise CheckpointError(f"cannot resume {out}: it was trained for other base / aux models")
+        predictor.load_state_dict(weights)
+        if train_state:
+            state = {k: train_state[k] for k in ("phase", "step", "history", "seconds")}
+            optim_state = train_state.get("optimizer")
+    elif (out / "config.json").exists():
+        raise CheckpointError(f"{out} already holds a checkpoint; pass resume=True or another directory")
+
+    trained: list[torch.nn.Module] = [base, aux_model]
+    flags = {id(p): p.requires_grad for m in trained for p in m.parameters()}
+    start = time.perf_counter() - float(state["seconds"])
+    try:
+        base.requires_grad_(False)
+        aux_model.requires_grad_(cfg.train_aux)
+        if corpus is None:
+            corpus = training_corpus(tokenizer, cfg.lsq_tokens, cfg.seq_len, seed=cfg.seed)
+        corpus = [ids.to(base.device) for ids in corpus]
+
+        def save(extra_state: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> None:
+            state["seconds"] = time.perf_counter() - start
+            if cfg.train_aux:  # the aux weights change: record what they are now
+                meta["aux"]["fingerprint"] = weights_fingerprint(aux_model)
+            train_state = {**state, **extra_state, "optimizer": optimizer.state_dict() if optimizer else None}
+            write_checkpoint(out, predictor.state_dict(), {**meta, "wall_seconds": state["seconds"]},
+                             step=int(state["step"]), train_state=train_state)
+            _plot_loss(out, state["history"])
+
+        if state["phase"] == "start":
+            lsq_seqs = corpus[: max(1, math.ceil(cfg.lsq_tokens / cfg.seq_len))]
+
+            def pairs() -> Iterator[tuple[Any, Any]]:
+                for ids in tqdm(lsq_seqs, desc="least squares (sequences)", disable=not progress):
+                    with torch.no_grad():
+                        yield prefix_kv(aux_model, ids)[0], prefix_kv(base, ids)[0]
+
+            rows = fit_least_squares(predictor, pairs(), ridge=cfg.ridge)
+            state["phase"] = "gradient"
+            state["lsq_rows"] = rows
+            meta["lsq_rows"] = rows
+            save({}, None)
+
+        params = list(predictor.parameters()) + (list(aux_model.parameters()) if cfg.train_aux else [])
+        optimizer = torch.optim.Adam(params, lr=cfg.lr)
+        if optim_state:
+            optimizer.load_state_dict(optim_state)
+        order = list(range(len(corpus)))
+        random.Random(cfg.seed + 1).shuffle(order)
+        bar = tqdm(total=cfg.steps, initial=int(state["step"]), desc="gradient steps", disable=not progress)
+        while state["step"] < cfg.steps:
+            ids = corpus[order[int(state["step"]) % len(order)]]
+            loss, parts = _step_loss(base, aux_model, predictor, ids, cfg)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            state["step"] += 1
+            state["history"].append({"step": state["step"], **parts})
+            bar.update(1)
+            bar.set_postfix(ce=f"{parts['ce']:.3f}", l1=f"{parts['l1']:.3f}")
+            if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
+                save({}, optimizer)
+        bar.close()
+        if cfg.steps == 0:
+            save({}, None)
+    finally:
+        for m in trained:
+            for p in m.parameters():
+                p.requires_grad_(flags.get(id(p), p.requires_grad))
+    predictor.eval().requires_grad_(False)
+    if cfg.train_aux:
+        aux_model.save_pretrained(out / "aux-trained")  # load it and pass aux=... to KVPrediction.load
+    return KVPrediction.load(out, aux=aux_model if spec.kind == "model" else None)
