@@ -363,3 +363,18 @@ def test_identity_predictor_reproduces_smollm2(smollm2):
     model, tok = smollm2
     ids = tok("The three primary colours are red, yellow and", return_tensors="pt").input_ids
     _compare_with_full(model, _identity_method(model), ids, steps=8, atol=1e-4)
+
+
+def test_aux_alone_baseline_runs_the_aux_only(tiny_llama):
+    """AuxAlone (the paper's baseline) equals full prefill + greedy decoding of the aux model."""
+    from fastprefill.methods.kv_prediction import AuxAlone
+
+    ids = _ids(19, 9)
+    method = AuxAlone(AuxSpec.layer_drop(2))
+    got = generate(tiny_llama, None, ids, method=method, max_new_tokens=6, stop_at_eos=False)
+    aux = AuxSpec.layer_drop(2).build(tiny_llama)
+    want = generate(aux, None, ids, max_new_tokens=6, stop_at_eos=False)
+    assert got.token_ids == want.token_ids and got.timing.token_layers == 0
+    assert got.timing.prefill_flops == want.timing.prefill_flops
+    with pytest.raises(ConfigError, match="AuxAlone.aux"):
+        AuxAlone("qwen")

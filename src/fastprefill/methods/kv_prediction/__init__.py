@@ -11,10 +11,11 @@ aux model's, so the base never runs the prompt.
 
 from fastprefill.methods.kv_prediction.aux import AuxSpec, TokenizerMismatchError, check_tokenizers
 from fastprefill.methods.kv_prediction.checkpoint import CheckpointError
-from fastprefill.methods.kv_prediction.method import KVPrediction
+from fastprefill.methods.kv_prediction.method import AuxAlone, KVPrediction
 from fastprefill.methods.kv_prediction.predictor import KVPredictor, default_layer_map, validate_layer_map
 
 __all__ = [
+    "AuxAlone",
     "AuxSpec",
     "CheckpointError",
     "KVPrediction",

@@ -34,7 +34,7 @@ from fastprefill.methods.kv_prediction.checkpoint import CheckpointError, read_c
 from fastprefill.methods.kv_prediction.predictor import KVPredictor
 from fastprefill.models.adapters import DecoderAdapter, ModelShape, cache_from_kv, prefix_kv
 
-__all__ = ["KVPrediction", "shape_to_json", "shape_from_json"]
+__all__ = ["AuxAlone", "KVPrediction", "shape_to_json", "shape_from_json"]
 
 
 def shape_to_json(shape: ModelShape) -> dict[str, int]:
@@ -230,3 +230,44 @@ class KVPrediction(Method):
     def from_spec(cls, predictor: str) -> KVPrediction:
         """CLI / registry factory: ``kvp:predictor=<checkpoint dir>``."""
         return cls.load(predictor)
+
+
+@dataclass
+class AuxAlone(Method):
+    """Baseline of the paper: the aux model answers by itself (prefill and decode), ignoring the
+    base passed to :meth:`prefill`. ``aux`` is a model, or an :class:`AuxSpec` layer-drop spec
+    built from the base at the first prefill (the KVP-LP aux alone)."""
+
+    name: ClassVar[str] = "aux-alone"
+
+    aux: PreTrainedModel | AuxSpec
+
+    def __post_init__(self) -> None:
+        if isinstance(self.aux, AuxSpec):
+            if self.aux.kind != "layer_drop":
+                raise ConfigError("AuxAlone.aux must be a model or a layer-drop AuxSpec")
+        elif not isinstance(self.aux, PreTrainedModel):
+            raise ConfigError(f"AuxAlone.aux must be a model or an AuxSpec, got {type(self.aux).__name__}")
+        self._built: tuple[weakref.ref, PreTrainedModel] | None = None
+
+    def _model(self, base: PreTrainedModel) -> PreTrainedModel:
+        if isinstance(self.aux, PreTrainedModel):
+            return self.aux
+        if self._built is None or self._built[0]() is not base:
+            self._built = (weakref.ref(base), self.aux.build(base))
+        return self._built[1]
+
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+        aux = self._model(model)
+        out = FullPrefill().prefill(aux, input_ids)
+        base_layers = ModelShape.from_config(model.config).num_layers
+        out.stats.token_layers = 0  # the base computed nothing
+        out.stats.total_token_layers = int(input_ids.shape[1]) * base_layers
+        return out
+
+    def decode(self, state: Any, token_id: int) -> torch.Tensor:
+        return FullPrefill().decode(state, token_id)
+
+    def describe(self) -> str:
+        spec = self.aux.describe() if isinstance(self.aux, AuxSpec) else getattr(self.aux.config, "_name_or_path", "aux")
+        return f"aux-alone({spec})"
