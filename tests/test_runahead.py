@@ -295,7 +295,8 @@ def test_smollm2_two_ranks_exact(smollm2):
     model, tok = smollm2
     prompt = "Question: Which planet is known as the red planet, and why?\nAnswer:"
     ids = tok(prompt)["input_ids"]
-    ref = FullPrefill().prefill(model, torch.tensor([ids])).logits
+    with torch.inference_mode():
+        ref = FullPrefill().prefill(model, torch.tensor([ids])).logits
     want = generate(model, tok, ids, None, max_new_tokens=12)
     with RankPool("smollm2-135m", 2, timeout_s=120) as pool:
         for method in (KVRunahead(procs=2), KVRunahead(procs=2, partition="searched"), SequenceParallel(procs=2)):

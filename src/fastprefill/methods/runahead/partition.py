@@ -36,6 +36,7 @@ Shapes: chunk sizes are token counts; a KV message for a prefix of ``s`` tokens 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -440,7 +441,16 @@ class PartitionTable:
 
 
 def find_table(shape: ModelShape, directory: str | Path = TABLES_DIR) -> PartitionTable | None:
-    """The shipped table whose model shape equals ``shape``, or ``None``."""
+    """The shipped table whose model shape equals ``shape``, or ``None``.
+
+    Cached per (shape, directory) in this process, so a prefill with ``partition="searched"``
+    reads the JSON once, not inside every TTFT window.
+    """
+    return _find_table_cached(shape, str(directory))
+
+
+@functools.lru_cache(maxsize=32)
+def _find_table_cached(shape: ModelShape, directory: str) -> PartitionTable | None:
     for path in sorted(Path(directory).glob("*.json")):
         table = PartitionTable.load(path)
         if table.matches(shape):
