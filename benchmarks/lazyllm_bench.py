@@ -1,0 +1,262 @@
+"""LazyLLM benchmarks (issue 3). Each subcommand writes JSON lines into ``benchmarks/results/``.
+
+Subcommands (run on a quiet machine; the commands that made the committed results are in
+``benchmarks/README`` / the report):
+
+- ``equivalence``: keep-all LazyLLM vs full prefill on smollm2: max |logit diff|, identical
+  greedy tokens, TTFT ratio (keep-all overhead of the layer loop).
+- ``curve``: multidoc-qa F1 vs TTFT speedup for the LazyLLM presets, and RandomDrop and
+  StaticPruning at each preset's token budget (:func:`equivalent_keep`), full prefill in the
+  same process on the same prompts. Summary: paired F1 difference to full with a 95% bootstrap
+  CI, realised speedup (median TTFT ratio) vs ideal (1 / token-layer fraction).
+- ``needle``: passkey retrieval at 1k-4k tokens, depths 10-90%, the default preset vs full.
+- ``decode``: 64 new tokens: total time vs full, revivals per step.
+- ``sweep``: the dev-split schedule sweep that picks the default preset.
+- ``speed``: realised vs ideal speedup on a handful of prompts (no scoring).
+
+Every run fixes ``torch.set_num_threads`` and excludes warm-up (via
+:func:`fastprefill.bench.runner.run_benchmark`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from fastprefill.bench.runner import Record, environment, run_benchmark
+from fastprefill.engine import generate
+from fastprefill.methods.base import Method
+from fastprefill.methods.baselines import RandomDrop, StaticPruning, equivalent_keep
+from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.lazyllm import PRESETS, LazyLLM
+from fastprefill.models.adapters import ModelShape
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+#: Candidate schedules of the dev sweep, as (relative depth, keep) pairs.
+SWEEP: dict[str, tuple[tuple[float, float], ...]] = {
+    **{k: v for k, v in PRESETS.items() if k != "keep-all"},
+    "late-half": ((0.5, 0.5),),
+    "late-quarter": ((0.75, 0.25),),
+    "mid-two": ((0.33, 0.6), (0.66, 0.35)),
+    "early-half": ((0.1, 0.5),),
+    "four-stage": ((0.2, 0.8), (0.4, 0.6), (0.6, 0.4), (0.8, 0.2)),
+}
+
+
+def _load(name: str):
+    from fastprefill.models import zoo
+
+    return zoo.load(name)
+
+
+def _bootstrap_ci(diffs: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap CI of the mean of paired differences."""
+    if not diffs:
+        return (float("nan"), float("nan"))
+    gen = torch.Generator().manual_seed(seed)
+    d = torch.tensor(diffs, dtype=torch.float64)
+    idx = torch.randint(0, len(diffs), (reps, len(diffs)), generator=gen)
+    means = d[idx].mean(dim=1)
+    return float(means.quantile(0.025)), float(means.quantile(0.975))
+
+
+def summarize_paired(records: list[Record]) -> list[dict[str, Any]]:
+    """Per (length, method): paired score difference to full (mean, 95% CI), speedups."""
+    by = defaultdict(dict)
+    for r in records:
+        by[(r.length, r.sample_id)][r.method] = r
+    methods = sorted({r.method for r in records} - {"full"})
+    rows = []
+    for length in sorted({r.length for r in records}, key=lambda x: -1 if x is None else x):
+        pairs = [v for (ln, _), v in by.items() if ln == length and "full" in v]
+        for m in methods:
+            ps = [p for p in pairs if m in p]
+            if not ps:
+                continue
+            diffs = [p[m].score - p["full"].score for p in ps]
+            ratios = [p["full"].ttft_s / p[m].ttft_s for p in ps]
+            frac = statistics.mean(p[m].token_layer_fraction for p in ps)
+            rows.append({
+                "length": length, "method": m, "n": len(ps),
+                "score": statistics.mean(p[m].score for p in ps),
+                "score_full": statistics.mean(p["full"].score for p in ps),
+                "score_diff": statistics.mean(diffs), "score_diff_ci95": _bootstrap_ci(diffs),
+                "ttft_s_median": statistics.median(p[m].ttft_s for p in ps),
+                "ttft_full_s_median": statistics.median(p["full"].ttft_s for p in ps),
+                "speedup_median": statistics.median(ratios),
+                "total_s_median": statistics.median(p[m].total_s for p in ps),
+                "total_full_s_median": statistics.median(p["full"].total_s for p in ps),
+                "new_tokens_mean": statistics.mean(p[m].new_tokens for p in ps),
+                "token_layer_fraction": frac, "ideal_speedup": 1.0 / frac,
+                "revived_per_step_mean": statistics.mean(
+                    statistics.mean(p[m].extra.get("revived_per_step") or [0]) for p in ps),
+            })
+    return rows
+
+
+def _write_summary(name: str, header: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.summary.jsonl"
+    with path.open("w") as f:
+        f.write(json.dumps({"header": header}) + "\n")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    for row in rows:
+        print(f"{row['length']!s:>6} {row['method']:<28} n={row['n']:<3} score={row['score']:.3f} "
+              f"diff={row['score_diff']:+.3f} CI95=({row['score_diff_ci95'][0]:+.3f},{row['score_diff_ci95'][1]:+.3f}) "
+              f"speedup={row['speedup_median']:.2f}x ideal={row['ideal_speedup']:.2f}x")
+    return path
+
+
+def matched_methods(presets: list[str], num_layers: int, length: int, static_depth: float) -> dict[str, Method]:
+    """LazyLLM presets plus RandomDrop and StaticPruning at each preset's token budget."""
+    select_layer = max(0, int(static_depth * num_layers))
+    out: dict[str, Method] = {}
+    for p in presets:
+        lazy = LazyLLM.preset(p)
+        out[f"lazyllm-{p}"] = lazy
+        sched = lazy.resolved(num_layers)
+        out[f"random@{p}"] = RandomDrop(keep=equivalent_keep(sched, num_layers, length), seed=0)
+        out[f"static@{p}"] = StaticPruning(
+            keep=equivalent_keep(sched, num_layers, length, select_layer=select_layer), select_layer=select_layer)
+    return out
+
+
+def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: str,
+             max_new_tokens: int | None = None) -> None:
+    model, tok = _load(args.model)
+    shape = ModelShape.from_config(model.config)
+    methods = methods_fn(shape.num_layers)
+    records = run_benchmark(
+        model, tok, task, methods, args.lengths, args.n, split=split, seed=args.seed, threads=args.threads,
+        max_new_tokens=max_new_tokens, out_dir=RESULTS, name=name, meta={"model": args.model},
+    )
+    header = {"task": task, "split": split, "model": args.model, **environment(args.threads),
+              "methods": {k: m.describe() for k, m in methods.items()}}
+    _write_summary(name, header, summarize_paired(records))
+
+
+def cmd_equivalence(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    model, tok = _load(args.model)
+    prompts = ["Explain in one sentence why the sky is blue.",
+               "Write a haiku about autumn leaves.",
+               "List three prime numbers greater than ten.",
+               "What is the boiling point of water at sea level?"][: args.n]
+    lazy, full = LazyLLM.preset("keep-all"), FullPrefill()
+    ids0 = tok(prompts[0], return_tensors="pt").input_ids
+    for m in (full, lazy):  # warm-up, discarded
+        generate(model, tok, ids0, m, max_new_tokens=2)
+    rows = []
+    for p in tqdm(prompts, desc="equivalence"):
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            diff = float((full.prefill(model, ids).logits - lazy.prefill(model, ids).logits).abs().max())
+        a = generate(model, tok, ids, full, max_new_tokens=args.new_tokens, stop_at_eos=False)
+        b = generate(model, tok, ids, lazy, max_new_tokens=args.new_tokens, stop_at_eos=False)
+        rows.append({"prompt": p, "tokens": int(ids.shape[1]), "max_abs_logit_diff": diff,
+                     "same_tokens": a.token_ids == b.token_ids, "ttft_full_s": a.timing.ttft_s,
+                     "ttft_lazy_s": b.timing.ttft_s, "ttft_ratio_lazy_over_full": b.timing.ttft_s / a.timing.ttft_s})
+        print(rows[-1])
+    header = {"bench": "lazyllm-equivalence", "model": args.model, **environment(args.threads)}
+    _write_summary_raw("lazyllm_equivalence", header, rows)
+
+
+def _write_summary_raw(name: str, header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with (RESULTS / f"{name}.jsonl").open("w") as f:
+        f.write(json.dumps({"header": header}) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def cmd_speed(args: argparse.Namespace) -> None:
+    """TTFT of full vs each preset on random-token prompts of ``length`` (no scoring)."""
+    torch.set_num_threads(args.threads)
+    model, _ = _load(args.model)
+    length = args.lengths[0]
+    methods: dict[str, Method] = {"full": FullPrefill(), **{p: LazyLLM.preset(p) for p in args.presets}}
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = model.get_input_embeddings().num_embeddings
+    prompts = [torch.randint(100, vocab, (1, length), generator=gen) for _ in range(args.n + 1)]
+    times: dict[str, list[float]] = defaultdict(list)
+    fracs: dict[str, float] = {}
+    for i, ids in enumerate(tqdm(prompts, desc="speed")):
+        for name, m in methods.items():
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                out = m.prefill(model, ids)
+                int(out.logits.argmax())
+                dt = time.perf_counter() - t0
+            fracs[name] = out.stats.fraction
+            if i > 0:  # prompt 0 is the warm-up
+                times[name].append(dt)
+    rows = []
+    for name in methods:
+        med = statistics.median(times[name])
+        rows.append({"method": name, "length": length, "n": args.n, "ttft_s_median": med,
+                     "speedup": statistics.median(times["full"]) / med, "token_layer_fraction": fracs[name],
+                     "ideal_speedup": 1 / fracs[name]})
+        print(rows[-1])
+    _write_summary_raw(f"lazyllm_speed_{args.model}_{length}",
+                       {"bench": "lazyllm-speed", "model": args.model, **environment(args.threads)}, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=["equivalence", "curve", "needle", "decode", "sweep", "speed"])
+    ap.add_argument("--model", default=None, help="zoo name (default depends on the command)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None)
+    ap.add_argument("--n", type=int, default=None, help="samples per length")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--presets", nargs="+", default=["gentle", "default", "aggressive"])
+    ap.add_argument("--static-depth", type=float, default=0.25,
+                    help="StaticPruning selects at layer floor(depth * L)")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    args = ap.parse_args(argv)
+    defaults = {
+        "equivalence": ("smollm2-135m", [0], 4),
+        "curve": ("qwen2.5-coder-0.5b", [2048], 50),
+        "needle": ("qwen2.5-coder-0.5b", [1024, 2048, 3072, 4096], 10),
+        "decode": ("qwen2.5-coder-0.5b", [2048], 20),
+        "sweep": ("qwen2.5-coder-0.5b", [2048], 30),
+        "speed": ("smollm2-135m", [2048], 4),
+    }[args.command]
+    args.model = args.model or defaults[0]
+    args.lengths = args.lengths or defaults[1]
+    args.n = args.n or defaults[2]
+    tag = f"{args.model}_{'-'.join(map(str, args.lengths))}"
+    if args.command == "equivalence":
+        cmd_equivalence(args)
+    elif args.command == "speed":
+        cmd_speed(args)
+    elif args.command == "curve":
+        cmd_task(args, f"lazyllm_curve_{tag}",
+                 lambda L: matched_methods(args.presets, L, args.lengths[0], args.static_depth),
+                 "test", "multidoc-qa")
+    elif args.command == "needle":
+        cmd_task(args, f"lazyllm_needle_{tag}", lambda L: {"lazyllm-default": LazyLLM.preset("default")},
+                 "test", "needle")
+    elif args.command == "decode":
+        cmd_task(args, f"lazyllm_decode_{tag}",
+                 lambda L: {f"lazyllm-{p}": LazyLLM.preset(p) for p in args.presets},
+                 "test", "multidoc-qa", max_new_tokens=64)
+    elif args.command == "sweep":
+        cmd_task(args, f"lazyllm_sweep_{tag}",
+                 lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=v, preset_name=k) for k, v in SWEEP.items()},
+                 "dev", "multidoc-qa")
+        print("choose as 'default' the schedule with the lowest token_layer_fraction whose dev score_diff "
+              "CI95 contains 0 (or whose mean diff >= -0.01); then report it with `curve` on the test split")
+
+
+if __name__ == "__main__":
+    main()
