@@ -98,15 +98,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt = _read_prompt(args)
     torch.set_num_threads(args.threads)
-    if args.method.split(":")[0] == "runahead":
+    name = args.method.split(":")[0]
+    if name in ("runahead", "tsp"):
         from fastprefill.launch import generate_distributed
 
         result = generate_distributed(
-            args.model, prompt, procs=args.procs, max_new_tokens=args.max_new_tokens,
-            chat=not args.raw, partition=args.partition,
+            args.model, prompt, procs=args.procs, method=name, partition=args.partition,
+            max_new_tokens=args.max_new_tokens, chat=not args.raw, threads_per_rank=args.threads_per_rank,
+            pin=args.pin, timeout_s=args.timeout,
         )
-        console.print(result.text)
-        _print_timing(result.timing)
+        console.print(result.text, highlight=False, markup=False)
+        t = result.timing
+        err_console.print(
+            f"[dim]{name} on {args.procs} ranks: TTFT {result.ttft_s:.3f} s (driver clock, dispatch and all "
+            f"communication included) for {t['prompt_tokens']} prompt tokens[/dim]"
+        )
         return 0
     method = make_method(args.method)
     model, tok = _load(args.model, args.device, args.dtype)
@@ -259,11 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer a prompt and print its TTFT")
     p.add_argument("prompt", nargs="?", help="the prompt text ('-' or omitted: stdin)")
     p.add_argument("--file", help="read the prompt from this file")
-    p.add_argument("--method", default="full", help="full, lazyllm[:preset=NAME], static, random, kvp:predictor=DIR, runahead")
+    p.add_argument("--method", default="full", help="full, lazyllm[:preset=NAME], static, random, kvp:predictor=DIR, runahead, tsp")
     p.add_argument("--max-new-tokens", type=_positive, default=64)
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
-    p.add_argument("--procs", type=_positive, default=2, help="ranks for --method runahead")
-    p.add_argument("--partition", default="searched", help="runahead partition: even or searched")
+    p.add_argument("--procs", type=_positive, default=2, help="ranks for --method runahead / tsp")
+    p.add_argument("--partition", default="searched",
+                   help="runahead partition: even, searched (shipped table) or chunk sizes like 600/424")
+    p.add_argument("--threads-per-rank", type=_threads, default=1, help="torch threads per rank (runahead/tsp)")
+    p.add_argument("--pin", action="store_true", help="pin each rank to its own core (runahead/tsp)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a silent rank is an error")
     model_args(p)
     p.set_defaults(func=cmd_generate)
 
