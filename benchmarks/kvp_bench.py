@@ -124,14 +124,15 @@ def _agreement_and_errors(base, methods: dict[str, Any], samples) -> dict[str, A
     """First-token agreement with the base and per-layer relative K/V error of each KVP method."""
     out: dict[str, Any] = {}
     full = FullPrefill()
+    prompts = [torch.as_tensor(s.input_ids, dtype=torch.long, device=base.device).reshape(1, -1) for s in samples]
     with torch.no_grad():
-        ref = [int(full.prefill(base, s.input_ids).logits.argmax()) for s in samples]
+        ref = [int(full.prefill(base, ids).logits.argmax()) for ids in prompts]
         for name, m in methods.items():
-            firsts = [int(m.prefill(base, s.input_ids).logits.argmax()) for s in samples]
+            firsts = [int(m.prefill(base, ids).logits.argmax()) for ids in prompts]
             out[name] = {"first_token_agreement": sum(a == b for a, b in zip(firsts, ref)) / len(ref)}
             if isinstance(m, KVPrediction):
                 aux = m.bind(base)
-                errs = kv_relative_errors(base, aux, m.predictor, [s.input_ids[:, :-1] for s in samples])
+                errs = kv_relative_errors(base, aux, m.predictor, [ids[:, :-1] for ids in prompts])
                 out[name]["rel_error_k"], out[name]["rel_error_v"] = errs["k"], errs["v"]
     return out
 
