@@ -269,7 +269,9 @@ def run_python(code: str, timeout: float = 10.0, memory_mb: int = 1024) -> Sandb
                 _kill_group(proc.pid)
                 returncode = proc.wait()
             finally:
-                _kill_group(proc.pid)  # anything left in the group, whatever happened
+                # Anything left in the group, whatever happened. While a process of the group
+                # lives, Linux keeps its id from being reused, so this cannot hit a stranger.
+                _kill_group(proc.pid)
             elapsed = time.monotonic() - start
         status = _status(returncode, timed_out)
         return SandboxResult(
