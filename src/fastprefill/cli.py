@@ -240,9 +240,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # --- train-kvp ---------------------------------------------------------------------------------
 def cmd_train_kvp(args: argparse.Namespace) -> int:
-    from fastprefill.methods.kv_prediction.train import main as train_main
+    import time
 
-    return int(train_main(args.rest) or 0)
+    import torch
+
+    from fastprefill.methods.kv_prediction import AuxSpec
+    from fastprefill.methods.kv_prediction.train import TrainConfig, train_kvp
+
+    if (args.aux is None) == (args.drop_stride is None):
+        raise FastprefillError("give exactly one of --aux NAME (KVP-C) or --drop-stride N (KVP-LP)")
+    torch.set_num_threads(args.threads)
+    cfg = TrainConfig(
+        lsq_tokens=args.lsq_tokens, steps=args.steps, seq_len=args.seq_len, suffix_len=args.suffix_len,
+        lr=args.lr, l1_weight=args.l1_weight, ridge=args.ridge, checkpoint_every=args.checkpoint_every,
+        train_aux=args.train_aux,
+    )
+    base, tok = _load(args.base, args.device, args.dtype)
+    if args.aux is not None:
+        aux, aux_tok = _load(args.aux, args.device, args.dtype)
+        aux_arg: Any = aux
+    else:
+        aux_tok, aux_arg = None, AuxSpec.layer_drop(args.drop_stride)
+    t0 = time.perf_counter()
+    train_kvp(base, aux_arg, args.out, tokenizer=tok, aux_tokenizer=aux_tok, base_name=args.base,
+              aux_name=args.aux, config=cfg, resume=args.resume)
+    console.print(f"[green]trained[/green] predictor in {time.perf_counter() - t0:.0f} s -> {args.out} "
+                  f"(use: --method kvp:predictor={args.out})")
+    return 0
 
 
 # --- main --------------------------------------------------------------------------------------
@@ -302,8 +326,22 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("train-kvp", help="train a KV Prediction predictor (see --help after it)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser("train-kvp", help="train a KV Prediction predictor (least squares, then gradient steps)")
+    p.add_argument("--base", default="qwen2.5-coder-1.5b", help="base model (zoo name, HF id or dir)")
+    p.add_argument("--aux", help="KVP-C: the smaller auxiliary model (same tokenizer)")
+    p.add_argument("--drop-stride", type=_positive, help="KVP-LP: aux = the base keeping every N-th layer")
+    p.add_argument("--out", required=True, help="checkpoint directory")
+    p.add_argument("--lsq-tokens", type=_positive, default=100_000)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seq-len", type=_positive, default=512)
+    p.add_argument("--suffix-len", type=_positive, default=32)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--l1-weight", type=float, default=0.1)
+    p.add_argument("--ridge", type=float, default=1e-4)
+    p.add_argument("--checkpoint-every", type=_positive, default=25)
+    p.add_argument("--train-aux", action="store_true", help="also train the aux model (KVP-C only)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    model_args(p, default_model=False)
     p.set_defaults(func=cmd_train_kvp)
     return parser
 
