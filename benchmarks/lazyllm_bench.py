@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from fastprefill.bench.report import bootstrap_ci
 from fastprefill.bench.runner import Record, environment, run_benchmark
 from fastprefill.engine import generate
 from fastprefill.methods.base import Method
@@ -58,17 +59,6 @@ def _load(name: str):
     return zoo.load(name)
 
 
-def _bootstrap_ci(diffs: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile bootstrap CI of the mean of paired differences."""
-    if not diffs:
-        return (float("nan"), float("nan"))
-    gen = torch.Generator().manual_seed(seed)
-    d = torch.tensor(diffs, dtype=torch.float64)
-    idx = torch.randint(0, len(diffs), (reps, len(diffs)), generator=gen)
-    means = d[idx].mean(dim=1)
-    return float(means.quantile(0.025)), float(means.quantile(0.975))
-
-
 def summarize_paired(records: list[Record]) -> list[dict[str, Any]]:
     """Per (length, method): paired score difference to full (mean, 95% CI), speedups."""
     by = defaultdict(dict)
@@ -89,7 +79,7 @@ def summarize_paired(records: list[Record]) -> list[dict[str, Any]]:
                 "length": length, "method": m, "n": len(ps),
                 "score": statistics.mean(p[m].score for p in ps),
                 "score_full": statistics.mean(p["full"].score for p in ps),
-                "score_diff": statistics.mean(diffs), "score_diff_ci95": _bootstrap_ci(diffs),
+                "score_diff": statistics.mean(diffs), "score_diff_ci95": bootstrap_ci(diffs),
                 "ttft_s_median": statistics.median(p[m].ttft_s for p in ps),
                 "ttft_full_s_median": statistics.median(p["full"].ttft_s for p in ps),
                 "speedup_median": statistics.median(ratios),
