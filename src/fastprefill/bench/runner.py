@@ -16,6 +16,7 @@ Protocol (what every figure in ``benchmarks/results/`` follows):
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -58,6 +59,15 @@ class Record:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def command_line() -> str:
+    """The command that is running, as a user would type it from the repository root."""
+    if not sys.argv:
+        return ""
+    first = sys.argv[0]
+    first = f"python {os.path.relpath(first)}" if first.endswith(".py") else Path(first).name
+    return " ".join([first, *sys.argv[1:]])
+
+
 def environment(threads: int) -> dict[str, Any]:
     """Where and how a benchmark ran (recorded in every result file)."""
     try:
@@ -83,7 +93,7 @@ def environment(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu": cpu,
         "git_commit": commit,
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
