@@ -8,6 +8,7 @@ interval (seeded, 2000 resamples).
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -137,7 +138,7 @@ def plot_accuracy_vs_speedup(summaries: Sequence[Summary], path: Path, title: st
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     series: dict[tuple[Any, str], list[Summary]] = defaultdict(list)
     for s in summaries:
-        family = s.method.split(":")[0].split("@")[0]
+        family = re.split(r"[-@:\[]", s.method, maxsplit=1)[0]
         series[(s.length, family)].append(s)
     for (length, family), ss in sorted(series.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         ss = sorted(ss, key=lambda s: s.speedup)
@@ -153,6 +154,17 @@ def plot_accuracy_vs_speedup(summaries: Sequence[Summary], path: Path, title: st
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def replot(jsonl: str | Path) -> Path:
+    """Redraw the plot of a result file from its records (no re-measurement)."""
+    from fastprefill.bench.runner import load_jsonl
+
+    path = Path(jsonl)
+    header, records = load_jsonl(path)
+    out = path.with_suffix(".png")
+    plot_accuracy_vs_speedup(summarize(records), out, title=f"{header.get('task')} — {header.get('model', '')}")
+    return out
 
 
 def write_report(out_dir: Path, name: str, header: Mapping[str, Any], records: Sequence[Record]) -> list[Summary]:
