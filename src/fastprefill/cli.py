@@ -227,7 +227,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         t = res.timing
         base_ttft = base_ttft or t.ttft_s
         f1 = task.score(sample, res.text)["score"]
-        table.add_row(label, res.text.strip()[:60], f"{100 * f1:.0f}", f"{t.ttft_s:.3f}",
+        table.add_row(label, " ".join(res.text.split())[:60], f"{100 * f1:.0f}", f"{t.ttft_s:.3f}",
                       f"{base_ttft / t.ttft_s:.2f}x", f"{100 * t.token_layer_fraction:.0f}%")
     notes: list[str] = []
     if args.procs > 1:
@@ -239,7 +239,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 pool.generate(sample.input_ids, ra_method, 2)  # warm-up, not shown
                 ra = pool.generate(sample.input_ids, ra_method, args.max_new_tokens)
         f1 = task.score(sample, ra.text)["score"]
-        table.add_row(f"KV-Runahead ({args.procs} ranks)", ra.text.strip()[:60], f"{100 * f1:.0f}",
+        table.add_row(f"KV-Runahead ({args.procs} ranks)", " ".join(ra.text.split())[:60], f"{100 * f1:.0f}",
                       f"{ra.ttft_s:.3f}", f"{base_ttft / ra.ttft_s:.2f}x", "100%")
         notes.append("KV-Runahead's TTFT is the driver's clock: dispatch and all communication included.")
     console.print(table)
