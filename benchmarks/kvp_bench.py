@@ -33,11 +33,18 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fastprefill.bench.runner import Record, environment, run_samples, save_jsonl
+from fastprefill.bench.runner import Record, environment, load_jsonl, run_samples
 from fastprefill.data.tasks import get_task
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
-from fastprefill.methods.kv_prediction.train import TrainConfig, fit_least_squares, kv_relative_errors, train_kvp, training_corpus
+from fastprefill.methods.kv_prediction.aux import check_tokenizers
+from fastprefill.methods.kv_prediction.train import (
+    TrainConfig,
+    fit_least_squares,
+    kv_relative_errors,
+    train_kvp,
+    training_corpus,
+)
 from fastprefill.models import zoo
 from fastprefill.models.adapters import ModelShape, prefix_kv, rotate_keys
 
@@ -120,20 +127,52 @@ def cmd_rope(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------- eval
-def _agreement_and_errors(base, methods: dict[str, Any], samples) -> dict[str, Any]:
-    """First-token agreement with the base and per-layer relative K/V error of each KVP method."""
+FULL_SPEC = "full"
+
+
+def _parse_method(text: str) -> tuple[str, str, str]:
+    """``NAME=MODEL:SPEC`` -> (name, zoo model, spec); SPEC is ``full``, ``kvp:<dir>`` or ``drop:<stride>``."""
+    name, eq, rest = text.partition("=")
+    model, colon, spec = rest.partition(":")
+    if not (eq and colon and name and model) or not (spec == FULL_SPEC or spec.startswith(("kvp:", "drop:"))):
+        raise SystemExit(f"--method {text!r}: expected NAME=MODEL:full, NAME=MODEL:kvp:<checkpoint dir> "
+                         "or NAME=MODEL:drop:<stride>")
+    return name, model, spec
+
+
+def _references(specs: dict[str, tuple[str, str]], main_model: str) -> dict[str, str]:
+    """Each method's reference for speedup and first-token agreement: full prefill of the model
+    it runs on (KVP-C, KVP-LP, the layer-drop aux alone), or the main model's full prefill (a
+    smaller family member run alone: the KVP-C aux alone)."""
+    full_on = {model: name for name, (model, spec) in specs.items() if spec == FULL_SPEC}
+    return {name: (full_on[model] if spec != FULL_SPEC else ("full" if model != main_model else name))
+            for name, (model, spec) in specs.items()}
+
+
+def _summary(records: list[Record], refs: dict[str, str], names: list[str]) -> dict[str, Any]:
+    by = {(r.method, r.sample_id): r for r in records}
     out: dict[str, Any] = {}
-    full = FullPrefill()
-    prompts = [torch.as_tensor(s.input_ids, dtype=torch.long, device=base.device).reshape(1, -1) for s in samples]
-    with torch.no_grad():
-        ref = [int(full.prefill(base, ids).logits.argmax()) for ids in prompts]
-        for name, m in methods.items():
-            firsts = [int(m.prefill(base, ids).logits.argmax()) for ids in prompts]
-            out[name] = {"first_token_agreement": sum(a == b for a, b in zip(firsts, ref)) / len(ref)}
-            if isinstance(m, KVPrediction):
-                aux = m.bind(base)
-                errs = kv_relative_errors(base, aux, m.predictor, [ids[:, :-1] for ids in prompts])
-                out[name]["rel_error_k"], out[name]["rel_error_v"] = errs["k"], errs["v"]
+    for name in names:
+        rs = [r for r in records if r.method == name]
+        if not rs:
+            continue
+        ref = refs[name]
+        paired = [(r, by[(ref, r.sample_id)]) for r in rs if (ref, r.sample_id) in by]
+        main = [(r, by[("full", r.sample_id)]) for r in rs if ("full", r.sample_id) in by]
+        metric_names = sorted(rs[0].metrics)
+        out[name] = {
+            "n": len(rs),
+            "reference": ref,
+            "accuracy": statistics.mean(r.score for r in rs),
+            **{f"mean_{m}": statistics.mean(r.metrics[m] for r in rs) for m in metric_names if m != "score"},
+            "median_ttft_s": statistics.median(r.ttft_s for r in rs),
+            "median_speedup_vs_reference": statistics.median(b.ttft_s / r.ttft_s for r, b in paired),
+            "median_speedup_vs_full": statistics.median(b.ttft_s / r.ttft_s for r, b in main),
+            "median_ttft_flops": statistics.median(r.prefill_flops for r in rs),
+            "first_token_agreement_with_reference": statistics.mean(
+                float(r.extra["first_token"] == b.extra["first_token"]) for r, b in paired),
+            "median_new_tokens": statistics.median(r.new_tokens for r in rs),
+        }
     return out
 
 
@@ -149,13 +188,13 @@ def _plots(records: list[Record], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for name, rs in by.items():
         acc = statistics.mean(r.score for r in rs)
-        axes[0].scatter(statistics.median(r.ttft_s for r in rs), acc, label=name)
-        axes[1].scatter(statistics.median(r.prefill_flops for r in rs), acc, label=name)
+        axes[0].scatter(statistics.median(r.ttft_s for r in rs), 100 * acc, label=name)
+        axes[1].scatter(statistics.median(r.prefill_flops for r in rs), 100 * acc, label=name)
     axes[0].set_xlabel("median TTFT (s)")
     axes[1].set_xlabel("TTFT FLOPs")
     axes[1].set_xscale("log")
     for ax in axes:
-        ax.set_ylabel("accuracy")
+        ax.set_ylabel("accuracy (%)")
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
@@ -163,45 +202,100 @@ def _plots(records: list[Record], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _markdown(header: dict[str, Any], summary: dict[str, Any]) -> str:
+    lines = [f"# KV Prediction: {header['task']} ({header['split']} split), n={header['n']}", "",
+             f"Command: `{header['command']}`", "",
+             f"Threads: {header.get('threads')}; warm-up {header['warmup']} per method, discarded; "
+             "speedups are medians of paired per-prompt TTFT ratios.", "",
+             "| method | runs on | n | accuracy | median TTFT (s) | speedup vs reference (reference) | "
+             "speedup vs full | TTFT GFLOPs | first-token agreement | mean rel. err K / V |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in summary.items():
+        model, _spec = header["methods"][name]
+        err = s.get("rel_error_k")
+        errs = f"{statistics.mean(err):.3f} / {statistics.mean(s['rel_error_v']):.3f}" if err else "-"
+        lines.append(f"| {name} | {model} | {s['n']} | {100 * s['accuracy']:.1f} | {s['median_ttft_s']:.2f} | "
+                     f"{s['median_speedup_vs_reference']:.2f}x ({s['reference']}) | {s['median_speedup_vs_full']:.2f}x | "
+                     f"{s['median_ttft_flops'] / 1e9:.0f} | {100 * s['first_token_agreement_with_reference']:.0f}% | {errs} |")
+    return "\n".join(lines) + "\n"
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
+    """Every method on the same prompts in one process; records appended as they come (resumable)."""
     torch.set_num_threads(args.threads)
-    base, tok = zoo.load(args.base)
+    parsed = [_parse_method(m) for m in args.method]
+    specs = {"full": (args.model, FULL_SPEC), **{n: (m, s) for n, m, s in parsed}}
+    if len(specs) != len(parsed) + 1:
+        raise SystemExit("--method names must be unique and not 'full'")
+    models: dict[str, Any] = {}
+    toks: dict[str, Any] = {}
+    for model_name in dict.fromkeys(m for m, _ in specs.values()):
+        models[model_name], toks[model_name] = zoo.load(model_name)
+    tok = toks[args.model]
+    for model_name, other in toks.items():
+        check_tokenizers(tok, other)  # one prompt encoding serves every model
     methods: dict[str, Any] = {}
-    for ckpt in args.kvp:
-        method = KVPrediction.load(ckpt, base_tokenizer=tok)
-        method.bind(base)  # checks outside the timed region
-        methods[f"kvp:{Path(ckpt).name}"] = method
-    for aux in args.aux_alone:
-        if aux.startswith("drop:"):
-            methods[f"aux-alone:{aux}"] = AuxAlone(AuxSpec.layer_drop(int(aux.split(":")[1])))
+    for name, (model_name, spec) in specs.items():
+        if spec == FULL_SPEC:
+            methods[name] = FullPrefill()
+        elif spec.startswith("drop:"):
+            methods[name] = AuxAlone(AuxSpec.layer_drop(int(spec.split(":")[1])))
         else:
-            methods[f"aux-alone:{aux}"] = AuxAlone(zoo.load(aux)[0])
+            ckpt = spec.split(":", 1)[1]
+            cfg = json.loads(Path(ckpt, "config.json").read_text())
+            aux_name = cfg["aux"].get("name") if cfg["aux"]["spec"]["kind"] == "model" else None
+            method = KVPrediction.load(ckpt, aux=models.get(aux_name) if aux_name in models else None,
+                                       aux_tokenizer=toks.get(aux_name), base_tokenizer=toks[model_name])
+            method.bind(models[model_name])  # checks outside the timed region
+            methods[name] = method
+    refs = _references(specs, args.model)
     task = get_task(args.task)
-    samples = task.build(tok, args.length, args.n, split=args.split, seed=args.seed)
-    records = run_samples(base, tok, task, samples, methods, length=args.length,
-                          max_new_tokens=args.max_new_tokens or task.default_max_new_tokens, warmup=args.warmup,
-                          desc=f"{args.task}@{args.length}")
-    extra = _agreement_and_errors(base, methods, samples[: args.agreement_n])
-    summary: dict[str, Any] = {}
-    base_ttft = {r.sample_id: r.ttft_s for r in records if r.method == "full"}
-    for name in ["full", *methods]:
-        rs = [r for r in records if r.method == name]
-        summary[name] = {
-            "n": len(rs),
-            "accuracy": statistics.mean(r.score for r in rs),
-            "median_ttft_s": statistics.median(r.ttft_s for r in rs),
-            "median_speedup": statistics.median(base_ttft[r.sample_id] / r.ttft_s for r in rs),
-            "median_ttft_flops": statistics.median(r.prefill_flops for r in rs),
-            **extra.get(name, {}),
-        }
-    header = {"task": args.task, "split": args.split, "length": args.length, "n": args.n, "base": args.base,
-              "methods": {k: m.describe() for k, m in methods.items()}, "summary": summary,
-              "command": " ".join(shlex.quote(a) for a in sys.argv), **environment(args.threads)}
+    length = args.length if task.sized else None
+    samples = task.build(tok, length, args.n, split=args.split, seed=args.seed)
+    budget = args.max_new_tokens or task.default_max_new_tokens
+    header = {"task": args.task, "split": args.split, "length": length, "n": args.n, "seed": args.seed,
+              "max_new_tokens": budget, "warmup": args.warmup, "reference_model": args.model,
+              "methods": {n: list(v) for n, v in specs.items()},
+              "method_describe": {n: m.describe() for n, m in methods.items()}, "references": refs,
+              "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"kvp_{args.task}_{args.base}_{args.length}"
-    save_jsonl(stem.with_suffix(".jsonl"), header, records)
-    _plots(records, stem.with_suffix(".png"), f"KV Prediction, {args.task}, base {args.base}")
-    print(json.dumps(summary, indent=2))
+    stem = RESULTS / (args.name or f"kvp_{args.task}" + (f"_{length}" if length else ""))
+    log = stem.with_suffix(".jsonl")
+    done: list[Record] = []
+    if log.exists() and args.resume:
+        old, done = load_jsonl(log)
+        for key in ("task", "split", "length", "n", "seed", "max_new_tokens", "methods"):
+            if old.get(key) != header[key]:
+                raise SystemExit(f"--resume: {log} was made with {key}={old.get(key)!r}, not {header[key]!r}")
+        header["command"] = old["command"]
+    elif log.exists():
+        raise SystemExit(f"{log} exists: pass --resume to continue it, or --name for another file")
+    else:
+        log.write_text(json.dumps({"header": header}) + "\n")
+
+    def append(record: Record) -> None:
+        with log.open("a") as f:
+            f.write(json.dumps(record.__dict__) + "\n")
+
+    records = done + run_samples(
+        models[args.model], tok, task, samples, methods, length=length, max_new_tokens=budget,
+        warmup=args.warmup, desc=f"{args.task}", method_models={n: models[m] for n, (m, _) in specs.items()},
+        done=[(r.sample_id, r.method) for r in done], on_record=append)
+    summary = _summary(records, refs, list(specs))
+    # per-layer relative error of the predicted K / V on the first prompts (their prompt[:-1])
+    for name, method in methods.items():
+        if isinstance(method, KVPrediction) and name in summary:
+            base = models[specs[name][0]]
+            ids = [torch.as_tensor(s.input_ids, dtype=torch.long).reshape(1, -1)[:, :-1] for s in samples[: args.errors_n]]
+            errs = kv_relative_errors(base, method.bind(base), method.predictor, ids)
+            summary[name]["rel_error_k"], summary[name]["rel_error_v"] = errs["k"], errs["v"]
+            summary[name]["rel_error_prompts"] = len(ids)
+    header["summary"] = summary
+    header["n_done"] = {n: s["n"] for n, s in summary.items()}
+    stem.with_suffix(".summary.json").write_text(json.dumps(header, indent=2))
+    stem.with_suffix(".md").write_text(_markdown(header, summary))
+    _plots(records, stem.with_suffix(".png"), f"KV Prediction, {args.task} ({args.split}), n={args.n}")
+    print(stem.with_suffix(".md").read_text())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,18 +318,20 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--checkpoint-every", type=int, default=25)
     t.add_argument("--resume", action="store_true")
     sub.choices["rope"].add_argument("--heldout-seqs", type=int, default=8)
-    e = sub.add_parser("eval")
-    e.add_argument("--base", required=True)
-    e.add_argument("--kvp", nargs="*", default=[], help="checkpoint directories")
-    e.add_argument("--aux-alone", nargs="*", default=[], help="zoo names or drop:<stride>")
+    e = sub.add_parser("eval", help="every method on the same prompts (resumable)")
+    e.add_argument("--model", required=True, help="the reference model (its full prefill is 'full')")
+    e.add_argument("--method", action="append", default=[], metavar="NAME=MODEL:SPEC",
+                   help="SPEC: full | kvp:<checkpoint dir> | drop:<stride> (the layer-drop aux alone)")
     e.add_argument("--task", default="singledoc-qa")
-    e.add_argument("--length", type=int, default=1024)
+    e.add_argument("--length", type=int, default=1024, help="prompt tokens (sized tasks only)")
     e.add_argument("--n", type=int, default=100)
     e.add_argument("--split", default="test")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--max-new-tokens", type=int, default=None)
     e.add_argument("--warmup", type=int, default=1)
-    e.add_argument("--agreement-n", type=int, default=20)
+    e.add_argument("--errors-n", type=int, default=8, help="prompts for the per-layer K/V error")
+    e.add_argument("--name", default=None, help="result file stem (default kvp_<task>[_<length>])")
+    e.add_argument("--resume", action="store_true", help="continue an interrupted run")
     args = p.parse_args(argv)
     {"train": cmd_train, "rope": cmd_rope, "eval": cmd_eval}[args.cmd](args)
 

@@ -73,6 +73,23 @@ def test_run_samples_pairs_full_with_each_method(tiny_llama):
     assert by[("full", "0")].score == 1.0 and by[("full", "1")].score == 0.0
 
 
+def test_run_samples_other_model_resume_and_stream(tiny_llama, tiny_qwen2):
+    """A method pinned to another model runs on it; done pairs are skipped; records stream out."""
+    task = SimpleNamespace(score=lambda s, text: {"score": 0.0})
+    samples = [SimpleNamespace(id=str(i), input_ids=list(range(1, 12 + i))) for i in range(2)]
+    streamed: list[Record] = []
+    recs = run_samples(tiny_llama, None, task, samples, {"other": FullPrefill()}, length=None,
+                       max_new_tokens=2, warmup=0, progress=False, method_models={"other": tiny_qwen2},
+                       done=[("0", "full")], on_record=streamed.append)
+    assert [(r.method, r.sample_id) for r in recs] == [(r.method, r.sample_id) for r in streamed]
+    assert sorted((r.method, r.sample_id) for r in recs) == [("full", "1"), ("other", "0"), ("other", "1")]
+    for r in recs:  # each first token is its own model's greedy choice
+        model = tiny_qwen2 if r.method == "other" else tiny_llama
+        ids = torch.tensor([samples[int(r.sample_id)].input_ids])
+        with torch.no_grad():
+            assert r.extra["first_token"] == int(model(ids).logits[0, -1].argmax())
+
+
 def test_registry_parses_and_validates():
     assert parse_spec("lazyllm:preset=default, x=1") == ("lazyllm", {"preset": "default", "x": "1"})
     assert isinstance(make_method("full"), FullPrefill)

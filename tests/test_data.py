@@ -308,3 +308,19 @@ def test_humaneval_program_layout() -> None:
     whole = humaneval_program(prompt, "def f(x):\n    return 2\n", test, "f")
     assert whole.startswith(prompt.rstrip() + "\n\n\ndef f(x):\n    return 2")
     assert whole.endswith("check(f)\n")
+
+
+def test_humaneval_stop_fires_only_when_the_rest_cannot_change_the_score(tokenizer) -> None:
+    task = HumanEvalTask()
+    sample = task.build(tokenizer, None, 1, split="test", seed=0)[0]
+    entry = sample.meta["entry_point"]
+    stop = task.stop(sample)
+    answer = f"Here:\n```python\nimport math\n```\nand\n```python\ndef {entry}(x):\n    return x\n```"
+    # every prefix before the defining block closes keeps generating; the closed one stops
+    cut = answer.rindex("```") + 3
+    assert not any(stop(answer[:i]) for i in range(cut))
+    assert stop(answer[:cut])
+    # and what came after the stop cannot change the extracted code
+    tail = f"\nExplanation.\n```python\ndef {entry}(x):\n    return 0\n```"
+    assert extract_code(answer[:cut], entry) == extract_code(answer[:cut] + tail, entry)
+    assert TASKS["singledoc-qa"].stop(sample) is None

@@ -125,3 +125,19 @@ def test_full_prefill_equals_hf_generate_smollm2(smollm2):
     hf = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
     assert res.token_ids == hf
     assert res.text == tok.decode(hf, skip_special_tokens=True)
+
+
+def test_stop_predicate_ends_generation_with_that_token(smollm2):
+    model, tok = smollm2
+    prompt = "Count: one, two, three,"
+    free = generate(model, tok, prompt, max_new_tokens=12, stop_at_eos=False)
+    seen: list[str] = []
+
+    def stop(text: str) -> bool:
+        seen.append(text)
+        return len(seen) == 4
+
+    cut = generate(model, tok, prompt, max_new_tokens=12, stop_at_eos=False, stop=stop)
+    assert cut.token_ids == free.token_ids[:4]  # same greedy tokens, cut after the 4th
+    assert seen == [tok.decode(free.token_ids[:i]) for i in range(1, 5)]
+    assert cut.timing.new_tokens == 4

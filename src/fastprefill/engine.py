@@ -8,7 +8,7 @@ token is inside that window. On CUDA the device is synchronised before each cloc
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -148,6 +148,7 @@ def stream(
     *,
     chat: bool = False,
     stop_at_eos: bool = True,
+    stop: Callable[[str], bool] | None = None,
 ) -> Iterator[StreamEvent]:
     """Greedy generation as an iterator of :class:`StreamEvent` (one per token).
 
@@ -186,9 +187,9 @@ def stream(
         decode_time = 0.0
         prev_text = ""
         while True:
-            done = token in eos or len(generated) >= max_new_tokens
             text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
             delta, prev_text = text[len(prev_text):], text
+            done = token in eos or len(generated) >= max_new_tokens or (stop is not None and stop(text))
             if done:
                 break
             yield StreamEvent(token, delta, len(generated) - 1)
@@ -227,6 +228,7 @@ def generate(
     *,
     chat: bool = False,
     stop_at_eos: bool = True,
+    stop: Callable[[str], bool] | None = None,
 ) -> GenerationResult:
     """Generate greedily from ``prompt`` with ``method`` (full prefill when ``None``).
 
@@ -239,6 +241,9 @@ def generate(
         chat: wrap a text prompt in the tokenizer's chat template.
         stop_at_eos: stop after the model's end-of-sequence token (which is kept in the ids
             and dropped from the text).
+        stop: called with the text generated so far after every token; generation ends (that
+            token kept) once it returns True. Tasks use it to stop when the rest of the
+            answer cannot change the score (e.g. HumanEval after the closing code fence).
 
     Returns:
         The text, the generated ids and the :class:`Timing`.
@@ -251,7 +256,7 @@ def generate(
     ids: list[int] = []
     timing: Timing | None = None
     for event in stream(
-        model, tokenizer, prompt, method, max_new_tokens, chat=chat, stop_at_eos=stop_at_eos
+        model, tokenizer, prompt, method, max_new_tokens, chat=chat, stop_at_eos=stop_at_eos, stop=stop
     ):
         ids.append(event.token_id)
         timing = event.timing

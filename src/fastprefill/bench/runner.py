@@ -22,7 +22,7 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,9 @@ def run_samples(
     warmup: int = 1,
     progress: bool = True,
     desc: str = "",
+    method_models: Mapping[str, PreTrainedModel] | None = None,
+    done: Collection[tuple[str, str]] = (),
+    on_record: Callable[[Record], None] | None = None,
 ) -> list[Record]:
     """Run every method (full prefill included) on every sample; return the records.
 
@@ -124,23 +127,36 @@ def run_samples(
         task: a :mod:`fastprefill.data.tasks` task (``score(sample, text) -> dict``).
         samples: the task's samples (``input_ids``, ``id``).
         methods: name -> method. ``"full"`` is added if missing.
+        method_models: name -> the model that method runs on, for methods that do not run on
+            ``model`` (e.g. a smaller family member, same tokenizer); default ``model``.
+        done: ``(sample_id, method)`` pairs to skip (a resumed run).
+        on_record: called with each record as soon as it exists (to append it to a file).
+
+    Each record's ``extra["first_token"]`` is the first generated token id.
     """
     methods = dict(methods)
     methods.setdefault(FULL, FullPrefill())
     names = list(methods)
+    runs_on = {name: (method_models or {}).get(name, model) for name in names}
+    skip = {(str(s), str(m)) for s, m in done}
+    todo = [(s, n) for s in samples for n in names if (str(s.id), n) not in skip]
     device = model.device
-    if samples and warmup > 0:
+    if todo and warmup > 0:
         for name in names:
             for _ in range(warmup):
-                generate(model, tokenizer, samples[0].input_ids, methods[name], max_new_tokens=2)
+                generate(runs_on[name], tokenizer, samples[0].input_ids, methods[name], max_new_tokens=2)
     records: list[Record] = []
-    bar = tqdm(total=len(samples) * len(names), desc=desc or "bench", disable=not progress, unit="run")
+    bar = tqdm(total=len(todo), desc=desc or "bench", disable=not progress, unit="run")
     for i, sample in enumerate(samples):
         order = names[i % len(names):] + names[: i % len(names)]
+        stop = task.stop(sample) if hasattr(task, "stop") else None
         for name in order:
+            if (str(sample.id), name) in skip:
+                continue
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            res = generate(model, tokenizer, sample.input_ids, methods[name], max_new_tokens=max_new_tokens)
+            res = generate(runs_on[name], tokenizer, sample.input_ids, methods[name],
+                           max_new_tokens=max_new_tokens, stop=stop)
             metrics = task.score(sample, res.text)
             t = res.timing
             records.append(
@@ -159,9 +175,12 @@ def run_samples(
                     score=float(metrics["score"]),
                     metrics={k: float(v) for k, v in metrics.items()},
                     output=res.text,
-                    extra={k: v for k, v in t.extra.items() if isinstance(v, (int, float, str, list))},
+                    extra={**{k: v for k, v in t.extra.items() if isinstance(v, (int, float, str, list))},
+                           "first_token": res.token_ids[0]},
                 )
             )
+            if on_record is not None:
+                on_record(records[-1])
             bar.update(1)
     bar.close()
     return records

@@ -360,6 +360,12 @@ class Task(ABC):
     def score(self, sample: Sample, output_text: str) -> dict[str, float]:
         """Score one generated output; ``"score"`` (in [0, 1]) is the primary metric."""
 
+    def stop(self, sample: Sample) -> Callable[[str], bool] | None:
+        """A predicate on the text generated so far that is True once more tokens cannot change
+        :meth:`score` (passed to :func:`fastprefill.engine.generate` as ``stop``); ``None``
+        (the default) generates up to EOS or the token budget."""
+        return None
+
 
 def _pick(records: Sequence[Any], n: int | None, rng_name: str, task: str, split: str) -> list[Any]:
     """A seeded random order of the split's records, of which the first ``n`` (stable in ``n``)."""
@@ -665,6 +671,7 @@ _HUMANEVAL_TEMPLATE = (
     "signature and any imports it needs, in a single ```python code block.\n\n```python\n{prompt}\n```"
 )
 _CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+_CLOSED_CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
 def _defines(code: str, entry_point: str) -> bool:
@@ -743,6 +750,18 @@ class HumanEvalTask(_RecordTask):
         result = run_python(program, timeout=self.timeout, memory_mb=self.memory_mb)
         passed = float(result.passed)
         return {"score": passed, "passed": passed, "timeout": float(result.status == "timeout")}
+
+    def stop(self, sample: Sample) -> Callable[[str], bool]:
+        """True once the output holds a closed code block that defines the entry point.
+
+        :func:`extract_code` scores the first such block, so later text (the explanation
+        instruction-tuned models add after the code) cannot change the score."""
+        entry_point = sample.meta["entry_point"]
+
+        def closed_definition(text: str) -> bool:
+            return any(_defines(m.group(1), entry_point) for m in _CLOSED_CODE_BLOCK.finditer(text))
+
+        return closed_definition
 
 
 # --------------------------------------------------------------------------- registry
