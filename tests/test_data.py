@@ -88,7 +88,7 @@ def test_unknown_task_lists_the_known_ones() -> None:
     ):
         get_task("nope")
     assert isinstance(ConfigError("x"), ValueError)
-    assert set(TASKS) == {"multidoc-qa", "singledoc-qa", "needle", "humaneval"}
+    assert set(TASKS) == {"multidoc-qa", "singledoc-qa", "needle", "humaneval", "humaneval-completion"}
     assert get_task("needle") is TASKS["needle"]
 
 
@@ -324,3 +324,22 @@ def test_humaneval_stop_fires_only_when_the_rest_cannot_change_the_score(tokeniz
     tail = f"\nExplanation.\n```python\ndef {entry}(x):\n    return 0\n```"
     assert extract_code(answer[:cut], entry) == extract_code(answer[:cut] + tail, entry)
     assert TASKS["singledoc-qa"].stop(sample) is None
+
+
+def test_humaneval_completion_is_the_raw_prompt_cut_at_the_next_statement(tokenizer) -> None:
+    from fastprefill.data.tasks import HumanEvalCompletionTask, cut_completion
+
+    task = TASKS["humaneval-completion"]
+    assert isinstance(task, HumanEvalCompletionTask)
+    sample = task.build(tokenizer, None, 1, split="test", seed=0)[0]
+    assert sample.prompt == sample.meta["code_prompt"]  # no chat template around it
+    assert sample.input_ids == tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+    body = sample.answers[0]
+    stop = task.stop(sample)
+    assert not stop(body)  # the canonical body holds no top-level statement
+    tail = "\n\ndef helper():\n    return 0\n"
+    assert stop(body + tail) and cut_completion(body + tail) == body + "\n"
+    assert task.score(sample, body + tail)["passed"] == 1.0  # scored on the cut body
+    assert task.score(sample, body + "\nprint(1/0)\n")["passed"] == 1.0
+    assert task.score(sample, "    return None\n")["passed"] == 0.0
+    assert cut_completion("    x = 1\n# note\n") == "    x = 1"

@@ -16,8 +16,14 @@ Four tasks (see :data:`TASKS`):
 ``humaneval``
     The HumanEval prompts as an instruction to complete the function (natural length, not
     sized). The completion is executed with the tests only through :mod:`.sandbox`. pass@1.
+``humaneval-completion``
+    The original HumanEval protocol (Chen et al., 2021): the raw problem prompt, no chat
+    template; the model continues the function body, cut at the first line that starts a new
+    top-level statement (``def``, ``class``, ``if``, ``print``, ``#``, a code fence). Shorter
+    outputs than ``humaneval`` (no restated signature and docstring), so about 3x cheaper to
+    decode.
 
-Every prompt is the user turn of the tokenizer's chat template when it has one
+Every prompt but ``humaneval-completion``'s is the user turn of the tokenizer's chat template when it has one
 (``apply_chat_template(..., add_generation_prompt=True)``), else the raw text. ``Sample.input_ids``
 are ``tokenizer(prompt, add_special_tokens=False)`` for templated prompts (the template already
 holds BOS and the like, and this equals ``apply_chat_template(..., tokenize=True)``) and
@@ -59,6 +65,7 @@ __all__ = [
     "DEV_FRACTION",
     "SPLITS",
     "TASKS",
+    "HumanEvalCompletionTask",
     "HumanEvalTask",
     "MultiDocQATask",
     "NeedleTask",
@@ -69,6 +76,7 @@ __all__ = [
     "extract_code",
     "get_task",
     "humaneval_program",
+    "cut_completion",
     "split_of",
 ]
 
@@ -764,10 +772,61 @@ class HumanEvalTask(_RecordTask):
         return closed_definition
 
 
+#: Where a raw HumanEval continuation ends: a line that starts a new top-level statement.
+COMPLETION_STOPS: tuple[str, ...] = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#", "\n```", "\nassert ")
+
+
+def cut_completion(text: str) -> str | None:
+    """``text`` up to the first :data:`COMPLETION_STOPS` sequence, or ``None`` if there is none."""
+    cuts = [i for i in (text.find(stop) for stop in COMPLETION_STOPS) if i >= 0]
+    return text[: min(cuts)] if cuts else None
+
+
+@dataclass(frozen=True)
+class HumanEvalCompletionTask(HumanEvalTask):
+    """HumanEval as code completion: raw prompt in, function body out (see the module doc)."""
+
+    name: ClassVar[str] = "humaneval-completion"
+    default_max_new_tokens: ClassVar[int] = 384
+
+    def _sample(
+        self,
+        encoder: _Encoder,
+        overhead: _Overhead,
+        problem: sources.HumanEvalProblem,
+        length: int | None,
+        seed: int,
+    ) -> Sample:
+        ids = list(encoder.tokenizer(problem.prompt, add_special_tokens=False)["input_ids"])
+        return Sample(
+            task=self.name,
+            id=problem.task_id,
+            prompt=problem.prompt,
+            input_ids=ids,
+            answers=(problem.canonical_solution,),
+            meta={"code_prompt": problem.prompt, "test": problem.test, "entry_point": problem.entry_point},
+        )
+
+    def score(self, sample: Sample, output_text: str) -> dict[str, float]:
+        body = cut_completion(output_text)
+        program = humaneval_program(
+            sample.meta["code_prompt"], output_text if body is None else body, sample.meta["test"],
+            sample.meta["entry_point"],
+        )
+        result = run_python(program, timeout=self.timeout, memory_mb=self.memory_mb)
+        passed = float(result.passed)
+        return {"score": passed, "passed": passed, "timeout": float(result.status == "timeout")}
+
+    def stop(self, sample: Sample) -> Callable[[str], bool]:
+        """True once the continuation holds a stop sequence: what follows is never scored."""
+        return lambda text: cut_completion(text) is not None
+
+
 # --------------------------------------------------------------------------- registry
 
 TASKS: dict[str, Task] = {
-    task.name: task for task in (MultiDocQATask(), SingleDocQATask(), NeedleTask(), HumanEvalTask())
+    task.name: task
+    for task in (MultiDocQATask(), SingleDocQATask(), NeedleTask(), HumanEvalTask(), HumanEvalCompletionTask())
 }
 
 
