@@ -729,6 +729,14 @@ class HumanEvalTask(_RecordTask):
     def _keys(self, record: sources.HumanEvalProblem) -> tuple[str, str]:
         return record.task_id, record.task_id
 
+    def _encode(self, encoder: _Encoder, problem: sources.HumanEvalProblem) -> tuple[str, list[int]]:
+        """The prompt text and ids for ``problem``."""
+        return encoder.encode(_HUMANEVAL_TEMPLATE.format(prompt=problem.prompt.rstrip()))
+
+    def _code(self, sample: Sample, output_text: str) -> str:
+        """The code of an output that is run after the problem prompt."""
+        return extract_code(output_text, sample.meta["entry_point"])
+
     def _sample(
         self,
         encoder: _Encoder,
@@ -737,7 +745,7 @@ class HumanEvalTask(_RecordTask):
         length: int | None,
         seed: int,
     ) -> Sample:
-        prompt, ids = encoder.encode(_HUMANEVAL_TEMPLATE.format(prompt=problem.prompt.rstrip()))
+        prompt, ids = self._encode(encoder, problem)
         return Sample(
             task=self.name,
             id=problem.task_id,
@@ -748,12 +756,9 @@ class HumanEvalTask(_RecordTask):
         )
 
     def score(self, sample: Sample, output_text: str) -> dict[str, float]:
-        entry_point = sample.meta["entry_point"]
         program = humaneval_program(
-            sample.meta["code_prompt"],
-            extract_code(output_text, entry_point),
-            sample.meta["test"],
-            entry_point,
+            sample.meta["code_prompt"], self._code(sample, output_text), sample.meta["test"],
+            sample.meta["entry_point"],
         )
         result = run_python(program, timeout=self.timeout, memory_mb=self.memory_mb)
         passed = float(result.passed)
@@ -789,33 +794,12 @@ class HumanEvalCompletionTask(HumanEvalTask):
     name: ClassVar[str] = "humaneval-completion"
     default_max_new_tokens: ClassVar[int] = 384
 
-    def _sample(
-        self,
-        encoder: _Encoder,
-        overhead: _Overhead,
-        problem: sources.HumanEvalProblem,
-        length: int | None,
-        seed: int,
-    ) -> Sample:
-        ids = list(encoder.tokenizer(problem.prompt, add_special_tokens=False)["input_ids"])
-        return Sample(
-            task=self.name,
-            id=problem.task_id,
-            prompt=problem.prompt,
-            input_ids=ids,
-            answers=(problem.canonical_solution,),
-            meta={"code_prompt": problem.prompt, "test": problem.test, "entry_point": problem.entry_point},
-        )
+    def _encode(self, encoder: _Encoder, problem: sources.HumanEvalProblem) -> tuple[str, list[int]]:
+        return problem.prompt, list(encoder.tokenizer(problem.prompt, add_special_tokens=False)["input_ids"])
 
-    def score(self, sample: Sample, output_text: str) -> dict[str, float]:
+    def _code(self, sample: Sample, output_text: str) -> str:
         body = cut_completion(output_text)
-        program = humaneval_program(
-            sample.meta["code_prompt"], output_text if body is None else body, sample.meta["test"],
-            sample.meta["entry_point"],
-        )
-        result = run_python(program, timeout=self.timeout, memory_mb=self.memory_mb)
-        passed = float(result.passed)
-        return {"score": passed, "passed": passed, "timeout": float(result.status == "timeout")}
+        return output_text if body is None else body
 
     def stop(self, sample: Sample) -> Callable[[str], bool]:
         """True once the continuation holds a stop sequence: what follows is never scored."""
