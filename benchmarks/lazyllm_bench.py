@@ -10,7 +10,8 @@ Subcommands (run on a quiet machine; the commands that made the committed result
   same process on the same prompts. Summary: paired F1 difference to full with a 95% bootstrap
   CI, realised speedup (median TTFT ratio) vs ideal (1 / token-layer fraction).
 - ``needle``: passkey retrieval at 1k-4k tokens, depths 10-90%, the default preset vs full.
-- ``decode``: 64 new tokens: total time vs full, revivals per step.
+- ``decode``: exactly ``--new-tokens`` (64) new tokens, EOS ignored: total time vs full prefill
+  plus plain decoding, revivals per step.
 - ``sweep``: the dev-split schedule sweep that picks the default preset.
 - ``speed``: realised vs ideal speedup on a handful of prompts (no scoring).
 
@@ -122,13 +123,14 @@ def matched_methods(presets: list[str], num_layers: int, length: int, static_dep
 
 
 def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: str,
-             max_new_tokens: int | None = None) -> None:
+             max_new_tokens: int | None = None, stop_at_eos: bool = True) -> None:
     model, tok = _load(args.model)
     shape = ModelShape.from_config(model.config)
     methods = methods_fn(shape.num_layers)
     records = run_benchmark(
         model, tok, task, methods, args.lengths, args.n, split=split, seed=args.seed, threads=args.threads,
         max_new_tokens=max_new_tokens, out_dir=RESULTS, name=name, meta={"model": args.model},
+        stop_at_eos=stop_at_eos,
     )
     header = {"task": task, "split": split, "model": args.model, **environment(args.threads),
               "methods": {k: m.describe() for k, m in methods.items()}}
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--presets", nargs="+", default=["gentle", "default", "aggressive"])
     ap.add_argument("--static-depth", type=float, default=0.25,
                     help="StaticPruning selects at layer floor(depth * L)")
-    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=None,
+                    help="tokens generated per run, EOS ignored (default: 16 for equivalence, 64 for decode)")
     args = ap.parse_args(argv)
     defaults = {
         "equivalence": ("smollm2-135m", [0], 4),
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         "speed": ("smollm2-135m", [2048], 4),
     }[args.command]
     args.model = args.model or defaults[0]
+    args.new_tokens = args.new_tokens or (64 if args.command == "decode" else 16)
     args.lengths = args.lengths or defaults[1]
     args.n = args.n or defaults[2]
     tag = f"{args.model}_{'-'.join(map(str, args.lengths))}"
@@ -239,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "decode":
         cmd_task(args, f"lazyllm_decode_{tag}",
                  lambda L: {f"lazyllm-{p}": LazyLLM.preset(p) for p in args.presets},
-                 "test", "multidoc-qa", max_new_tokens=64)
+                 "test", "multidoc-qa", max_new_tokens=args.new_tokens, stop_at_eos=False)
     elif args.command == "sweep":
         cmd_task(args, f"lazyllm_sweep_{tag}",
                  lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=v, preset_name=k) for k, v in SWEEP.items()},

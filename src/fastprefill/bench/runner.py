@@ -120,6 +120,7 @@ def run_samples(
     method_models: Mapping[str, PreTrainedModel] | None = None,
     done: Collection[tuple[str, str]] = (),
     on_record: Callable[[Record], None] | None = None,
+    stop_at_eos: bool = True,
 ) -> list[Record]:
     """Run every method (full prefill included) on every sample; return the records.
 
@@ -131,6 +132,7 @@ def run_samples(
             ``model`` (e.g. a smaller family member, same tokenizer); default ``model``.
         done: ``(sample_id, method)`` pairs to skip (a resumed run).
         on_record: called with each record as soon as it exists (to append it to a file).
+        stop_at_eos: ``False`` generates exactly ``max_new_tokens`` (decoding benchmarks).
 
     Each record's ``extra["first_token"]`` is the first generated token id.
     """
@@ -156,7 +158,7 @@ def run_samples(
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             res = generate(runs_on[name], tokenizer, sample.input_ids, methods[name],
-                           max_new_tokens=max_new_tokens, stop=stop)
+                           max_new_tokens=max_new_tokens, stop=stop, stop_at_eos=stop_at_eos)
             metrics = task.score(sample, res.text)
             t = res.timing
             records.append(
@@ -203,6 +205,7 @@ def run_benchmark(
     name: str = "bench",
     meta: Mapping[str, Any] | None = None,
     progress: bool = True,
+    stop_at_eos: bool = True,
 ) -> list[Record]:
     """Run a task at several lengths and write ``<name>.jsonl``, ``<name>.md`` and ``<name>.png``.
 
@@ -214,6 +217,7 @@ def run_benchmark(
         threads: the torch thread count, set explicitly.
         max_new_tokens: defaults to the task's own.
         meta: extra fields for the result header (model name, ...).
+        stop_at_eos: ``False`` generates exactly ``max_new_tokens`` per run.
     """
     from fastprefill.bench.report import write_report
     from fastprefill.data.tasks import get_task
@@ -226,7 +230,7 @@ def run_benchmark(
         samples = task.build(tokenizer, length, n, split=split, seed=seed)
         records += run_samples(
             model, tokenizer, task, samples, methods, length=length, max_new_tokens=budget,
-            warmup=warmup, progress=progress, desc=f"{task_name}@{length}",
+            warmup=warmup, progress=progress, desc=f"{task_name}@{length}", stop_at_eos=stop_at_eos,
         )
     header = {
         "task": task_name,
@@ -235,6 +239,7 @@ def run_benchmark(
         "n": n,
         "lengths": list(lengths),
         "max_new_tokens": budget,
+        "stop_at_eos": stop_at_eos,
         "warmup": warmup,
         "methods": {k: m.describe() for k, m in {FULL: FullPrefill(), **methods}.items()},
         **environment(threads),
