@@ -71,7 +71,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     spec = PAIRS[args.pair]
     base, tok, aux, aux_tok, aux_spec = _load_pair(args.pair, args.stride)
     cfg = TrainConfig(lsq_tokens=args.lsq_tokens, steps=args.steps, seq_len=args.seq_len,
-                      suffix_len=args.suffix_len, lr=args.lr, l1_weight=args.l1_weight, ridge=args.ridge,
+                      lr=args.lr, l1_weight=args.l1_weight, ridge=args.ridge,
                       checkpoint_every=args.checkpoint_every)
     t0 = time.perf_counter()
     method = train_kvp(base, aux if aux_spec.kind == "model" else aux_spec, args.out, tokenizer=tok,
@@ -312,7 +312,6 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.choices["train"]
     t.add_argument("--out", required=True)
     t.add_argument("--steps", type=int, default=200)
-    t.add_argument("--suffix-len", type=int, default=32)
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--l1-weight", type=float, default=0.1)
     t.add_argument("--checkpoint-every", type=int, default=25)

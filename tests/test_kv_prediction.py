@@ -27,7 +27,13 @@ from fastprefill.methods.kv_prediction import (
     validate_layer_map,
 )
 from fastprefill.methods.kv_prediction.checkpoint import read_checkpoint
-from fastprefill.methods.kv_prediction.train import TrainConfig, fit_least_squares, kv_relative_errors, train_kvp
+from fastprefill.methods.kv_prediction.train import (
+    TrainConfig,
+    base_logits_on_kv,
+    fit_least_squares,
+    kv_relative_errors,
+    train_kvp,
+)
 from fastprefill.models.adapters import ModelShape, drop_layers, prefix_kv, rotate_keys, unrotate_keys
 
 
@@ -229,9 +235,24 @@ class _ByteTokenizer:
 
 def _train_tiny(base, out, steps=4, resume=False, aux=None, **kw):
     corpus = [_ids(32, 200 + s) for s in range(6)]
-    cfg = TrainConfig(lsq_tokens=6 * 32, steps=steps, seq_len=32, suffix_len=8, lr=1e-3, checkpoint_every=2)
+    cfg = TrainConfig(lsq_tokens=6 * 32, steps=steps, seq_len=32, lr=1e-3, checkpoint_every=2)
     return train_kvp(base, aux or AuxSpec.layer_drop(2), out, tokenizer=_ByteTokenizer(), base_name="tiny",
                      config=cfg, corpus=corpus, resume=resume, progress=False, **kw)
+
+
+def test_training_forward_on_true_kv_is_the_base_forward(tiny_model):
+    """The training loss's base pass (every layer on given KV) equals the base's own forward when
+    given the base's own KV, and its gradient reaches the KV of earlier positions."""
+    ids = _ids(24, seed=3)
+    with torch.no_grad():
+        true_kv, _ = prefix_kv(tiny_model, ids)
+        ref = tiny_model(ids).logits.float()
+        torch.testing.assert_close(base_logits_on_kv(tiny_model, ids, true_kv), ref, atol=1e-5, rtol=0)
+    kv = [(k.clone().requires_grad_(True), v.clone().requires_grad_(True)) for k, v in true_kv]
+    base_logits_on_kv(tiny_model, ids, kv)[0, 10].sum().backward()  # position 10's logits
+    k0, v0 = kv[0]
+    assert v0.grad[:, :, :11].abs().sum() > 0  # it reads positions <= 10 ...
+    assert v0.grad[:, :, 11:].abs().sum() == 0 and k0.grad[:, :, 11:].abs().sum() == 0  # ... and nothing later
 
 
 def test_train_lp_checkpoint_roundtrip_and_plot(tiny_llama, tmp_path):

@@ -264,7 +264,7 @@ def cmd_train_kvp(args: argparse.Namespace) -> int:
         raise FastprefillError("give exactly one of --aux NAME (KVP-C) or --drop-stride N (KVP-LP)")
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(
-        lsq_tokens=args.lsq_tokens, steps=args.steps, seq_len=args.seq_len, suffix_len=args.suffix_len,
+        lsq_tokens=args.lsq_tokens, steps=args.steps, seq_len=args.seq_len,
         lr=args.lr, l1_weight=args.l1_weight, ridge=args.ridge, checkpoint_every=args.checkpoint_every,
         train_aux=args.train_aux,
     )
@@ -348,7 +348,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lsq-tokens", type=_positive, default=100_000)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seq-len", type=_positive, default=512)
-    p.add_argument("--suffix-len", type=_positive, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--l1-weight", type=float, default=0.1)
     p.add_argument("--ridge", type=float, default=1e-4)

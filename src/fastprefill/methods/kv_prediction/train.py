@@ -13,14 +13,20 @@ for ~140B tokens. Two CPU cores allow far less, so (as METHODS.md suggests):
    rows) are accumulated in float64 over the corpus (streaming, no activations kept), then
    ``W = (G + ρ·mean(diag G)·I)^{-1} [X 1]^T Y`` (ridge ρ, bias not penalised).
 2. **Gradient refinement** (:func:`train_kvp` ``steps``): Adam on the maps (and the aux model if
-   ``train_aux``), base frozen. Each step takes one training sequence, lets the aux model read
-   its first ``seq_len - suffix_len`` tokens, predicts the base KV for them, and runs the base
-   over the last ``suffix_len`` tokens *against the predicted prefix KV* (exactly the inference
-   situation: predicted history, real base computation of new tokens). CE is on those tokens'
-   next-token predictions; L1 is on the prefix KV against the true base KV (mean over elements,
-   summed over layers). *Choice*: λ = 0.1 by default, so that the L1 sum over ~24-28 layers
-   (≈ 0.2-0.5 each after the least-squares fit) weighs about as much as the CE (≈ 1-3 nats);
-   the loss curve (``loss.png``) shows both terms.
+   ``train_aux``), base frozen. Each step takes one training sequence of ``seq_len`` tokens; the
+   aux model reads it, the maps predict the base KV at every layer, and the base runs the whole
+   sequence with every layer attending to the *predicted* KV instead of its own
+   (:func:`base_logits_on_kv`: each layer's cache hands back the predicted keys and values,
+   causal by position), as the paper's reference code trains it. CE is on every next-token
+   prediction; L1 is on the predicted KV against the true base KV (mean over elements, summed
+   over layers). *Choice*: λ = 0.1 by default, so that the L1 sum over ~24-28 layers
+   (≈ 0.5-1 each after the least-squares fit) weighs about as much as the CE; the loss curve
+   (``loss.png``) shows both terms.
+
+   (A first version ran the base only over the last tokens of the sequence against a
+   predicted prefix. Those tokens also saw each other's *true* KV, so the CE could stay low from
+   local context alone while the predicted prefix was unusable: predictors trained that way made
+   the base emit the same first token for every prompt.)
 
 **Data** (:func:`training_corpus`), disjoint from every reported evaluation: Wikipedia paragraphs
 (SQuAD paragraphs of the data module's ``dev`` split, i.e. never the gold paragraph of a ``test``
@@ -61,9 +67,9 @@ from fastprefill.methods.kv_prediction.checkpoint import (
 )
 from fastprefill.methods.kv_prediction.method import KVPrediction, shape_to_json
 from fastprefill.methods.kv_prediction.predictor import KVPredictor
-from fastprefill.models.adapters import ModelShape, cache_from_kv, prefix_kv
+from fastprefill.models.adapters import DecoderAdapter, ModelShape, prefix_kv, rotate_keys
 
-__all__ = ["TrainConfig", "fit_least_squares", "kv_relative_errors", "train_kvp", "training_corpus"]
+__all__ = ["TrainConfig", "base_logits_on_kv", "fit_least_squares", "kv_relative_errors", "train_kvp", "training_corpus"]
 
 
 # ----------------------------------------------------------------------------------- data
@@ -215,9 +221,7 @@ class TrainConfig:
     Attributes:
         lsq_tokens: tokens for the least-squares fit (>= seq_len).
         steps: gradient steps after it (0 = least squares only).
-        seq_len: tokens per training sequence.
-        suffix_len: tokens the base runs against the predicted prefix per gradient step
-            (``2 <= suffix_len < seq_len``).
+        seq_len: tokens per training sequence (least squares and gradient steps).
         lr: Adam learning rate.
         l1_weight: λ.
         ridge: least-squares ridge ρ (relative).
@@ -229,7 +233,6 @@ class TrainConfig:
     lsq_tokens: int = 100_000
     steps: int = 200
     seq_len: int = 512
-    suffix_len: int = 32
     lr: float = 1e-4
     l1_weight: float = 0.1
     ridge: float = 1e-4
@@ -242,7 +245,6 @@ class TrainConfig:
             ("seq_len", self.seq_len >= 4, ">= 4"),
             ("lsq_tokens", self.lsq_tokens >= self.seq_len, f">= seq_len ({self.seq_len})"),
             ("steps", self.steps >= 0, ">= 0"),
-            ("suffix_len", 2 <= self.suffix_len < self.seq_len, f"in [2, seq_len={self.seq_len})"),
             ("lr", self.lr > 0, "> 0"),
             ("l1_weight", self.l1_weight >= 0, ">= 0"),
             ("ridge", self.ridge >= 0, ">= 0"),
@@ -278,26 +280,56 @@ def _plot_loss(out_dir: Path, history: list[dict[str, float]]) -> None:
     os.replace(tmp, out_dir / "loss.png")
 
 
+class _ReplayKV:
+    """A cache for :meth:`DecoderAdapter.layer` that hands every layer the given ``(K, V)``
+    ``(1, H_kv, T, d)`` (keys rotated) instead of the keys and values the layer computed."""
+
+    def __init__(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.kv = kv
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer_idx]
+
+
+def base_logits_on_kv(
+    base: PreTrainedModel, input_ids: torch.Tensor, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """The base model's logits over ``input_ids`` ``(1, T)`` when every layer attends to ``kv``
+    (one pre-rotation ``(K, V)`` ``(1, H_kv, T, d)`` per layer) instead of its own KV.
+
+    Queries come from the base's own hidden states; position ``t`` attends to positions ``<= t``
+    of ``kv`` (causal). With the base's true KV this equals the base's own forward (tested).
+    Differentiable in ``kv``. Returns ``(1, T, V)`` float32 logits.
+    """
+    ad = DecoderAdapter(base, method="KV Prediction training")
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    hidden = ad.embed(input_ids)
+    cos, sin = ad.rotary(hidden, positions)
+    cache = _ReplayKV([(rotate_keys(k, cos, sin), v) for k, v in kv])
+    with ad.attention_scope():
+        for idx in range(ad.num_layers):
+            hidden = ad.layer(idx, hidden, positions, cache, mask=None, rotary=(cos, sin))
+    return ad.head(hidden)
+
+
 def _step_loss(
     base: PreTrainedModel, aux: PreTrainedModel, predictor: KVPredictor, ids: torch.Tensor, cfg: TrainConfig
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One sequence's loss: base CE on the suffix against the predicted prefix KV + λ·L1 (+ aux CE)."""
-    prefix = ids[:, : cfg.seq_len - cfg.suffix_len]
-    suffix = ids[:, cfg.seq_len - cfg.suffix_len :]
+    """One sequence's loss: base CE with every layer on the predicted KV + λ·L1 (+ aux CE)."""
     with torch.no_grad():
-        true_kv, _ = prefix_kv(base, prefix)
+        true_kv, _ = prefix_kv(base, ids)
     with torch.set_grad_enabled(cfg.train_aux):
-        aux_kv, aux_logits = prefix_kv(aux, prefix, with_logits=cfg.train_aux)
+        aux_kv, aux_logits = prefix_kv(aux, ids, with_logits=cfg.train_aux)
     pred = predictor(aux_kv, dtype=base.dtype)
-    cache = cache_from_kv(base, pred, pre_rotation=True)
-    logits = base(input_ids=suffix, past_key_values=cache, use_cache=True).logits[0, :-1].float()
-    ce = F.cross_entropy(logits, suffix[0, 1:])
+    logits = base_logits_on_kv(base, ids, pred)[0, :-1]
+    ce = F.cross_entropy(logits, ids[0, 1:])
     l1 = sum(F.l1_loss(pk.float(), tk.float()) + F.l1_loss(pv.float(), tv.float())
              for (pk, pv), (tk, tv) in zip(pred, true_kv))
     loss = ce + cfg.l1_weight * l1
     parts = {"ce": float(ce.detach()), "l1": float(l1.detach())}
     if cfg.train_aux:
-        aux_ce = F.cross_entropy(aux_logits[0, :-1], prefix[0, 1:])
+        aux_ce = F.cross_entropy(aux_logits[0, :-1], ids[0, 1:])
         loss = loss + aux_ce
         parts["aux_ce"] = float(aux_ce.detach())
     parts["loss"] = float(loss.detach())
