@@ -119,8 +119,7 @@ def main() -> None:
             })
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+        f.writelines(json.dumps(row) + "\n" for row in rows)
     Path(args.md).write_text(markdown(rows, args))
     print(Path(args.md).read_text())
 

@@ -34,7 +34,7 @@ from fastprefill.methods.kv_prediction.train import (
     kv_relative_errors,
     train_kvp,
 )
-from fastprefill.models.adapters import ModelShape, drop_layers, prefix_kv, rotate_keys, unrotate_keys
+from fastprefill.models.adapters import ModelShape, prefix_kv, rotate_keys, unrotate_keys
 
 
 def _ids(n: int, seed: int, vocab: int = 128) -> torch.Tensor:

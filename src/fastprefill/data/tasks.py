@@ -73,10 +73,10 @@ __all__ = [
     "SingleDocQATask",
     "Task",
     "build_samples",
+    "cut_completion",
     "extract_code",
     "get_task",
     "humaneval_program",
-    "cut_completion",
     "split_of",
 ]
 

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from fastprefill.errors import FastprefillError
 
-__all__ = ["CheckpointError", "FORMAT", "read_checkpoint", "write_checkpoint", "atomic_write_bytes"]
+__all__ = ["FORMAT", "CheckpointError", "atomic_write_bytes", "read_checkpoint", "write_checkpoint"]
 
 FORMAT = "fastprefill-kv-prediction"
 VERSION = 1

@@ -29,12 +29,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
 from fastprefill.methods.full import FullPrefill, FullState
-from fastprefill.methods.kv_prediction.aux import AuxSpec, check_tokenizers, tokenizer_fingerprint, weights_fingerprint
+from fastprefill.methods.kv_prediction.aux import (
+    AuxSpec,
+    check_tokenizers,
+    tokenizer_fingerprint,
+    weights_fingerprint,
+)
 from fastprefill.methods.kv_prediction.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from fastprefill.methods.kv_prediction.predictor import KVPredictor
 from fastprefill.models.adapters import DecoderAdapter, ModelShape, cache_from_kv, prefix_kv
 
-__all__ = ["AuxAlone", "KVPrediction", "shape_to_json", "shape_from_json"]
+__all__ = ["AuxAlone", "KVPrediction", "shape_from_json", "shape_to_json"]
 
 
 def shape_to_json(shape: ModelShape) -> dict[str, int]:

@@ -58,7 +58,12 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.errors import ConfigError
-from fastprefill.methods.kv_prediction.aux import AuxSpec, check_tokenizers, tokenizer_fingerprint, weights_fingerprint
+from fastprefill.methods.kv_prediction.aux import (
+    AuxSpec,
+    check_tokenizers,
+    tokenizer_fingerprint,
+    weights_fingerprint,
+)
 from fastprefill.methods.kv_prediction.checkpoint import (
     CheckpointError,
     atomic_write_bytes,
