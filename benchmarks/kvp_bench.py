@@ -243,8 +243,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         else:
             ckpt = spec.split(":", 1)[1]
             cfg = json.loads(Path(ckpt, "config.json").read_text())
-            aux_name = cfg["aux"].get("name") if cfg["aux"]["spec"]["kind"] == "model" else None
-            method = KVPrediction.load(ckpt, aux=models.get(aux_name) if aux_name in models else None,
+            aux_name = cfg["aux"].get("name")  # None for a layer-drop aux (built from the base)
+            method = KVPrediction.load(ckpt, aux=models.get(aux_name),
                                        aux_tokenizer=toks.get(aux_name), base_tokenizer=toks[model_name])
             method.bind(models[model_name])  # checks outside the timed region
             methods[name] = method

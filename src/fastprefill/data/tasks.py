@@ -679,7 +679,6 @@ _HUMANEVAL_TEMPLATE = (
     "signature and any imports it needs, in a single ```python code block.\n\n```python\n{prompt}\n```"
 )
 _CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
-_CLOSED_CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
 def _defines(code: str, entry_point: str) -> bool:
@@ -772,7 +771,8 @@ class HumanEvalTask(_RecordTask):
         entry_point = sample.meta["entry_point"]
 
         def closed_definition(text: str) -> bool:
-            return any(_defines(m.group(1), entry_point) for m in _CLOSED_CODE_BLOCK.finditer(text))
+            return any(m.group(0).endswith("```") and _defines(m.group(1), entry_point)
+                       for m in _CODE_BLOCK.finditer(text))
 
         return closed_definition
 
