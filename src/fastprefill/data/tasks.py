@@ -19,9 +19,8 @@ Four tasks (see :data:`TASKS`):
 ``humaneval-completion``
     The original HumanEval protocol (Chen et al., 2021): the raw problem prompt, no chat
     template; the model continues the function body, cut at the first line that starts a new
-    top-level statement (``def``, ``class``, ``if``, ``print``, ``#``, a code fence). Shorter
-    outputs than ``humaneval`` (no restated signature and docstring), so about 3x cheaper to
-    decode.
+    top-level statement (``def``, ``class``, ``if``, ``print``, ``#``, a code fence). Outputs
+    are shorter than ``humaneval``'s (no restated signature and docstring), so cheaper to decode.
 
 Every prompt but ``humaneval-completion``'s is the user turn of the tokenizer's chat template when it has one
 (``apply_chat_template(..., add_generation_prompt=True)``), else the raw text. ``Sample.input_ids``
