@@ -45,12 +45,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 #: Candidate schedules of the dev sweep, as (relative depth, keep) pairs.
 SWEEP: dict[str, tuple[tuple[float, float], ...]] = {
-    **{k: v for k, v in PRESETS.items() if k != "keep-all"},
-    "late-half": ((0.5, 0.5),),
-    "late-quarter": ((0.75, 0.25),),
+    **{k: v for k, v in PRESETS.items() if k not in ("keep-all", "default")},
     "mid-two": ((0.33, 0.6), (0.66, 0.35)),
     "early-half": ((0.1, 0.5),),
-    "four-stage": ((0.2, 0.8), (0.4, 0.6), (0.6, 0.4), (0.8, 0.2)),
 }
 
 
@@ -74,6 +71,7 @@ def summarize_paired(records: list[Record]) -> list[dict[str, Any]]:
             if not ps:
                 continue
             diffs = [p[m].score - p["full"].score for p in ps]
+            same = [p[m].output.strip() == p["full"].output.strip() for p in ps]
             ratios = [p["full"].ttft_s / p[m].ttft_s for p in ps]
             frac = statistics.mean(p[m].token_layer_fraction for p in ps)
             rows.append({
@@ -81,6 +79,7 @@ def summarize_paired(records: list[Record]) -> list[dict[str, Any]]:
                 "score": statistics.mean(p[m].score for p in ps),
                 "score_full": statistics.mean(p["full"].score for p in ps),
                 "score_diff": statistics.mean(diffs), "score_diff_ci95": bootstrap_ci(diffs),
+                "same_output_as_full": statistics.mean(same),
                 "ttft_s_median": statistics.median(p[m].ttft_s for p in ps),
                 "ttft_full_s_median": statistics.median(p["full"].ttft_s for p in ps),
                 "speedup_median": statistics.median(ratios),
@@ -94,6 +93,26 @@ def summarize_paired(records: list[Record]) -> list[dict[str, Any]]:
     return rows
 
 
+#: Largest mean F1 loss (0-1 scale) on dev that still counts as "matched accuracy" in the sweep.
+SWEEP_TOLERANCE = 0.01
+
+
+def choose_default(rows: list[dict[str, Any]], tolerance: float = SWEEP_TOLERANCE) -> dict[str, Any]:
+    """The sweep's rule: the schedule computing the fewest token-layers whose mean dev F1 loss
+    against full prefill is at most ``tolerance``; if none qualifies, the one losing the least F1
+    (ties: fewer token-layers). Returns ``{"chosen", "rule", "qualifying"}``."""
+    if not rows:
+        raise ValueError("no sweep rows to choose from")
+    ok = [r for r in rows if r["score_diff"] >= -tolerance]
+    if ok:
+        best = min(ok, key=lambda r: r["token_layer_fraction"])
+        rule = f"fewest token-layers with mean dev F1 loss <= {100 * tolerance:.0f} point(s)"
+    else:
+        best = max(rows, key=lambda r: (r["score_diff"], -r["token_layer_fraction"]))
+        rule = f"no schedule within {100 * tolerance:.0f} point(s): the smallest mean dev F1 loss"
+    return {"chosen": best["method"], "rule": rule, "qualifying": [r["method"] for r in ok]}
+
+
 def _write_summary(name: str, header: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.summary.jsonl"
@@ -104,7 +123,8 @@ def _write_summary(name: str, header: dict[str, Any], rows: list[dict[str, Any]]
     for row in rows:
         print(f"{row['length']!s:>6} {row['method']:<28} n={row['n']:<3} score={row['score']:.3f} "
               f"diff={row['score_diff']:+.3f} CI95=({row['score_diff_ci95'][0]:+.3f},{row['score_diff_ci95'][1]:+.3f}) "
-              f"speedup={row['speedup_median']:.2f}x ideal={row['ideal_speedup']:.2f}x")
+              f"speedup={row['speedup_median']:.2f}x ideal={row['ideal_speedup']:.2f}x "
+              f"same-as-full={row['same_output_as_full']:.0%}")
     return path
 
 
@@ -123,7 +143,7 @@ def matched_methods(presets: list[str], num_layers: int, length: int, static_dep
 
 
 def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: str,
-             max_new_tokens: int | None = None, stop_at_eos: bool = True) -> None:
+             max_new_tokens: int | None = None, stop_at_eos: bool = True) -> list[dict[str, Any]]:
     model, tok = _load(args.model)
     shape = ModelShape.from_config(model.config)
     methods = methods_fn(shape.num_layers)
@@ -134,7 +154,12 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
     )
     header = {"task": task, "split": split, "model": args.model, **environment(args.threads),
               "methods": {k: m.describe() for k, m in methods.items()}}
-    _write_summary(name, header, summarize_paired(records))
+    rows = summarize_paired(records)
+    if task == "multidoc-qa" and name.startswith("lazyllm_sweep"):
+        header["selection"] = choose_default(rows)
+        print(f"sweep choice: {header['selection']}")
+    _write_summary(name, header, rows)
+    return rows
 
 
 def cmd_equivalence(args: argparse.Namespace) -> None:
@@ -211,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--presets", nargs="+", default=["gentle", "default", "aggressive"])
+    ap.add_argument("--schedules", nargs="+", default=sorted(SWEEP), choices=sorted(SWEEP),
+                    help="sweep candidates (names in SWEEP)")
     ap.add_argument("--static-depth", type=float, default=0.25,
                     help="StaticPruning selects at layer floor(depth * L)")
     ap.add_argument("--new-tokens", type=int, default=None,
@@ -246,10 +273,8 @@ def main(argv: list[str] | None = None) -> None:
                  "test", "multidoc-qa", max_new_tokens=args.new_tokens, stop_at_eos=False)
     elif args.command == "sweep":
         cmd_task(args, f"lazyllm_sweep_{tag}",
-                 lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=v, preset_name=k) for k, v in SWEEP.items()},
+                 lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=SWEEP[k], preset_name=k) for k in args.schedules},
                  "dev", "multidoc-qa")
-        print("choose as 'default' the schedule with the lowest token_layer_fraction whose dev score_diff "
-              "CI95 contains 0 (or whose mean diff >= -0.01); then report it with `curve` on the test split")
 
 
 if __name__ == "__main__":

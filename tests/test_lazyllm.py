@@ -13,6 +13,8 @@ from fastprefill.engine import generate
 from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import (
+    DEFAULT_PRESET,
+    PRESETS,
     LazyLLM,
     keep_count,
     resolve_depth_schedule,
@@ -202,7 +204,8 @@ def test_gemma3_refused():
 
 
 def test_presets_and_spec_resolve():
-    assert LazyLLM.preset("default").resolved(30) == ((7, 0.7), (15, 0.5), (22, 0.3))
+    assert LazyLLM.preset("balanced").resolved(30) == ((7, 0.7), (15, 0.5), (22, 0.3))
+    assert PRESETS["default"] == PRESETS[DEFAULT_PRESET] and DEFAULT_PRESET != "default"
     # on a 4-layer model the deeper pairs collapse onto layer 2 and keep the smaller fraction
     assert resolve_depth_schedule(((0.25, 0.7), (0.5, 0.5), (0.75, 0.3)), 4) == ((1, 0.7), (2, 0.3))
     assert LazyLLM.from_spec(schedule="8:0.7+16:0.5").schedule == ((8, 0.7), (16, 0.5))
@@ -223,3 +226,29 @@ def test_pruning_reduces_token_layers_by_the_expected_count(tiny_qwen2):
     full = FullPrefill().prefill(tiny_qwen2, _ids(n, 7)).stats
     assert out.stats.flops < full.flops
     assert len(out.state.aux) == 20 + 10  # every pruned token is waiting in the Aux Cache
+
+
+# --- the masked single-query attention path (LazyLLM decode) -------------------------------------
+@pytest.mark.parametrize("h_q,h_kv", [(6, 2), (4, 1)])
+def test_packed_single_query_attention_equals_transformers_sdpa(h_q, h_kv):
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from fastprefill.models.adapters import _fastprefill_sdpa, _packable_single_query
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, h_q, 1, 8, generator=g)
+    k, v = torch.randn(2, 1, h_kv, 11, 8, generator=g)
+    mask = torch.rand(1, 1, 1, 11, generator=g) > 0.4
+    mask[..., -1] = True
+    module = SimpleNamespace(num_key_value_groups=h_q // h_kv, is_causal=True, layer_idx=3)
+    assert _packable_single_query(q, k, mask)
+    sink: dict = {}
+    got, _ = _fastprefill_sdpa(module, q, k, v, mask, scaling=0.3, fastprefill_scores=sink)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    assert got.shape == ref.shape == (1, 1, h_q, 8)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+    assert sink[3].shape == (1, 11) and float(sink[3][0, ~mask[0, 0, 0]].abs().max()) == 0.0
+    # two query rows need per-row masks: the packed path must not be taken
+    assert not _packable_single_query(torch.randn(1, h_q, 2, 8), k, mask.expand(1, 1, 2, 11))

@@ -46,6 +46,7 @@ from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
 from fastprefill.models.adapters import DecoderAdapter, ModelShape, causal_mask
 
 __all__ = [
+    "DEFAULT_PRESET",
     "PRESETS",
     "ComputeCounter",
     "LazyLLM",
@@ -60,15 +61,19 @@ DepthSchedule = tuple[tuple[float, float], ...]
 
 #: Named schedules as ``(relative depth in [0, 1), keep fraction)``; resolved against the
 #: model's layer count at prefill by :func:`resolve_depth_schedule` (layer ``floor(d * L)``).
-#: "default" is provisional (about 64% of prompt token-layers on a 30-layer model, the fraction
-#: the paper reports); the value shipped is picked by ``benchmarks/lazyllm_sweep.py`` on the dev
-#: split of multidoc-qa and reported on the test split.
-PRESETS: dict[str, DepthSchedule] = {
+#: ``"default"`` is an alias of :data:`DEFAULT_PRESET`, the schedule chosen by the dev-split
+#: sweep (``benchmarks/lazyllm_bench.py sweep``; result in ``benchmarks/results/``).
+_NAMED: dict[str, DepthSchedule] = {
     "keep-all": (),
+    "late-quarter": ((0.75, 0.25),),
     "gentle": ((0.5, 0.7), (0.75, 0.5)),
-    "default": ((0.25, 0.7), (0.5, 0.5), (0.75, 0.3)),
+    "late-half": ((0.5, 0.5),),
+    "balanced": ((0.25, 0.7), (0.5, 0.5), (0.75, 0.3)),
+    "four-stage": ((0.2, 0.8), (0.4, 0.6), (0.6, 0.4), (0.8, 0.2)),
     "aggressive": ((0.15, 0.5), (0.4, 0.3), (0.7, 0.15)),
 }
+DEFAULT_PRESET = "balanced"
+PRESETS: dict[str, DepthSchedule] = {**_NAMED, "default": _NAMED[DEFAULT_PRESET]}
 
 
 def keep_count(fraction: float, n: int) -> int:
@@ -372,7 +377,7 @@ class LazyLLM(Method):
     # --- construction --------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> LazyLLM:
-        """A named schedule from :data:`PRESETS` (``keep-all``, ``gentle``, ``default``, ``aggressive``)."""
+        """A named schedule from :data:`PRESETS`; ``default`` is :data:`DEFAULT_PRESET`."""
         if name not in PRESETS:
             raise ConfigError(f"unknown LazyLLM preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(depth_schedule=PRESETS[name], preset_name=name)

@@ -66,12 +66,49 @@ def _fastprefill_sdpa(
         attention_mask: ``None`` (plain causal) or a boolean ``(B, 1, T, N)`` mask.
     """
     sink = kwargs.pop(SCORE_SINK_KWARG, None)
-    out, _ = sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-    )
+    if dropout == 0.0 and "position_bias" not in kwargs and _packable_single_query(query, key, attention_mask):
+        out = _single_query_masked_sdpa(query, key, value, attention_mask, scaling)
+    else:
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if sink is not None:
         sink[module.layer_idx] = last_query_attention(query, key, attention_mask, scaling)
     return out, None
+
+
+def _packable_single_query(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """One query row, grouped-query heads and a boolean mask shared by all heads."""
+    return (
+        attention_mask is not None and attention_mask.dtype == torch.bool and query.shape[2] == 1
+        and query.shape[1] != key.shape[1] and attention_mask.shape[1] == 1
+    )
+
+
+def _single_query_masked_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Masked attention of a single query under GQA without copying K and V per query head.
+
+    transformers repeats K and V to every query head (``repeat_kv``) whenever a mask is given on
+    CPU, which dominates a LazyLLM decode step at long context. With one query row the ``G``
+    query heads of a KV group can instead be laid out as ``G`` query rows of that group, which all
+    share the same ``(B, 1, 1, N)`` mask (the trick transformers uses for the unmasked case).
+
+    Args:
+        query: ``(B, H_q, 1, d)``; key, value: ``(B, H_kv, N, d)``; attention_mask: bool ``(B, 1, 1, N)``.
+
+    Returns:
+        ``(B, 1, H_q, d)``, the layout transformers' attention functions return.
+    """
+    b, h_q, _, d = query.shape
+    h_kv = key.shape[1]
+    packed = query.reshape(b, h_kv, h_q // h_kv, d)  # (B, H_kv, G, d): head h = g_kv * G + j
+    out = torch.nn.functional.scaled_dot_product_attention(
+        packed, key, value, attn_mask=attention_mask, scale=scaling
+    )  # (B, H_kv, G, d_v)
+    return out.reshape(b, h_q, 1, -1).transpose(1, 2).contiguous()
 
 
 def last_query_attention(
