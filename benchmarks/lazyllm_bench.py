@@ -38,7 +38,7 @@ from fastprefill.engine import generate
 from fastprefill.methods.base import Method
 from fastprefill.methods.baselines import RandomDrop, StaticPruning, equivalent_keep
 from fastprefill.methods.full import FullPrefill
-from fastprefill.methods.lazyllm import PRESETS, LazyLLM
+from fastprefill.methods.lazyllm import DEFAULT_PRESET, PRESETS, LazyLLM
 from fastprefill.models.adapters import ModelShape
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -113,6 +113,16 @@ def choose_default(rows: list[dict[str, Any]], tolerance: float = SWEEP_TOLERANC
     return {"chosen": best["method"], "rule": rule, "qualifying": [r["method"] for r in ok]}
 
 
+def needle_by_depth(records: list[Record], depths: tuple[float, ...]) -> list[dict[str, Any]]:
+    """Retrieval rate per (length, depth, method); sample ``test-<seed>-<i>`` sits at ``depths[i % len]``."""
+    hits: dict[tuple[Any, float, str], list[float]] = defaultdict(list)
+    for r in records:
+        index = int(r.sample_id.rsplit("-", 1)[1])
+        hits[(r.length, depths[index % len(depths)], r.method)].append(r.score)
+    return [{"length": ln, "depth": d, "method": m, "n": len(v), "retrieved": statistics.mean(v)}
+            for (ln, d, m), v in sorted(hits.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]
+
+
 def _write_summary(name: str, header: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.summary.jsonl"
@@ -132,8 +142,9 @@ def matched_methods(presets: list[str], num_layers: int, length: int, static_dep
     """LazyLLM presets plus RandomDrop and StaticPruning at each preset's token budget."""
     select_layer = max(0, int(static_depth * num_layers))
     out: dict[str, Method] = {}
-    for p in presets:
-        lazy = LazyLLM.preset(p)
+    for preset in presets:
+        lazy = LazyLLM.preset(preset)
+        p = lazy.preset_name  # "default" resolves to the schedule's own name
         out[f"lazyllm-{p}"] = lazy
         sched = lazy.resolved(num_layers)
         out[f"random@{p}"] = RandomDrop(keep=equivalent_keep(sched, num_layers, length), seed=0)
@@ -155,6 +166,13 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
     header = {"task": task, "split": split, "model": args.model, **environment(args.threads),
               "methods": {k: m.describe() for k, m in methods.items()}}
     rows = summarize_paired(records)
+    if task == "needle":
+        from fastprefill.data.tasks import NeedleTask
+
+        header["retrieved_by_depth"] = needle_by_depth(records, NeedleTask().depths)
+        for row in header["retrieved_by_depth"]:
+            print(f"{row['length']:>6} depth={row['depth']:.1f} {row['method']:<20} n={row['n']:<3} "
+                  f"retrieved={row['retrieved']:.0%}")
     if task == "multidoc-qa" and name.startswith("lazyllm_sweep"):
         header["selection"] = choose_default(rows)
         print(f"sweep choice: {header['selection']}")
@@ -235,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=None, help="samples per length")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--presets", nargs="+", default=["gentle", "default", "aggressive"])
+    ap.add_argument("--presets", nargs="+", default=["gentle", "default", "aggressive"],
+                    help="LazyLLM presets (curve/decode); 'default' is DEFAULT_PRESET")
     ap.add_argument("--schedules", nargs="+", default=sorted(SWEEP), choices=sorted(SWEEP),
                     help="sweep candidates (names in SWEEP)")
     ap.add_argument("--static-depth", type=float, default=0.25,
@@ -265,11 +284,11 @@ def main(argv: list[str] | None = None) -> None:
                  lambda L: matched_methods(args.presets, L, args.lengths[0], args.static_depth),
                  "test", "multidoc-qa")
     elif args.command == "needle":
-        cmd_task(args, f"lazyllm_needle_{tag}", lambda L: {"lazyllm-default": LazyLLM.preset("default")},
+        cmd_task(args, f"lazyllm_needle_{tag}", lambda L: {f"lazyllm-{DEFAULT_PRESET}": LazyLLM.preset("default")},
                  "test", "needle")
     elif args.command == "decode":
         cmd_task(args, f"lazyllm_decode_{tag}",
-                 lambda L: {f"lazyllm-{p}": LazyLLM.preset(p) for p in args.presets},
+                 lambda L: {f"lazyllm-{m.preset_name}": m for m in map(LazyLLM.preset, args.presets)},
                  "test", "multidoc-qa", max_new_tokens=args.new_tokens, stop_at_eos=False)
     elif args.command == "sweep":
         cmd_task(args, f"lazyllm_sweep_{tag}",

@@ -206,6 +206,7 @@ def test_gemma3_refused():
 def test_presets_and_spec_resolve():
     assert LazyLLM.preset("balanced").resolved(30) == ((7, 0.7), (15, 0.5), (22, 0.3))
     assert PRESETS["default"] == PRESETS[DEFAULT_PRESET] and DEFAULT_PRESET != "default"
+    assert LazyLLM.preset("default").describe() == f"lazyllm[{DEFAULT_PRESET}]"
     # on a 4-layer model the deeper pairs collapse onto layer 2 and keep the smaller fraction
     assert resolve_depth_schedule(((0.25, 0.7), (0.5, 0.5), (0.75, 0.3)), 4) == ((1, 0.7), (2, 0.3))
     assert LazyLLM.from_spec(schedule="8:0.7+16:0.5").schedule == ((8, 0.7), (16, 0.5))

@@ -380,7 +380,8 @@ class LazyLLM(Method):
         """A named schedule from :data:`PRESETS`; ``default`` is :data:`DEFAULT_PRESET`."""
         if name not in PRESETS:
             raise ConfigError(f"unknown LazyLLM preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(depth_schedule=PRESETS[name], preset_name=name)
+        named = DEFAULT_PRESET if name == "default" else name
+        return cls(depth_schedule=PRESETS[named], preset_name=named)
 
     @classmethod
     def from_spec(cls, preset: str | None = None, schedule: str | None = None) -> LazyLLM:
