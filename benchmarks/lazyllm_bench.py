@@ -154,7 +154,9 @@ def matched_methods(presets: list[str], num_layers: int, length: int, static_dep
 
 
 def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: str,
-             max_new_tokens: int | None = None, stop_at_eos: bool = True) -> list[dict[str, Any]]:
+             max_new_tokens: int | None = None, stop_at_eos: bool = True,
+             select_default: bool = False) -> list[dict[str, Any]]:
+    name = args.name or name
     model, tok = _load(args.model)
     shape = ModelShape.from_config(model.config)
     methods = methods_fn(shape.num_layers)
@@ -173,7 +175,7 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
         for row in header["retrieved_by_depth"]:
             print(f"{row['length']:>6} depth={row['depth']:.1f} {row['method']:<20} n={row['n']:<3} "
                   f"retrieved={row['retrieved']:.0%}")
-    if task == "multidoc-qa" and name.startswith("lazyllm_sweep"):
+    if select_default:
         header["selection"] = choose_default(rows)
         print(f"sweep choice: {header['selection']}")
     _write_summary(name, header, rows)
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--presets", nargs="+", default=["gentle", "default", "aggressive"],
                     help="LazyLLM presets (curve/decode); 'default' is DEFAULT_PRESET")
+    ap.add_argument("--name", default=None,
+                    help="result file stem (default lazyllm_<command>_<model>_<lengths>)")
     ap.add_argument("--schedules", nargs="+", default=sorted(SWEEP), choices=sorted(SWEEP),
                     help="sweep candidates (names in SWEEP)")
     ap.add_argument("--static-depth", type=float, default=0.25,
@@ -293,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "sweep":
         cmd_task(args, f"lazyllm_sweep_{tag}",
                  lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=SWEEP[k], preset_name=k) for k in args.schedules},
-                 "dev", "multidoc-qa")
+                 "dev", "multidoc-qa", select_default=True)
 
 
 if __name__ == "__main__":
