@@ -138,14 +138,17 @@ def _write_summary(name: str, header: dict[str, Any], rows: list[dict[str, Any]]
     return path
 
 
-def matched_methods(presets: list[str], num_layers: int, length: int, static_depth: float) -> dict[str, Method]:
-    """LazyLLM presets plus RandomDrop and StaticPruning at each preset's token budget."""
+def matched_methods(presets: list[str], num_layers: int, length: int, static_depth: float,
+                    baselines: bool = True) -> dict[str, Method]:
+    """LazyLLM presets plus (unless ``baselines=False``) RandomDrop and StaticPruning at each preset's token budget."""
     select_layer = max(0, int(static_depth * num_layers))
     out: dict[str, Method] = {}
     for preset in presets:
         lazy = LazyLLM.preset(preset)
         p = lazy.preset_name  # "default" resolves to the schedule's own name
         out[f"lazyllm-{p}"] = lazy
+        if not baselines:
+            continue
         sched = lazy.resolved(num_layers)
         out[f"random@{p}"] = RandomDrop(keep=equivalent_keep(sched, num_layers, length), seed=0)
         out[f"static@{p}"] = StaticPruning(
@@ -257,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--presets", nargs="+", default=["gentle", "default", "aggressive"],
                     help="LazyLLM presets (curve/decode); 'default' is DEFAULT_PRESET")
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="curve: LazyLLM presets against full prefill only (no matched random/static)")
     ap.add_argument("--name", default=None,
                     help="result file stem (default lazyllm_<command>_<model>_<lengths>)")
     ap.add_argument("--schedules", nargs="+", default=sorted(SWEEP), choices=sorted(SWEEP),
@@ -285,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd_speed(args)
     elif args.command == "curve":
         cmd_task(args, f"lazyllm_curve_{tag}",
-                 lambda L: matched_methods(args.presets, L, args.lengths[0], args.static_depth),
+                 lambda L: matched_methods(args.presets, L, args.lengths[0], args.static_depth,
+                                           baselines=not args.no_baselines),
                  "test", "multidoc-qa")
     elif args.command == "needle":
         cmd_task(args, f"lazyllm_needle_{tag}", lambda L: {f"lazyllm-{DEFAULT_PRESET}": LazyLLM.preset("default")},
