@@ -113,12 +113,14 @@ def choose_default(rows: list[dict[str, Any]], tolerance: float = SWEEP_TOLERANC
     return {"chosen": best["method"], "rule": rule, "qualifying": [r["method"] for r in ok]}
 
 
-def needle_by_depth(records: list[Record], depths: tuple[float, ...]) -> list[dict[str, Any]]:
-    """Retrieval rate per (length, depth, method); sample ``test-<seed>-<i>`` sits at ``depths[i % len]``."""
+def needle_by_depth(records: list[Record]) -> list[dict[str, Any]]:
+    """Retrieval rate per (length, depth, method), the depth read back from each sample id."""
+    from fastprefill.data.tasks import NeedleTask
+
+    task = NeedleTask()
     hits: dict[tuple[Any, float, str], list[float]] = defaultdict(list)
     for r in records:
-        index = int(r.sample_id.rsplit("-", 1)[1])
-        hits[(r.length, depths[index % len(depths)], r.method)].append(r.score)
+        hits[(r.length, task.depth_of(r.sample_id), r.method)].append(r.score)
     return [{"length": ln, "depth": d, "method": m, "n": len(v), "retrieved": statistics.mean(v)}
             for (ln, d, m), v in sorted(hits.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]
 
@@ -158,7 +160,7 @@ def matched_methods(presets: list[str], num_layers: int, length: int, static_dep
 
 def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: str,
              max_new_tokens: int | None = None, stop_at_eos: bool = True,
-             select_default: bool = False) -> list[dict[str, Any]]:
+             select_default: bool = False) -> None:
     name = args.name or name
     model, tok = _load(args.model)
     shape = ModelShape.from_config(model.config)
@@ -172,9 +174,7 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
               "methods": {k: m.describe() for k, m in methods.items()}}
     rows = summarize_paired(records)
     if task == "needle":
-        from fastprefill.data.tasks import NeedleTask
-
-        header["retrieved_by_depth"] = needle_by_depth(records, NeedleTask().depths)
+        header["retrieved_by_depth"] = needle_by_depth(records)
         for row in header["retrieved_by_depth"]:
             print(f"{row['length']:>6} depth={row['depth']:.1f} {row['method']:<20} n={row['n']:<3} "
                   f"retrieved={row['retrieved']:.0%}")
@@ -182,7 +182,6 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
         header["selection"] = choose_default(rows)
         print(f"sweep choice: {header['selection']}")
     _write_summary(name, header, rows)
-    return rows
 
 
 def cmd_equivalence(args: argparse.Namespace) -> None:

@@ -242,6 +242,8 @@ def test_needle_is_placed_at_the_requested_depth(tokenizer) -> None:
 def test_needle_depths_are_configurable_and_checked(tokenizer) -> None:
     samples = NeedleTask(depths=(0.0, 1.0)).build(tokenizer, 512, 3, seed=0)
     assert [s.meta["depth"] for s in samples] == [0.0, 1.0, 0.0]
+    # the depth is recoverable from the id alone (benchmark records keep only the id)
+    assert [NeedleTask(depths=(0.0, 1.0)).depth_of(s.id) for s in samples] == [0.0, 1.0, 0.0]
     with pytest.raises(ConfigError, match="depths"):
         NeedleTask(depths=(1.5,))
 

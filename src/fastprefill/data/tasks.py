@@ -640,7 +640,7 @@ class NeedleTask(Task):
         sentences = _essay_sentences()
         start = rng.choice(region)
         passkey = str(rng.randint(10_000, 99_999))
-        depth = self.depths[index % len(self.depths)]
+        depth = self._depth(index)
         needle = _NEEDLE.format(key=passkey)
 
         def haystack() -> Iterator[_Unit]:
@@ -665,6 +665,13 @@ class NeedleTask(Task):
             answers=(passkey,),
             meta={"passkey": passkey, "depth": depth, "actual_depth": actual_depth, "start_sentence": start},
         )
+
+    def _depth(self, index: int) -> float:
+        return self.depths[index % len(self.depths)]
+
+    def depth_of(self, sample_id: str) -> float:
+        """The requested needle depth of the sample with id ``"<split>-<seed>-<index>"``."""
+        return self._depth(int(sample_id.rsplit("-", 1)[1]))
 
     def score(self, sample: Sample, output_text: str) -> dict[str, float]:
         hit = metrics.needle_score(output_text, sample.answers[0])

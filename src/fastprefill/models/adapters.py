@@ -92,7 +92,7 @@ def _single_query_masked_sdpa(
     """Masked attention of a single query under GQA without copying K and V per query head.
 
     transformers repeats K and V to every query head (``repeat_kv``) whenever a mask is given on
-    CPU, which dominates a LazyLLM decode step at long context. With one query row the ``G``
+    CPU, a copy of the layer's whole cache at every LazyLLM decode step. With one query row the ``G``
     query heads of a KV group can instead be laid out as ``G`` query rows of that group, which all
     share the same ``(B, 1, 1, N)`` mask (the trick transformers uses for the unmasked case).
 
