@@ -13,6 +13,9 @@ Subcommands:
   loss curve and ``train_meta.json`` (command, wall time).
 - ``rope``: evidence for the rotary choice: least-squares maps fitted on pre-rotation keys vs on
   rotated keys (same training text), per-layer relative error of K on held-out text.
+- ``ablate``: which part of a predicted cache breaks the base: on dev prompts, the base's first
+  token when it reads the true KV with one part (K or V, the first positions, the lower or upper
+  half of the layers) swapped for the prediction, against its own full prefill.
 - ``eval``: base alone, aux alone and KV Prediction on a task (same process, same prompts,
   :func:`fastprefill.bench.runner.run_samples`): TTFT, speedup over the base, TTFT FLOPs,
   accuracy; plus first-token agreement with the base and per-layer relative K/V error on the
@@ -46,7 +49,7 @@ from fastprefill.methods.kv_prediction.train import (
     training_corpus,
 )
 from fastprefill.models import zoo
-from fastprefill.models.adapters import ModelShape, prefix_kv, rotate_keys
+from fastprefill.models.adapters import ModelShape, cache_from_kv, prefix_kv, rotate_keys
 
 PAIRS: dict[str, dict[str, Any]] = {
     "c": {"base": "qwen2.5-coder-1.5b", "aux": "qwen2.5-coder-0.5b"},
@@ -124,6 +127,79 @@ def cmd_rope(args: argparse.Namespace) -> None:
     out = RESULTS / f"kvp_rope_{args.pair}.json"
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result["mean"], indent=2), "->", out)
+
+
+# ----------------------------------------------------------------------------------- ablate
+KVList = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def ablation_variants(sink: int) -> dict[str, Any]:
+    """Caches to test, each built from the predicted and the true per-layer ``(K, V)`` lists
+    (``(1, H, N, d)``, keys before rotation): the true KV with one part replaced by the prediction."""
+
+    def first_exact(p: KVList, t: KVList) -> KVList:
+        return [(torch.cat([tk[:, :, :sink], pk[:, :, sink:]], 2), torch.cat([tv[:, :, :sink], pv[:, :, sink:]], 2))
+                for (pk, pv), (tk, tv) in zip(p, t)]
+
+    def layers(lo: float, hi: float):
+        def pick(p: KVList, t: KVList) -> KVList:
+            n = len(t)
+            return [p[l] if int(lo * n) <= l < int(hi * n) else t[l] for l in range(n)]
+        return pick
+
+    return {
+        "true KV (sanity)": lambda p, t: t,
+        "predicted K and V": lambda p, t: p,
+        "predicted V only": lambda p, t: [(tk, pv) for (_, pv), (tk, _) in zip(p, t)],
+        "predicted K only": lambda p, t: [(pk, tv) for (pk, _), (_, tv) in zip(p, t)],
+        f"predicted, first {sink} positions exact": first_exact,
+        "predicted in the lower half of layers only": layers(0.0, 0.5),
+        "predicted in the upper half of layers only": layers(0.5, 1.0),
+    }
+
+
+def cmd_ablate(args: argparse.Namespace) -> None:
+    """First-token agreement and KL of the base reading partly predicted caches (dev prompts)."""
+    torch.set_num_threads(args.threads)
+    cfg = json.loads(Path(args.predictor, "config.json").read_text())
+    base, tok = zoo.load(cfg["base"]["name"])
+    method = KVPrediction.load(args.predictor, base_tokenizer=tok)
+    aux = method.bind(base)
+    task = get_task(args.task)
+    samples = task.build(tok, args.length if task.sized else None, args.n, split=args.split, seed=args.seed)
+    variants = ablation_variants(args.sink)
+    agree: dict[str, list[float]] = {v: [] for v in variants}
+    kl: dict[str, list[float]] = {v: [] for v in variants}
+    with torch.no_grad():
+        for s in tqdm(samples, desc="ablate"):
+            ids = torch.as_tensor(s.input_ids, dtype=torch.long).reshape(1, -1)
+            ref = base(input_ids=ids, logits_to_keep=1).logits[0, -1].float().log_softmax(-1)  # (V,)
+            true, _ = prefix_kv(base, ids[:, :-1])
+            pred = method.predictor(prefix_kv(aux, ids[:, :-1])[0], dtype=base.dtype)
+            for name, build in variants.items():
+                cache = cache_from_kv(base, build(pred, true))
+                out = base(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                logp = out.logits[0, -1].float().log_softmax(-1)
+                agree[name].append(float(logp.argmax() == ref.argmax()))
+                kl[name].append(float((ref.exp() * (ref - logp)).sum()))
+    rows = [{"variant": v, "first_token_agreement": statistics.mean(agree[v]),
+             "median_kl_nats": statistics.median(kl[v]), "mean_kl_nats": statistics.mean(kl[v])} for v in variants]
+    header = {"bench": "kvp-ablation", "predictor": args.predictor, "base": cfg["base"]["name"],
+              "aux": cfg["aux"].get("name") or cfg["aux"]["spec"], "task": args.task, "split": args.split,
+              "length": args.length, "n": len(samples), "sink": args.sink,
+              "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
+    stem = str(RESULTS / (args.name or f"kvp_ablation_{Path(args.predictor).name}"))  # names hold dots
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    Path(stem + ".json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))
+    lines = [f"# KV Prediction ablation: {Path(args.predictor).name}, {args.task} ({args.split}), n={len(samples)}", "",
+             f"Command: `{header['command']}`", "",
+             ("The base reads its own (true) KV for the prompt with one part replaced by the prediction, then runs "
+              "the last prompt token. Reference: the base's full prefill."), "",
+             "| cache the base reads | first-token agreement | median KL (nats) | mean KL (nats) |", "|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {100 * r['first_token_agreement']:.0f}% | {r['median_kl_nats']:.3f} | "
+              f"{r['mean_kl_nats']:.3f} |" for r in rows]
+    Path(stem + ".md").write_text("\n".join(lines) + "\n")
+    print(Path(stem + ".md").read_text())
 
 
 # ----------------------------------------------------------------------------------- eval
@@ -317,6 +393,15 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--checkpoint-every", type=int, default=25)
     t.add_argument("--resume", action="store_true")
     sub.choices["rope"].add_argument("--heldout-seqs", type=int, default=8)
+    a = sub.add_parser("ablate", help="which part of the predicted cache breaks the base (dev prompts)")
+    a.add_argument("--predictor", required=True, help="checkpoint directory")
+    a.add_argument("--task", default="singledoc-qa")
+    a.add_argument("--length", type=int, default=1024)
+    a.add_argument("--n", type=int, default=16)
+    a.add_argument("--split", default="dev")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--sink", type=int, default=4, help="leading positions given their true KV in one variant")
+    a.add_argument("--name", default=None, help="result file stem (default kvp_ablation_<checkpoint>)")
     e = sub.add_parser("eval", help="every method on the same prompts (resumable)")
     e.add_argument("--model", required=True, help="the reference model (its full prefill is 'full')")
     e.add_argument("--method", action="append", default=[], metavar="NAME=MODEL:SPEC",
@@ -332,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--name", default=None, help="result file stem (default kvp_<task>[_<length>])")
     e.add_argument("--resume", action="store_true", help="continue an interrupted run")
     args = p.parse_args(argv)
-    {"train": cmd_train, "rope": cmd_rope, "eval": cmd_eval}[args.cmd](args)
+    {"train": cmd_train, "rope": cmd_rope, "ablate": cmd_ablate, "eval": cmd_eval}[args.cmd](args)
 
 
 if __name__ == "__main__":

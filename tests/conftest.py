@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -51,3 +55,18 @@ def smollm2():
     from fastprefill.models import zoo
 
     return zoo.load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def load_bench():
+    """Import a script of ``benchmarks/`` by its stem (they are not a package): ``load_bench("kvp_bench")``."""
+
+    def load(stem: str):
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{stem}.py"
+        spec = importlib.util.spec_from_file_location(stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[stem] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "lazyllm_bench.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("lazyllm_bench", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["lazyllm_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_bench):
+    return load_bench("lazyllm_bench")
 
 
 def _row(method: str, diff: float, frac: float) -> dict:
