@@ -40,7 +40,7 @@ _LAZY = {
     "load_model": "fastprefill.models.zoo",
 }
 
-__all__ = [
+__all__ = [  # noqa: PLE0604 - *_LAZY adds its keys, all strings
     "ChecksumError",
     "ComputeStats",
     "ConfigError",

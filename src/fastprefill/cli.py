@@ -234,8 +234,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from fastprefill.launch import RankPool, make_method
 
         ra_method = make_method("runahead", args.procs, "searched")
-        with console.status(f"KV-Runahead: starting {args.procs} ranks (model loading is not timed) ..."):
-            with RankPool(args.model, args.procs, threads_per_rank=max(1, args.threads // args.procs)) as pool:
+        with (console.status(f"KV-Runahead: starting {args.procs} ranks (model loading is not timed) ..."),
+              RankPool(args.model, args.procs, threads_per_rank=max(1, args.threads // args.procs)) as pool):
                 pool.generate(sample.input_ids, ra_method, 2)  # warm-up, not shown
                 ra = pool.generate(sample.input_ids, ra_method, args.max_new_tokens)
         f1 = task.score(sample, ra.text)["score"]

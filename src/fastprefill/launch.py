@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -249,7 +249,7 @@ def _worker_main(
             _serve(model, tokenizer, rank, world, conn, payload)
         if world > 1:
             dist.destroy_process_group()
-    except Exception as exc:  # report, then exit non-zero: the driver tears the pool down
+    except Exception as exc:  # noqa: BLE001 - report any failure, then exit non-zero: the driver tears the pool down
         msg = f"rank {rank}: {type(exc).__name__}: {exc}"
         if not isinstance(exc, FastprefillError):
             msg += "\n" + traceback.format_exc(limit=3)
@@ -471,7 +471,7 @@ class RankPool:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
         self._kill_all()
 
-    def __enter__(self) -> RankPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

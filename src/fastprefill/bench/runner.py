@@ -72,7 +72,7 @@ def environment(threads: int) -> dict[str, Any]:
     """Where and how a benchmark ran (recorded in every result file)."""
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""

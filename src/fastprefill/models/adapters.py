@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -470,7 +471,7 @@ def drop_layers(model: PreTrainedModel, keep: Sequence[int]) -> PreTrainedModel:
     DecoderAdapter(model, method="layer dropping")
     num = model.config.num_hidden_layers
     keep = [int(i) for i in keep]
-    if not keep or any(b <= a for a, b in zip(keep, keep[1:])) or keep[0] < 0 or keep[-1] >= num:
+    if not keep or any(b <= a for a, b in itertools.pairwise(keep)) or keep[0] < 0 or keep[-1] >= num:
         raise ValueError(f"keep must be strictly increasing layer indices in [0, {num}), got {keep}")
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = len(keep)

@@ -136,12 +136,12 @@ def read_checkpoint(
         raise CheckpointError(f"corrupted checkpoint {root}: {weights.name} does not match its sha256 in config.json")
     try:
         state = load_file(str(weights))
-    except Exception as exc:  # safetensors raises its own error types
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise CheckpointError(f"corrupted checkpoint {root}: cannot read {weights.name} ({exc})") from None
     train_state = None
     if with_train_state and config.get("train_state"):
         try:
             train_state = torch.load(root / config["train_state"], weights_only=False)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything
             raise CheckpointError(f"corrupted checkpoint {root}: cannot read {config['train_state']} ({exc})") from None
     return config, state, train_state

@@ -116,7 +116,7 @@ class PartitionPlan:
         s = float(sum(fractions))
         spare = total - procs  # every chunk gets 1, the rest by fraction
         raw = [max(f, 0.0) / s * spare for f in fractions]
-        base = [int(math.floor(r)) for r in raw]
+        base = [math.floor(r) for r in raw]
         order = sorted(range(procs), key=lambda i: raw[i] - base[i], reverse=True)
         for i in order[: spare - sum(base)]:
             base[i] += 1
@@ -505,7 +505,7 @@ def calibrate(
             rot = ad.rotary(hidden, pos)
             mask = causal_mask(pos[0], torch.arange(s + c, device=dev)) if s else None
 
-            def run() -> None:
+            def run(s=s, pk=pk, pos=pos, hidden=hidden, mask=mask, rot=rot) -> None:
                 cache = PositionKVCache(shape.num_layers)
                 if s:
                     cache.stage(0, torch.arange(s, device=dev))
