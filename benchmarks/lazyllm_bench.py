@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fastprefill.bench.report import bootstrap_ci
-from fastprefill.bench.runner import Record, environment, run_benchmark
+from fastprefill.bench.report import summarize
+from fastprefill.bench.runner import FULL, Record, environment, run_benchmark
 from fastprefill.engine import generate
 from fastprefill.methods.base import Method
 from fastprefill.methods.baselines import RandomDrop, StaticPruning, equivalent_keep
@@ -58,38 +58,33 @@ def _load(name: str):
 
 
 def summarize_paired(records: list[Record]) -> list[dict[str, Any]]:
-    """Per (length, method): paired score difference to full (mean, 95% CI), speedups."""
-    by = defaultdict(dict)
+    """Per (length, method): :func:`fastprefill.bench.report.summarize` (paired score difference
+    to full with its 95% CI, paired speedup, token-layers) plus what LazyLLM's reports add: the
+    share of answers identical to full prefill's, full-generation times and revivals per step."""
+    by: dict[tuple[Any, str], dict[str, Record]] = defaultdict(dict)
     for r in records:
         by[(r.length, r.sample_id)][r.method] = r
-    methods = sorted({r.method for r in records} - {"full"})
     rows = []
-    for length in sorted({r.length for r in records}, key=lambda x: -1 if x is None else x):
-        pairs = [v for (ln, _), v in by.items() if ln == length and "full" in v]
-        for m in methods:
-            ps = [p for p in pairs if m in p]
-            if not ps:
-                continue
-            diffs = [p[m].score - p["full"].score for p in ps]
-            same = [p[m].output.strip() == p["full"].output.strip() for p in ps]
-            ratios = [p["full"].ttft_s / p[m].ttft_s for p in ps]
-            frac = statistics.mean(p[m].token_layer_fraction for p in ps)
-            rows.append({
-                "length": length, "method": m, "n": len(ps),
-                "score": statistics.mean(p[m].score for p in ps),
-                "score_full": statistics.mean(p["full"].score for p in ps),
-                "score_diff": statistics.mean(diffs), "score_diff_ci95": bootstrap_ci(diffs),
-                "same_output_as_full": statistics.mean(same),
-                "ttft_s_median": statistics.median(p[m].ttft_s for p in ps),
-                "ttft_full_s_median": statistics.median(p["full"].ttft_s for p in ps),
-                "speedup_median": statistics.median(ratios),
-                "total_s_median": statistics.median(p[m].total_s for p in ps),
-                "total_full_s_median": statistics.median(p["full"].total_s for p in ps),
-                "new_tokens_mean": statistics.mean(p[m].new_tokens for p in ps),
-                "token_layer_fraction": frac, "ideal_speedup": 1.0 / frac,
-                "revived_per_step_mean": statistics.mean(
-                    statistics.mean(p[m].extra.get("revived_per_step") or [0]) for p in ps),
-            })
+    for s in summarize(records):
+        ps = [v for (ln, _), v in by.items() if ln == s.length and FULL in v and s.method in v]
+        if s.method == FULL or not ps:
+            continue
+        m = s.method
+        rows.append({
+            "length": s.length, "method": m, "n": s.n,
+            "score": s.score_mean, "score_full": statistics.mean(p[FULL].score for p in ps),
+            "score_diff": s.score_diff_vs_full, "score_diff_ci95": s.score_diff_ci95,
+            "same_output_as_full": statistics.mean(p[m].output.strip() == p[FULL].output.strip() for p in ps),
+            "ttft_s_median": s.ttft_median_s,
+            "ttft_full_s_median": statistics.median(p[FULL].ttft_s for p in ps),
+            "speedup_median": s.speedup_paired_median,
+            "total_s_median": statistics.median(p[m].total_s for p in ps),
+            "total_full_s_median": statistics.median(p[FULL].total_s for p in ps),
+            "new_tokens_mean": statistics.mean(p[m].new_tokens for p in ps),
+            "token_layer_fraction": s.token_layer_fraction, "ideal_speedup": s.ideal_speedup,
+            "revived_per_step_mean": statistics.mean(
+                statistics.mean(p[m].extra.get("revived_per_step") or [0]) for p in ps),
+        })
     return rows
 
 
