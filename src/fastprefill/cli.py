@@ -236,8 +236,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ra_method = make_method("runahead", args.procs, "searched")
         with (console.status(f"KV-Runahead: starting {args.procs} ranks (model loading is not timed) ..."),
               RankPool(args.model, args.procs, threads_per_rank=max(1, args.threads // args.procs)) as pool):
-                pool.generate(sample.input_ids, ra_method, 2)  # warm-up, not shown
-                ra = pool.generate(sample.input_ids, ra_method, args.max_new_tokens)
+            pool.generate(sample.input_ids, ra_method, 2)  # warm-up, not shown
+            ra = pool.generate(sample.input_ids, ra_method, args.max_new_tokens)
         f1 = task.score(sample, ra.text)["score"]
         table.add_row(f"KV-Runahead ({args.procs} ranks)", " ".join(ra.text.split())[:60], f"{100 * f1:.0f}",
                       f"{ra.ttft_s:.3f}", f"{base_ttft / ra.ttft_s:.2f}x", "100%")
