@@ -107,7 +107,9 @@ def cmd_rope(args: argparse.Namespace) -> None:
     def pre(model, ids):
         return prefix_kv(model, ids)[0]
 
-    result: dict[str, Any] = {"pair": args.pair, "lsq_tokens": args.lsq_tokens, "heldout_tokens": len(held) * args.seq_len}
+    result: dict[str, Any] = {"pair": args.pair, "lsq_tokens": args.lsq_tokens, "heldout_tokens": len(held) * args.seq_len,
+                              "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+                              **environment(args.threads)}
     with torch.no_grad():
         for name, get in (("pre_rotation", pre), ("rotated", rotated)):
             pred = KVPredictor(ModelShape.from_config(aux.config), ModelShape.from_config(base.config))
