@@ -18,7 +18,8 @@ matrix; when the two models' rotary frequencies differ (e.g. ``rope_theta`` 1e6 
 test_pre_rotation_map_beats_rotated_map`` plants exactly that situation (aux = base with another
 ``rope_theta``): the pre-rotation least-squares map is exact at layer 0 while the rotated one
 keeps a large held-out error; ``benchmarks/kvp_bench.py rope`` measures both on a real pair
-(held-out text; ``benchmarks/results/kvp_rope_lp.json``: 0.380 vs 0.399 mean relative K error). Values carry no rotation and are mapped directly.
+(held-out text; ``benchmarks/results/kvp_rope_lp.json``: 0.380 vs 0.399 mean relative K error).
+Values carry no rotation and are mapped directly.
 
 **Layer map.** Monotone (non-decreasing), length ``L_base``, values in ``[0, L_aux)``. Default
 proportional ``a(l) = floor(l * L_aux / L_base)`` (for equal depths, the identity).
