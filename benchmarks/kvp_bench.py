@@ -280,6 +280,50 @@ def _plots(records: list[Record], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _layer_plot(summary: dict[str, Any], path: Path, title: str) -> bool:
+    """Per-layer relative error of the predicted K and V (x: base layer) for every KVP method.
+
+    Returns False, drawing nothing, when no method in ``summary`` carries ``rel_error_k``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kvp = {n: s for n, s in summary.items() if s.get("rel_error_k")}
+    if not kvp:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for name, s in kvp.items():
+        for ax, part in zip(axes, ("k", "v"), strict=True):
+            errs = s[f"rel_error_{part}"]
+            ax.plot(range(len(errs)), errs, marker=".", label=f"{name} ({s['rel_error_prompts']} prompts)")
+    for ax, part in zip(axes, ("K", "V"), strict=True):
+        ax.set_xlabel("base layer")
+        ax.set_title(f"predicted {part}: ||pred - true|| / ||true||")
+        ax.axhline(1.0, color="grey", lw=0.6, ls=":")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("relative error")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def cmd_layers(args: argparse.Namespace) -> None:
+    """Redraw the per-layer K/V error plot from a committed ``.summary.json`` (no model needed)."""
+    src = Path(args.summary)
+    if not src.name.endswith(".summary.json"):
+        raise SystemExit(f"{src}: expected an eval summary file ending in .summary.json")
+    header = json.loads(src.read_text())
+    out = Path(str(src)[: -len(".summary.json")] + "_layers.png")
+    title = f"KV Prediction per-layer error, {header['task']} ({header['split']})"
+    if not _layer_plot(header["summary"], out, title):
+        raise SystemExit(f"{src}: no method has per-layer errors (rel_error_k)")
+    print(out)
+
+
 def _markdown(header: dict[str, Any], summary: dict[str, Any]) -> str:
     lines = [f"# KV Prediction: {header['task']} ({header['split']} split), n={header['n']}", "",
              f"Command: `{header['command']}`", "",
@@ -373,6 +417,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     stem.with_suffix(".summary.json").write_text(json.dumps(header, indent=2))
     stem.with_suffix(".md").write_text(_markdown(header, summary))
     _plots(records, stem.with_suffix(".png"), f"KV Prediction, {args.task} ({args.split}), n={args.n}")
+    _layer_plot(summary, Path(str(stem) + "_layers.png"), f"KV Prediction per-layer error, {args.task} ({args.split})")
     print(stem.with_suffix(".md").read_text())
 
 
@@ -418,8 +463,11 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--errors-n", type=int, default=8, help="prompts for the per-layer K/V error")
     e.add_argument("--name", default=None, help="result file stem (default kvp_<task>[_<length>])")
     e.add_argument("--resume", action="store_true", help="continue an interrupted run")
+    lp = sub.add_parser("layers", help="redraw the per-layer K/V error plot from an eval's .summary.json")
+    lp.add_argument("summary", help="benchmarks/results/kvp_<task>[_<length>].summary.json")
     args = p.parse_args(argv)
-    {"train": cmd_train, "rope": cmd_rope, "ablate": cmd_ablate, "eval": cmd_eval}[args.cmd](args)
+    {"train": cmd_train, "rope": cmd_rope, "ablate": cmd_ablate, "eval": cmd_eval,
+     "layers": cmd_layers}[args.cmd](args)
 
 
 if __name__ == "__main__":

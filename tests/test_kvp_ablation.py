@@ -42,3 +42,28 @@ def test_each_variant_swaps_only_its_part(bench):
     for k, v in got[f"predicted, first {sink} positions exact"]:
         assert (k[:, :, :sink].abs() < 100).all() and (k[:, :, sink:].abs() >= 100).all()
         assert (v[:, :, :sink].abs() < 100).all() and (v[:, :, sink:].abs() >= 100).all()
+
+
+def test_layer_plot_draws_only_methods_with_errors(bench, tmp_path):
+    no_errors = {"full": {"n": 3}, "aux": {"n": 3}}
+    assert bench._layer_plot(no_errors, tmp_path / "none.png", "t") is False
+    assert not (tmp_path / "none.png").exists()
+    summary = {**no_errors, "kvp": {"rel_error_k": [0.1, 0.5], "rel_error_v": [0.7, 1.1], "rel_error_prompts": 2}}
+    assert bench._layer_plot(summary, tmp_path / "some.png", "t") is True
+    assert (tmp_path / "some.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_layers_command_names_its_input_problems(bench, tmp_path):
+    wrong = tmp_path / "kvp_x.json"
+    wrong.write_text("{}")
+    with pytest.raises(SystemExit, match="expected an eval summary file"):
+        bench.main(["layers", str(wrong)])
+    empty = tmp_path / "kvp_x.summary.json"
+    empty.write_text('{"task": "t", "split": "test", "summary": {"full": {"n": 1}}}')
+    with pytest.raises(SystemExit, match="no method has per-layer errors"):
+        bench.main(["layers", str(empty)])
+    ok = tmp_path / "kvp_y.summary.json"
+    ok.write_text('{"task": "t", "split": "test", "summary": {"kvp": {"rel_error_k": [0.2], '
+                  '"rel_error_v": [0.9], "rel_error_prompts": 1}}}')
+    bench.main(["layers", str(ok)])
+    assert (tmp_path / "kvp_y_layers.png").exists()
