@@ -280,19 +280,20 @@ def _plots(records: list[Record], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _layer_plot(summary: dict[str, Any], path: Path, title: str) -> bool:
-    """Per-layer relative error of the predicted K and V (x: base layer) for every KVP method.
+def _layer_plot(header: dict[str, Any], stem: str) -> Path | None:
+    """Draw ``<stem>_layers.png``: per-layer relative error of the predicted K and V (x: base layer)
+    for every KVP method of an eval ``header`` (its ``summary``, ``task`` and ``split``).
 
-    Returns False, drawing nothing, when no method in ``summary`` carries ``rel_error_k``.
+    Returns the path, or None, drawing nothing, when no method carries ``rel_error_k``.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kvp = {n: s for n, s in summary.items() if s.get("rel_error_k")}
+    kvp = {n: s for n, s in header["summary"].items() if s.get("rel_error_k")}
     if not kvp:
-        return False
+        return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     for name, s in kvp.items():
         for ax, part in zip(axes, ("k", "v"), strict=True):
@@ -304,11 +305,12 @@ def _layer_plot(summary: dict[str, Any], path: Path, title: str) -> bool:
         ax.axhline(1.0, color="grey", lw=0.6, ls=":")
         ax.legend(fontsize=8)
     axes[0].set_ylabel("relative error")
-    fig.suptitle(title)
+    fig.suptitle(f"KV Prediction per-layer error, {header['task']} ({header['split']})")
     fig.tight_layout()
+    path = Path(stem + "_layers.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
+    return path
 
 
 def cmd_layers(args: argparse.Namespace) -> None:
@@ -316,10 +318,8 @@ def cmd_layers(args: argparse.Namespace) -> None:
     src = Path(args.summary)
     if not src.name.endswith(".summary.json"):
         raise SystemExit(f"{src}: expected an eval summary file ending in .summary.json")
-    header = json.loads(src.read_text())
-    out = Path(str(src)[: -len(".summary.json")] + "_layers.png")
-    title = f"KV Prediction per-layer error, {header['task']} ({header['split']})"
-    if not _layer_plot(header["summary"], out, title):
+    out = _layer_plot(json.loads(src.read_text()), str(src)[: -len(".summary.json")])
+    if out is None:
         raise SystemExit(f"{src}: no method has per-layer errors (rel_error_k)")
     print(out)
 
@@ -417,7 +417,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     stem.with_suffix(".summary.json").write_text(json.dumps(header, indent=2))
     stem.with_suffix(".md").write_text(_markdown(header, summary))
     _plots(records, stem.with_suffix(".png"), f"KV Prediction, {args.task} ({args.split}), n={args.n}")
-    _layer_plot(summary, Path(str(stem) + "_layers.png"), f"KV Prediction per-layer error, {args.task} ({args.split})")
+    _layer_plot(header, str(stem))
     print(stem.with_suffix(".md").read_text())
 
 

@@ -46,11 +46,13 @@ def test_each_variant_swaps_only_its_part(bench):
 
 def test_layer_plot_draws_only_methods_with_errors(bench, tmp_path):
     no_errors = {"full": {"n": 3}, "aux": {"n": 3}}
-    assert bench._layer_plot(no_errors, tmp_path / "none.png", "t") is False
-    assert not (tmp_path / "none.png").exists()
-    summary = {**no_errors, "kvp": {"rel_error_k": [0.1, 0.5], "rel_error_v": [0.7, 1.1], "rel_error_prompts": 2}}
-    assert bench._layer_plot(summary, tmp_path / "some.png", "t") is True
-    assert (tmp_path / "some.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    header = {"task": "t", "split": "test", "summary": no_errors}
+    assert bench._layer_plot(header, str(tmp_path / "none")) is None
+    assert not (tmp_path / "none_layers.png").exists()
+    kvp = {"rel_error_k": [0.1, 0.5], "rel_error_v": [0.7, 1.1], "rel_error_prompts": 2}
+    header["summary"] = {**no_errors, "kvp": kvp}
+    assert bench._layer_plot(header, str(tmp_path / "some")) == tmp_path / "some_layers.png"
+    assert (tmp_path / "some_layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_layers_command_names_its_input_problems(bench, tmp_path):
