@@ -49,7 +49,8 @@ from fastprefill.methods.kv_prediction.train import (
     training_corpus,
 )
 from fastprefill.models import zoo
-from fastprefill.models.adapters import ModelShape, cache_from_kv, prefix_kv, rotate_keys
+from fastprefill.models.kv import cache_from_kv, prefix_kv, rotate_keys
+from fastprefill.models.shape import ModelShape
 
 PAIRS: dict[str, dict[str, Any]] = {
     "c": {"base": "qwen2.5-coder-1.5b", "aux": "qwen2.5-coder-0.5b"},

@@ -39,7 +39,7 @@ from fastprefill.methods.base import Method
 from fastprefill.methods.baselines import RandomDrop, StaticPruning, equivalent_keep
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import DEFAULT_PRESET, PRESETS, LazyLLM
-from fastprefill.models.adapters import ModelShape
+from fastprefill.models.shape import ModelShape
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

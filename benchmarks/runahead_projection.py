@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from fastprefill.methods.runahead.partition import CostModel, PartitionPlan, search_partition
-from fastprefill.models.adapters import ModelShape
+from fastprefill.models.shape import ModelShape
 
 LLAMA_7B = ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
                       intermediate_size=11008, vocab_size=32000, max_positions=16384)

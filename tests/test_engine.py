@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastprefill.cache import PositionKVCache
-from fastprefill.engine import generate, stream
+from fastprefill.engine import generate, prepare_prompt, stream
 from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
@@ -100,6 +100,56 @@ def test_empty_and_overlong_prompts(tiny_llama):
         generate(tiny_llama, None, [1] * 510, max_new_tokens=8)
     with pytest.raises(PromptError, match="ids must lie"):
         generate(tiny_llama, None, [1, 500])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        (b"\xff\xfe\x00binary", "not valid UTF-8"),
+        ("text with a \x00 NUL", "NUL"),
+        ([1, "2", 3], "must be integers"),
+        ([1, True], "must be integers"),
+        (torch.tensor([[1.0, 2.0]]), "integer tensor"),
+        (torch.ones(2, 3, dtype=torch.long), "shape"),
+        (3.5, "text or token ids"),
+        (b"   ", "empty"),
+    ],
+)
+def test_prepare_prompt_refuses_bad_prompts(tiny_llama, prompt, match):
+    with pytest.raises(PromptError, match=match):
+        prepare_prompt(tiny_llama, None, prompt)
+
+
+def test_prepare_prompt_is_the_one_validator(tiny_llama, smollm2):
+    """Valid bytes decode as text; the ids land on the model's device; stream refuses what it refuses."""
+    model, tok = smollm2
+    ids = prepare_prompt(model, tok, "Hello wörld".encode())
+    assert ids.tolist() == [tok("Hello wörld")["input_ids"]] and ids.device == model.device
+    with pytest.raises(PromptError, match="not valid UTF-8"):
+        next(stream(model, tok, b"\xc3\x28"))
+    with pytest.raises(ConfigError, match="a tokenizer is needed"):
+        prepare_prompt(tiny_llama, None, "text")
+
+
+def test_method_support_is_a_static_query():
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from fastprefill.methods.lazyllm import LazyLLM
+
+    gemma, llama = Gemma3TextConfig(), LlamaConfig()
+    assert FullPrefill.supports(gemma) and FullPrefill.supports(llama)
+    assert LazyLLM.supports(llama) and not LazyLLM.supports(gemma)
+
+
+def test_every_cache_meets_the_layer_cache_contract(tiny_llama):
+    from transformers import DynamicCache
+
+    from fastprefill.cache import LayerCache, ReplayCache
+
+    kv = [(torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16))] * 4
+    for cache in (PositionKVCache(4), ReplayCache(kv), DynamicCache(config=tiny_llama.config)):
+        assert isinstance(cache, LayerCache)
+    assert ReplayCache(kv).get_seq_length(3) == 5
 
 
 def test_non_causal_model_refused():

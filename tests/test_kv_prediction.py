@@ -34,7 +34,8 @@ from fastprefill.methods.kv_prediction.train import (
     kv_relative_errors,
     train_kvp,
 )
-from fastprefill.models.adapters import ModelShape, prefix_kv, rotate_keys, unrotate_keys
+from fastprefill.models.kv import prefix_kv, rotate_keys, unrotate_keys
+from fastprefill.models.shape import ModelShape
 
 
 def _ids(n: int, seed: int, vocab: int = 128) -> torch.Tensor:

@@ -183,8 +183,10 @@ def test_validation_against_the_model(tiny_llama):
     with pytest.raises(ConfigError, match=r"out of range.*allowed 0..2"):
         LazyLLM(schedule=((3, 0.5),)).prefill(tiny_llama, _ids(8, 0))
     LazyLLM(schedule=((2, 0.5),)).prefill(tiny_llama, _ids(8, 0))  # the deepest allowed layer
-    with pytest.raises(PromptError, match="empty"):
-        LazyLLM().prefill(tiny_llama, torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(PromptError, match="empty"):  # the engine validates every prompt, before prefill
+        generate(tiny_llama, None, torch.zeros(1, 0, dtype=torch.long), LazyLLM())
+    with pytest.raises(ConfigError, match=r"out of range.*allowed 0..2"):  # ... and the schedule against the model
+        generate(tiny_llama, None, _ids(8, 0), LazyLLM(schedule=((3, 0.5),)))
     with pytest.raises(ConfigError, match="preset"):
         LazyLLM.preset("fastest")
     with pytest.raises(ConfigError, match="not both"):

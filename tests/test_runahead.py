@@ -29,7 +29,7 @@ from fastprefill.methods.runahead import (
     search_partition,
 )
 from fastprefill.methods.runahead.partition import TABLES_DIR, find_table
-from fastprefill.models.adapters import ModelShape
+from fastprefill.models.shape import ModelShape
 
 ATOL = 1e-4
 SHAPE_7B = ModelShape(32, 4096, 32, 32, 128, 11008, 32000, 4096)

@@ -1,4 +1,9 @@
-"""Position-indexed per-layer KV cache, the LazyLLM Aux Cache, and export to transformers' cache.
+"""The cache contract, the position-indexed per-layer KV cache, the LazyLLM Aux Cache, export to transformers.
+
+:class:`LayerCache` is the one contract a decoder layer's cache meets (transformers' own
+``update`` / ``get_seq_length``): :class:`PositionKVCache`, :class:`ReplayCache`, KV-Runahead's
+chain and gather caches and transformers' ``DynamicCache`` all implement it, and
+:meth:`fastprefill.models.adapters.DecoderAdapter.layer` accepts any of them.
 
 Each layer of :class:`PositionKVCache` holds keys and values for an arbitrary *set* of original
 prompt positions, in the order they were computed. Different layers may hold different sets
@@ -12,12 +17,34 @@ Shapes: keys/values ``(B, H_kv, N, d)``; positions ``(N,)`` int64; Aux Cache hid
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from transformers import DynamicCache
 
-__all__ = ["AuxCache", "LayerKV", "PositionKVCache"]
+__all__ = ["AuxCache", "LayerCache", "LayerKV", "PositionKVCache", "ReplayCache"]
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+    """What a decoder layer needs from its cache (transformers' ``update`` contract).
+
+    A layer computes its new keys and values ``(B, H_kv, T, d)`` (rotated), calls
+    ``update(k, v, layer_idx)`` and attends over the ``(K, V)`` ``(B, H_kv, N, d)`` it gets back,
+    which include the rows just written.
+    """
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new rows of ``layer_idx``; return the keys and values the layer attends over."""
+        ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Number of key positions held at ``layer_idx``."""
+        ...
 
 
 @dataclass
@@ -166,3 +193,25 @@ class AuxCache:
 
     def __len__(self) -> int:
         return sum(len(rows) for rows in self._rows.values())
+
+
+class ReplayCache:
+    """A :class:`LayerCache` that hands every layer fixed keys and values instead of its own.
+
+    Used to run a model's layers against a given (for example predicted) KV: ``update`` ignores
+    the rows the layer computed and returns ``kv[layer_idx]``.
+
+    Args:
+        kv: one ``(K, V)`` per layer, each ``(B, H_kv, N, d)`` with keys rotated.
+    """
+
+    def __init__(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.kv = kv
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.kv[layer_idx][0].shape[-2])

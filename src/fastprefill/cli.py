@@ -188,7 +188,7 @@ def demo_methods(model: Any, prompt_len: int) -> list[tuple[str, Any]]:
     """(label, method) pairs the demo runs beside full prefill, the baselines at LazyLLM's budget."""
     from fastprefill.methods.baselines import RandomDrop, StaticPruning, equivalent_keep
     from fastprefill.methods.lazyllm import LazyLLM
-    from fastprefill.models.adapters import ModelShape
+    from fastprefill.models.shape import ModelShape
 
     lazy = LazyLLM.preset("default")
     layers = ModelShape.from_config(model.config).num_layers

@@ -1,31 +1,51 @@
-"""Generation engine: prefill through a method, greedy decoding, honest timings, streaming.
+"""Generation engine: prompt validation, prefill through a method, greedy decoding, honest timings.
 
-TTFT is measured from the start of prefill (the prompt ids already on the device) through the
-first token id (the argmax of the prefill logits). Everything the method does for the first
-token is inside that window. On CUDA the device is synchronised before each clock read.
+- :func:`prepare_prompt` is the only place a request is validated (text or ids, bytes that must
+  be UTF-8, emptiness, the context length, the id range, the method's support for the model and
+  its own per-prompt limits). :func:`stream`, the distributed pool's workers and the server all
+  call it, so every entry point refuses the same inputs with the same message.
+- :class:`TimingWindow` is the only clock: on CUDA it synchronises the device before each read.
+  TTFT runs from the start of prefill (the prompt ids already on the device) through the first
+  token id (the argmax of the prefill logits); everything the method does for the first token
+  is inside that window.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.errors import ConfigError, PromptError
-from fastprefill.methods.base import Method
+from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import check_causal_lm
 
-__all__ = ["GenerationResult", "StreamEvent", "Timing", "encode_prompt", "generate", "stream"]
+__all__ = [
+    "GenerationResult",
+    "PromptInput",
+    "StreamEvent",
+    "Timing",
+    "TimingWindow",
+    "context_length",
+    "encode_prompt",
+    "generate",
+    "prepare_prompt",
+    "stream",
+    "timed_prefill",
+]
+
+#: What a prompt may be: text (or UTF-8 bytes), or token ids as a list or a ``(T,)`` / ``(1, T)`` tensor.
+PromptInput = str | bytes | Sequence[int] | torch.Tensor
 
 
 @dataclass
 class Timing:
-    """Timings and compute counts of one generation.
+    """Timings of one generation and what its prefill computed.
 
     Attributes:
         method: the method's :meth:`~fastprefill.methods.base.Method.describe` string.
@@ -34,10 +54,9 @@ class Timing:
         ttft_s: seconds from the start of prefill through the first token.
         decode_s_per_token: mean seconds per token after the first (``None`` if only one).
         total_s: TTFT plus all decoding.
-        token_layers: prompt (token, layer) pairs the prefill computed.
-        total_token_layers: ``T * num_layers``.
-        prefill_flops: estimated FLOPs to the first token.
-        extra: method counters (prefill and decode).
+        stats: the prefill's :class:`~fastprefill.methods.base.ComputeStats` (token-layers,
+            FLOPs, method counters), as the method reported it.
+        decode_extra: counters the method gathered while decoding (``Method.decode_stats``).
     """
 
     method: str
@@ -46,19 +65,48 @@ class Timing:
     ttft_s: float
     decode_s_per_token: float | None
     total_s: float
-    token_layers: int
-    total_token_layers: int
-    prefill_flops: float
-    extra: dict[str, Any] = field(default_factory=dict)
+    stats: ComputeStats
+    decode_extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def token_layers(self) -> int:
+        """Prompt (token, layer) pairs the prefill computed."""
+        return self.stats.token_layers
+
+    @property
+    def total_token_layers(self) -> int:
+        """``T * num_layers``."""
+        return self.stats.total_token_layers
 
     @property
     def token_layer_fraction(self) -> float:
-        return self.token_layers / self.total_token_layers if self.total_token_layers else 1.0
+        return self.stats.fraction
+
+    @property
+    def prefill_flops(self) -> float:
+        """Estimated FLOPs to the first token."""
+        return self.stats.flops
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """Prefill and decode counters in one dict (decode keys win on a clash)."""
+        return {**self.stats.extra, **self.decode_extra}
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["token_layer_fraction"] = self.token_layer_fraction
-        return d
+        """A flat, JSON-friendly dict (the keys benchmark records and the pool's replies use)."""
+        return {
+            "method": self.method,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "ttft_s": self.ttft_s,
+            "decode_s_per_token": self.decode_s_per_token,
+            "total_s": self.total_s,
+            "token_layers": self.token_layers,
+            "total_token_layers": self.total_token_layers,
+            "prefill_flops": self.prefill_flops,
+            "extra": self.extra,
+            "token_layer_fraction": self.token_layer_fraction,
+        }
 
 
 @dataclass
@@ -80,9 +128,30 @@ class GenerationResult:
     timing: Timing
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class TimingWindow:
+    """The engine's clock: ``with TimingWindow(device) as w: ...`` then ``w.seconds``.
+
+    The device is synchronised before the start and the end reads (CUDA work is asynchronous),
+    so the window holds all the work queued inside it.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self) -> TimingWindow:
+        self._sync()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sync()
+        self.seconds = time.perf_counter() - self._t0
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
@@ -104,22 +173,33 @@ def context_length(model: PreTrainedModel) -> int:
 
 def encode_prompt(
     tokenizer: PreTrainedTokenizerBase | None,
-    prompt: str | Sequence[int] | torch.Tensor,
+    prompt: PromptInput,
     chat: bool = False,
 ) -> torch.Tensor:
-    """Turn a prompt into ``(1, T)`` int64 ids.
+    """Turn a prompt into ``(1, T)`` int64 ids on the CPU (no model checks: see :func:`prepare_prompt`).
 
     Args:
         tokenizer: used for text prompts.
-        prompt: text, a list of ids, or a ``(T,)``/``(1, T)`` tensor of ids.
+        prompt: text (``bytes`` must be UTF-8), a sequence of ids, or a ``(T,)``/``(1, T)`` tensor of ids.
         chat: wrap text in the tokenizer's chat template as one user message (if it has one).
 
     Raises:
-        PromptError: if the prompt is empty.
+        PromptError: an empty prompt, bytes that are not UTF-8, text with NUL characters, ids
+            that are not integers, or a prompt of another type.
+        ConfigError: a text prompt without a tokenizer.
     """
+    if isinstance(prompt, (bytes, bytearray)):
+        try:
+            prompt = bytes(prompt).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PromptError(
+                f"the prompt is not valid UTF-8 text (byte {exc.start}: {exc.reason}); give text, not binary data"
+            ) from None
     if isinstance(prompt, str):
         if not prompt.strip():
             raise PromptError("the prompt is empty; give some text to answer")
+        if "\x00" in prompt:
+            raise PromptError("the prompt contains NUL characters; give text, not binary data")
         if tokenizer is None:
             raise ConfigError("a tokenizer is needed for a text prompt")
         if chat and getattr(tokenizer, "chat_template", None):
@@ -131,35 +211,60 @@ def encode_prompt(
             ids = tokenizer(prompt)["input_ids"]
         tensor = torch.tensor([ids], dtype=torch.long)
     elif isinstance(prompt, torch.Tensor):
-        tensor = prompt.reshape(1, -1).to(torch.long)
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise PromptError(f"prompt ids must be an integer tensor, got dtype {prompt.dtype}")
+        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+            raise PromptError(f"prompt ids must have shape (T,) or (1, T), got {tuple(prompt.shape)}")
+        tensor = prompt.detach().reshape(1, -1).to("cpu", torch.long)
+    elif isinstance(prompt, Sequence):
+        items = list(prompt)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+            raise PromptError("prompt ids must be integers; give a list of token ids or a string")
+        tensor = torch.tensor([items], dtype=torch.long).reshape(1, -1)
     else:
-        tensor = torch.tensor([list(prompt)], dtype=torch.long)
+        raise PromptError(f"the prompt must be text or token ids, got {type(prompt).__name__}")
     if tensor.shape[1] == 0:
         raise PromptError("the prompt is empty (0 tokens); give some text to answer")
     return tensor
 
 
-def stream(
+def prepare_prompt(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None,
-    prompt: str | Sequence[int] | torch.Tensor,
+    prompt: PromptInput,
     method: Method | None = None,
-    max_new_tokens: int = 64,
     *,
+    max_new_tokens: int = 64,
     chat: bool = False,
-    stop_at_eos: bool = True,
-    stop: Callable[[str], bool] | None = None,
-) -> Iterator[StreamEvent]:
-    """Greedy generation as an iterator of :class:`StreamEvent` (one per token).
+) -> torch.Tensor:
+    """Validate a request and return its ``(1, T)`` int64 ids on the model's device.
 
-    The last event carries the :class:`Timing`. See :func:`generate` for the arguments.
+    The only validator of fastprefill: everything a request can get wrong is refused here,
+    before any work or communication starts.
+
+    Args:
+        model: a decoder-only causal LM.
+        tokenizer: its tokenizer (needed for text).
+        prompt: see :data:`PromptInput`.
+        method: the method that will run (``None``: full prefill); it must support the model's
+            family (``Method.supports``) and accept the prompt length (``Method.check_prompt``).
+        max_new_tokens: tokens to generate, the first included (>= 1).
+        chat: wrap text in the chat template.
+
+    Raises:
+        PromptError: see :func:`encode_prompt`; prompt + ``max_new_tokens`` over the model's
+            context; ids outside the vocabulary.
+        ConfigError: ``max_new_tokens`` not an integer >= 1, ``method`` not a Method, or a
+            method setting that does not fit this prompt.
+        UnsupportedModelError: not a causal LM, or a family the method does not support.
     """
     check_causal_lm(model)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     method = method if method is not None else FullPrefill()
     if not isinstance(method, Method):
         raise ConfigError(f"method must be a fastprefill Method or None, got {type(method).__name__}")
+    method.check_model(model)
     input_ids = encode_prompt(tokenizer, prompt, chat=chat)
     n_prompt = int(input_ids.shape[1])
     limit = context_length(model)
@@ -171,21 +276,49 @@ def stream(
     vocab = model.get_input_embeddings().num_embeddings
     if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
         raise PromptError(f"prompt ids must lie in [0, {vocab}); got {int(input_ids.min())}..{int(input_ids.max())}")
-    device = model.device
-    input_ids = input_ids.to(device)
-    eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
+    method.check_prompt(model, n_prompt)
+    return input_ids.to(model.device)
 
-    with torch.inference_mode():
-        _sync(device)
-        t0 = time.perf_counter()
+
+def timed_prefill(model: PreTrainedModel, input_ids: torch.Tensor, method: Method) -> tuple[PrefillOutput, int, float]:
+    """Prefill ``(1, T)`` prepared ids with ``method`` inside the engine's timing window.
+
+    Returns:
+        ``(output, first_token_id, ttft_seconds)``; the window covers the method's prefill and
+        the argmax of its logits.
+    """
+    with torch.inference_mode(), TimingWindow(model.device) as window:
         out = method.prefill(model, input_ids)
         token = int(torch.argmax(out.logits))
-        _sync(device)
-        ttft = time.perf_counter() - t0
+    return out, token, window.seconds
 
-        generated = [token]
-        decode_time = 0.0
-        prev_text = ""
+
+def stream(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt: PromptInput,
+    method: Method | None = None,
+    max_new_tokens: int = 64,
+    *,
+    chat: bool = False,
+    stop_at_eos: bool = True,
+    stop: Callable[[str], bool] | None = None,
+) -> Iterator[StreamEvent]:
+    """Greedy generation as an iterator of :class:`StreamEvent` (one per token).
+
+    The last event carries the :class:`Timing`. See :func:`generate` for the arguments.
+    """
+    method = method if method is not None else FullPrefill()
+    input_ids = prepare_prompt(model, tokenizer, prompt, method, max_new_tokens=max_new_tokens, chat=chat)
+    n_prompt = int(input_ids.shape[1])
+    device = model.device
+    eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
+
+    out, token, ttft = timed_prefill(model, input_ids, method)
+    generated = [token]
+    decode_time = 0.0
+    prev_text = ""
+    with torch.inference_mode():
         while True:
             text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
             delta, prev_text = text[len(prev_text):], text
@@ -193,16 +326,12 @@ def stream(
             if done:
                 break
             yield StreamEvent(token, delta, len(generated) - 1)
-            _sync(device)
-            t1 = time.perf_counter()
-            logits = method.decode(out.state, token)
-            token = int(torch.argmax(logits))
-            _sync(device)
-            decode_time += time.perf_counter() - t1
+            with TimingWindow(device) as window:
+                logits = method.decode(out.state, token)
+                token = int(torch.argmax(logits))
+            decode_time += window.seconds
             generated.append(token)
 
-        extra = dict(out.stats.extra)
-        extra.update(method.decode_stats(out.state))
         steps = len(generated) - 1
         timing = Timing(
             method=method.describe(),
@@ -211,10 +340,8 @@ def stream(
             ttft_s=ttft,
             decode_s_per_token=decode_time / steps if steps else None,
             total_s=ttft + decode_time,
-            token_layers=out.stats.token_layers,
-            total_token_layers=out.stats.total_token_layers,
-            prefill_flops=out.stats.flops,
-            extra=extra,
+            stats=out.stats,
+            decode_extra=dict(method.decode_stats(out.state)),
         )
         yield StreamEvent(token, delta, len(generated) - 1, timing)
 
@@ -222,7 +349,7 @@ def stream(
 def generate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None,
-    prompt: str | Sequence[int] | torch.Tensor,
+    prompt: PromptInput,
     method: Method | None = None,
     max_new_tokens: int = 64,
     *,
@@ -235,7 +362,7 @@ def generate(
     Args:
         model: a decoder-only causal LM (``AutoModelForCausalLM``), in eval mode.
         tokenizer: its tokenizer (needed for text prompts and for the output text).
-        prompt: text, or token ids as a list or a ``(T,)`` / ``(1, T)`` tensor.
+        prompt: text (``bytes`` must be UTF-8), or token ids as a list or a ``(T,)`` / ``(1, T)`` tensor.
         method: a :class:`~fastprefill.methods.base.Method`; ``None`` is full prefill.
         max_new_tokens: at most this many tokens, the first one included (>= 1).
         chat: wrap a text prompt in the tokenizer's chat template.
@@ -249,9 +376,7 @@ def generate(
         The text, the generated ids and the :class:`Timing`.
 
     Raises:
-        PromptError: empty prompt, or prompt + ``max_new_tokens`` over the model's context.
-        ConfigError: ``max_new_tokens < 1`` or a ``method`` that is not a Method.
-        UnsupportedModelError: the model is not a causal LM (or not supported by the method).
+        PromptError, ConfigError, UnsupportedModelError: as :func:`prepare_prompt` says.
     """
     ids: list[int] = []
     timing: Timing | None = None

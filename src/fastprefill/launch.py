@@ -136,27 +136,16 @@ def _layer_hook(fault: tuple[int, int, str] | None) -> Any:
 
 def _check_request(model: Any, tokenizer: Any, req: dict[str, Any], world: int) -> torch.Tensor:
     """Same checks on every rank before any communication, so all ranks refuse alike."""
-    from fastprefill.engine import context_length, encode_prompt
+    from fastprefill.engine import prepare_prompt
 
-    ids = encode_prompt(tokenizer, req["prompt"], chat=req["chat"])
-    n = int(ids.shape[1])
     method = req["method"]
     if not isinstance(method, Method):
         raise ConfigError(f"method must be a fastprefill Method, got {type(method).__name__}")
     procs = getattr(method, "procs", 1)
     if procs != world:
         raise ConfigError(f"{method.describe()} needs procs={procs} ranks, but this pool has {world}")
-    if procs > n:
-        raise ConfigError(f"procs ({procs}) is larger than the prompt ({n} tokens); every rank needs a token")
-    plan = getattr(method, "plan", None)
-    if plan is not None:
-        plan(model, n)  # the frozen partition must be valid for this prompt on every rank
-    if n + req["max_new_tokens"] > context_length(model):
-        raise PromptError(f"prompt ({n} tokens) + max_new_tokens exceeds the model's context")
-    vocab = model.get_input_embeddings().num_embeddings
-    if int(ids.max()) >= vocab or int(ids.min()) < 0:
-        raise PromptError(f"prompt ids must lie in [0, {vocab})")
-    return ids
+    return prepare_prompt(model, tokenizer, req["prompt"], method, max_new_tokens=req["max_new_tokens"],
+                          chat=req["chat"])
 
 
 class _Capture(Method):
@@ -185,9 +174,8 @@ class _Capture(Method):
 def _serve(model: Any, tokenizer: Any, rank: int, world: int, conn: Connection, req: dict[str, Any]) -> None:
     from fastprefill.engine import stream
 
-    device = next(model.parameters()).device
     try:
-        ids = _check_request(model, tokenizer, req, world).to(device)
+        ids = _check_request(model, tokenizer, req, world)
     except (ConfigError, PromptError) as exc:
         conn.send(("invalid", f"{type(exc).__name__}: {exc}"))
         return

@@ -22,6 +22,9 @@ from typing import Any, ClassVar
 import torch
 from transformers import PreTrainedModel
 
+from fastprefill.errors import UnsupportedModelError
+from fastprefill.models.adapters import LAYER_LOOP_FAMILIES, supports_layer_loop
+
 
 @dataclass
 class ComputeStats:
@@ -65,6 +68,30 @@ class Method(ABC):
 
     #: Short name used by the CLI and in benchmark records.
     name: ClassVar[str] = "method"
+    #: True when the method runs the model's decoder layers itself (through a family adapter),
+    #: so it supports only :data:`~fastprefill.models.adapters.LAYER_LOOP_FAMILIES`.
+    layer_loop: ClassVar[bool] = False
+
+    # --- capability queries (static: nothing is built) ---------------------------------------
+    @classmethod
+    def supports(cls, config: Any) -> bool:
+        """Whether this method can run a model with this transformers ``config``."""
+        return supports_layer_loop(config) if cls.layer_loop else True
+
+    @classmethod
+    def check_model(cls, model: PreTrainedModel) -> None:
+        """Raise :class:`UnsupportedModelError` unless :meth:`supports` the model's config."""
+        if not cls.supports(model.config):
+            model_type = getattr(model.config, "model_type", "?")
+            raise UnsupportedModelError(
+                f"{cls.name} runs the model layer by layer and supports the families "
+                f"{sorted(LAYER_LOOP_FAMILIES)}, not {model_type!r}; use full prefill (method=None) for this model."
+            )
+
+    def check_prompt(self, model: PreTrainedModel, prompt_len: int) -> None:
+        """Raise :class:`~fastprefill.errors.ConfigError` if this method's settings cannot serve a
+        ``prompt_len``-token prompt on ``model`` (called by the engine before any work)."""
+        del model, prompt_len
 
     @abstractmethod
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
@@ -72,7 +99,9 @@ class Method(ABC):
 
         Args:
             model: a causal LM in eval mode.
-            input_ids: ``(1, T)`` int64 prompt ids on the model's device, ``T >= 1``.
+            input_ids: ``(1, T)`` int64 prompt ids on the model's device, ``T >= 1``, already
+                validated by :func:`fastprefill.engine.prepare_prompt` (this method's
+                :meth:`check_model` and :meth:`check_prompt` included).
         """
 
     @abstractmethod

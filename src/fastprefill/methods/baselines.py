@@ -30,7 +30,6 @@ from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
 from fastprefill.methods.lazyllm import (
     Schedule,
     check_layers,
-    check_prompt,
     check_schedule,
     decode_step,
     keep_count,
@@ -40,6 +39,7 @@ from fastprefill.methods.lazyllm import (
     top_k_keep,
 )
 from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.shape import ModelShape
 
 __all__ = ["RandomDrop", "StaticPruning", "equivalent_keep"]
 
@@ -94,6 +94,7 @@ class RandomDrop(Method):
     """
 
     name: ClassVar[str] = "random"
+    layer_loop: ClassVar[bool] = True
 
     keep: float = 0.5
     seed: int = 0
@@ -112,7 +113,7 @@ class RandomDrop(Method):
 
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
         ad = DecoderAdapter(model, method="RandomDrop")
-        n = check_prompt(input_ids, "RandomDrop")
+        n = int(input_ids.shape[1])
         state = new_state(ad, (), n)
         keep = self.choose(n).to(ad.device)
         with torch.inference_mode(), ad.attention_scope():
@@ -140,6 +141,7 @@ class StaticPruning(Method):
     """
 
     name: ClassVar[str] = "static"
+    layer_loop: ClassVar[bool] = True
 
     keep: float = 0.5
     select_layer: int = 8
@@ -149,14 +151,18 @@ class StaticPruning(Method):
         if isinstance(self.select_layer, bool) or not isinstance(self.select_layer, int) or self.select_layer < 0:
             raise ConfigError(f"select_layer must be an integer >= 0, got {self.select_layer!r}")
 
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
-        ad = DecoderAdapter(model, method="StaticPruning")
-        n = check_prompt(input_ids, "StaticPruning")
-        if self.select_layer > ad.num_layers - 1:
+    def check_prompt(self, model: PreTrainedModel, prompt_len: int) -> None:
+        """``select_layer`` must be a layer of this model."""
+        layers = ModelShape.from_config(model.config).num_layers
+        if self.select_layer > layers - 1:
             raise ConfigError(
-                f"select_layer {self.select_layer} out of range for a {ad.num_layers}-layer model; "
-                f"allowed 0..{ad.num_layers - 1}"
+                f"select_layer {self.select_layer} out of range for a {layers}-layer model; allowed 0..{layers - 1}"
             )
+
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+        self.check_prompt(model, int(input_ids.shape[1]))
+        ad = DecoderAdapter(model, method="StaticPruning")
+        n = int(input_ids.shape[1])
         shape = ad.shape
         k = keep_count(self.keep, n)
         s = self.select_layer
@@ -177,8 +183,7 @@ class StaticPruning(Method):
             del probe, hidden
             state = new_state(ad, (), n)
             logits, flops = subset_prefill(ad, state, input_ids, keep)
-        select_flops = (s + 1) * (shape.linear_flops_per_token() * n + shape.attention_flops(n, n * (n + 1) // 2))
-        select_flops += shape.attention_flops(1, n) / 2
+        select_flops = (s + 1) * shape.layer_flops(n) + shape.scoring_flops(n)
         stats = ComputeStats(
             token_layers=n * (s + 1) + k * ad.num_layers,
             total_token_layers=n * ad.num_layers,

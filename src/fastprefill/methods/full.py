@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
-from fastprefill.models.adapters import ModelShape
+from fastprefill.models.shape import ModelShape
 
 
 @dataclass

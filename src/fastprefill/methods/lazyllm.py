@@ -41,9 +41,10 @@ import torch
 from transformers import PreTrainedModel
 
 from fastprefill.cache import AuxCache, PositionKVCache
-from fastprefill.errors import ConfigError, PromptError
+from fastprefill.errors import ConfigError
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
-from fastprefill.models.adapters import DecoderAdapter, ModelShape, causal_mask
+from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.shape import ModelShape
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -215,15 +216,6 @@ class LazyState:
     selected: list[torch.Tensor] = field(default_factory=list)
 
 
-def check_prompt(input_ids: torch.Tensor, method: str) -> int:
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise PromptError(f"{method}: input_ids must have shape (1, T), got {tuple(input_ids.shape)}")
-    n = int(input_ids.shape[1])
-    if n == 0:
-        raise PromptError(f"{method}: the prompt is empty (T == 0); give at least one token")
-    return n
-
-
 def top_k_keep(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``(k,)`` (ascending) of the ``k`` largest ``scores`` ``(N,)``; ``+inf`` entries always win."""
     return torch.topk(scores, k, sorted=False).indices.sort().values
@@ -264,8 +256,7 @@ def subset_prefill(
     rot = adapter.rotary(hidden, keep[None])
     for layer in range(adapter.num_layers):
         hidden = run_rows(state, layer, hidden, keep, rot, None)
-    n = int(keep.numel())
-    flops = shape.num_layers * (shape.linear_flops_per_token() * n + shape.attention_flops(n, n * (n + 1) // 2))
+    flops = shape.num_layers * shape.layer_flops(int(keep.numel()))
     return adapter.head(hidden[:, -1:])[0, -1], flops + shape.head_flops(1)
 
 
@@ -358,6 +349,7 @@ class LazyLLM(Method):
     """
 
     name: ClassVar[str] = "lazyllm"
+    layer_loop: ClassVar[bool] = True
 
     schedule: Schedule = ()
     depth_schedule: DepthSchedule = ()
@@ -423,6 +415,10 @@ class LazyLLM(Method):
         return top_k_keep(scores, k)
 
     # --- the contract ---------------------------------------------------------------------------
+    def check_prompt(self, model: PreTrainedModel, prompt_len: int) -> None:
+        """The schedule's pruning layers must exist in this model (see :meth:`resolved`)."""
+        self.resolved(ModelShape.from_config(model.config).num_layers)
+
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
         """Progressively pruned prefill; see the module docstring.
 
@@ -432,10 +428,9 @@ class LazyLLM(Method):
         Raises:
             UnsupportedModelError: model family other than llama/qwen2.
             ConfigError: a pruning layer outside ``[0, L - 2]``.
-            PromptError: empty or badly shaped ``input_ids``.
         """
         ad = DecoderAdapter(model, method="LazyLLM")
-        n = check_prompt(input_ids, "LazyLLM")
+        n = int(input_ids.shape[1])
         sched = self.resolved(ad.num_layers)
         prune = dict(sched)
         shape: ModelShape = ad.shape
@@ -452,10 +447,10 @@ class LazyLLM(Method):
                 # each layer's cache is empty and rows ascend: mask=None (causal kernel) is exact
                 hidden = run_rows(state, layer, hidden, rows, (cos, sin), None, scores)
                 token_layers += r
-                flops += shape.linear_flops_per_token() * r + shape.attention_flops(r, r * (r + 1) // 2)
+                flops += shape.layer_flops(r)
                 if scores is None:
                     continue
-                flops += shape.attention_flops(1, r) / 2  # the scoring row (QK^T of one query)
+                flops += shape.scoring_flops(r)
                 k = keep_count(prune[layer], n)
                 if k < r:
                     row = scores[layer][0].clone()

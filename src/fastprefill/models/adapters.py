@@ -22,17 +22,15 @@ Supported families for the layer-loop methods: ``llama`` (SmolLM2) and ``qwen2``
 from __future__ import annotations
 
 import contextlib
-import copy
-import itertools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fastprefill.errors import UnsupportedModelError
+from fastprefill.models.shape import ModelShape
 
 #: Families whose decoder layers have the Llama calling convention
 #: ``layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings)``.
@@ -149,70 +147,31 @@ def _ensure_registered() -> None:
         _registered = True
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions a cost model or a KV map needs.
+def supports_layer_loop(config: Any) -> bool:
+    """True when :class:`DecoderAdapter` can run this config's family layer by layer.
 
-    Attributes:
-        num_layers: decoder layers ``L``.
-        hidden_size: ``D``.
-        num_heads: query heads ``H_q``.
-        num_kv_heads: key/value heads ``H_kv``.
-        head_dim: ``d``.
-        intermediate_size: MLP width.
-        vocab_size: ``V``.
-        max_positions: the context length the model was trained for.
+    A static query on the config: nothing is built. Methods answer their own ``supports(config)``
+    with it.
     """
+    return getattr(config, "model_type", None) in LAYER_LOOP_FAMILIES and not getattr(
+        config, "is_encoder_decoder", False
+    )
 
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_positions: int
 
-    @classmethod
-    def from_config(cls, config: Any) -> ModelShape:
-        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(
-            num_layers=cfg.num_hidden_layers,
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=head_dim,
-            intermediate_size=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
-            vocab_size=cfg.vocab_size,
-            max_positions=getattr(cfg, "max_position_embeddings", 1 << 30),
+def require_layer_loop(model: Any, method: str = "this method") -> None:
+    """Raise :class:`UnsupportedModelError` unless ``model`` is a causal LM of a layer-loop family.
+
+    Args:
+        model: the model a method is about to run on.
+        method: the method's name, used in the message.
+    """
+    check_causal_lm(model)
+    if not supports_layer_loop(model.config):
+        model_type = getattr(model.config, "model_type", "?")
+        raise UnsupportedModelError(
+            f"{method} supports the model families {sorted(LAYER_LOOP_FAMILIES)}, not {model_type!r}. "
+            "Use method=None (full prefill) for this model."
         )
-
-    def linear_flops_per_token(self) -> float:
-        """Multiply-add FLOPs (2 per MAC) of one token through one layer's linear maps.
-
-        q/k/v/o projections plus a gated MLP (gate, up, down).
-        """
-        d_q = self.num_heads * self.head_dim
-        d_kv = self.num_kv_heads * self.head_dim
-        attn = self.hidden_size * (d_q + 2 * d_kv) + d_q * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return 2.0 * (attn + mlp)
-
-    def attention_flops(self, n_queries: int, n_key_pairs: int) -> float:
-        """FLOPs of QK^T and AV for ``n_key_pairs`` (query, key) dot products in one layer."""
-        del n_queries
-        return 4.0 * self.num_heads * self.head_dim * n_key_pairs
-
-    def head_flops(self, n_tokens: int = 1) -> float:
-        """FLOPs of the LM head for ``n_tokens`` rows."""
-        return 2.0 * self.hidden_size * self.vocab_size * n_tokens
-
-    def causal_prefill_flops(self, n_tokens: int) -> float:
-        """Estimated FLOPs of a full causal prefill of ``n_tokens`` plus one LM-head row."""
-        pairs = n_tokens * (n_tokens + 1) // 2
-        per_layer = self.linear_flops_per_token() * n_tokens + self.attention_flops(n_tokens, pairs)
-        return self.num_layers * per_layer + self.head_flops(1)
 
 
 def is_causal_lm(model: Any) -> bool:
@@ -249,13 +208,7 @@ class DecoderAdapter:
     """
 
     def __init__(self, model: PreTrainedModel, method: str = "this method") -> None:
-        check_causal_lm(model)
-        model_type = getattr(model.config, "model_type", "?")
-        if model_type not in LAYER_LOOP_FAMILIES:
-            raise UnsupportedModelError(
-                f"{method} supports the model families {sorted(LAYER_LOOP_FAMILIES)}, not {model_type!r}. "
-                "Use method=None (full prefill) for this model."
-            )
+        require_layer_loop(model, method)
         self.model = model
         self.inner = model.model
         self.layers = self.inner.layers
@@ -297,8 +250,8 @@ class DecoderAdapter:
         """Run decoder layer ``idx`` on the rows ``hidden`` (``(B, T, D)``) at ``positions``.
 
         Args:
-            cache: an object with ``update(k, v, layer_idx) -> (K, V)``, such as
-                :class:`fastprefill.cache.PositionKVCache` or a transformers ``DynamicCache``.
+            cache: a :class:`~fastprefill.cache.LayerCache` (``update(k, v, layer_idx) -> (K, V)``),
+                such as :class:`fastprefill.cache.PositionKVCache` or a transformers ``DynamicCache``.
                 ``K, V`` are ``(B, H_kv, N, d)`` and include the rows just written.
             mask: boolean ``(B, 1, T, N)`` (True = attend) over the ``N`` keys the cache returns;
                 ``None`` means plain causal attention with queries aligned to the last ``T`` keys.
@@ -352,145 +305,3 @@ def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor) -> t
         ``(1, 1, T, N)`` bool, True where ``key_position <= query_position``.
     """
     return (key_positions[None, :] <= query_positions[:, None])[None, None]
-
-
-# =============================================================================================
-# KV Prediction helpers: pre-rotation keys, filling a cache, dropping layers.
-# (Model-family knowledge for fastprefill.methods.kv_prediction; llama / qwen2 convention.)
-# =============================================================================================
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The Llama/Qwen2 rotary helper: ``(x1, x2) -> (-x2, x1)`` over the two halves of the last dim."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply rotary embeddings to pre-rotation keys, as the llama/qwen2 attention does.
-
-    Args:
-        keys: ``(B, H_kv, N, d)`` keys before rotation.
-        cos, sin: ``(B, N, d)`` from :meth:`DecoderAdapter.rotary` at the keys' positions.
-
-    Returns:
-        ``(B, H_kv, N, d)`` rotated keys, equal to what the model stores in its cache.
-    """
-    cos, sin = cos.unsqueeze(1).to(keys.dtype), sin.unsqueeze(1).to(keys.dtype)
-    return keys * cos + rotate_half(keys) * sin
-
-
-def unrotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Undo :func:`rotate_keys`: rotation by ``-position`` (RoPE is orthogonal, so this is exact
-    up to float rounding). Shapes as in :func:`rotate_keys`."""
-    cos, sin = cos.unsqueeze(1).to(keys.dtype), sin.unsqueeze(1).to(keys.dtype)
-    return keys * cos - rotate_half(keys) * sin
-
-
-def prefix_kv(
-    model: PreTrainedModel, input_ids: torch.Tensor, with_logits: bool = False
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
-    """Run the model's own forward over ``input_ids`` and return every layer's *pre-rotation* KV.
-
-    The model runs its fused forward with a transformers ``DynamicCache``; the cached (rotated)
-    keys are then un-rotated at positions ``0..N-1`` with :func:`unrotate_keys`. Gradients flow
-    when called outside ``no_grad`` (used when the aux model is trained).
-
-    Args:
-        model: a llama / qwen2 causal LM.
-        input_ids: ``(1, N)`` int64, ``N >= 1``.
-        with_logits: also return the ``(1, N, V)`` float32 logits (else only the final hidden
-            states are computed, no LM head).
-
-    Returns:
-        ``([(K_l, V_l) for each layer], logits or None)`` with ``K_l, V_l`` ``(1, H_kv, N, d)``.
-    """
-    DecoderAdapter(model, method="KV Prediction")
-    cache = DynamicCache(config=model.config)
-    out = model.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-    cos, sin = model.model.rotary_emb(out.last_hidden_state, position_ids=positions)
-    kv = [(unrotate_keys(layer.keys, cos, sin), layer.values) for layer in cache.layers]
-    logits = model.lm_head(out.last_hidden_state).float() if with_logits else None
-    return kv, logits
-
-
-def cache_from_kv(
-    model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tensor]], pre_rotation: bool = True
-) -> DynamicCache:
-    """A ``DynamicCache`` for ``model`` holding the given per-layer KV at positions ``0..N-1``.
-
-    Args:
-        kv: one ``(K, V)`` per decoder layer, each ``(1, H_kv, N, d)`` in the model's dtype.
-        pre_rotation: the keys are before rotation; they are rotated with the model's own rotary
-            embedding at positions ``0..N-1`` (as the model would have cached them).
-    """
-    shape = ModelShape.from_config(model.config)
-    if len(kv) != shape.num_layers:
-        raise ValueError(f"cache_from_kv: {len(kv)} layers of KV for a {shape.num_layers}-layer model")
-    cache = DynamicCache(config=model.config)
-    n = kv[0][0].shape[-2]
-    if pre_rotation:
-        positions = torch.arange(n, device=kv[0][0].device)[None]
-        cos, sin = model.model.rotary_emb(kv[0][1], position_ids=positions)
-    for idx, (k, v) in enumerate(kv):
-        cache.update(rotate_keys(k, cos, sin) if pre_rotation else k, v, idx)
-    return cache
-
-
-def _shallow_module_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A new module object sharing every parameter/buffer/child with ``module``.
-
-    Its registries (children, parameters, buffers, hooks) are fresh dicts, so replacing a child
-    of the copy never touches the original.
-    """
-    clone = copy.copy(module)
-    for key, value in list(vars(module).items()):
-        if isinstance(value, dict):
-            clone.__dict__[key] = type(value)(value)
-    return clone
-
-
-def drop_layers(model: PreTrainedModel, keep: Sequence[int]) -> PreTrainedModel:
-    """The model with only the decoder layers ``keep``, sharing the original weight tensors.
-
-    Used by KVP-LP (an aux model made of the base's own layers). Nothing is copied: embeddings,
-    layers, norm and head are the same tensors; only module *objects* are new, so the original
-    model is untouched. The copy gets its own config (``num_hidden_layers = len(keep)``,
-    ``layer_types`` subset) and the kept attention modules are renumbered ``layer_idx = 0..``
-    so they index a cache of ``len(keep)`` layers.
-
-    Args:
-        model: a llama / qwen2 causal LM.
-        keep: strictly increasing layer indices in ``[0, num_layers)``, at least one.
-
-    Raises:
-        UnsupportedModelError: for other families.
-        ValueError: for a bad ``keep``.
-    """
-    DecoderAdapter(model, method="layer dropping")
-    num = model.config.num_hidden_layers
-    keep = [int(i) for i in keep]
-    if not keep or any(b <= a for a, b in itertools.pairwise(keep)) or keep[0] < 0 or keep[-1] >= num:
-        raise ValueError(f"keep must be strictly increasing layer indices in [0, {num}), got {keep}")
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = len(keep)
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [model.config.layer_types[i] for i in keep]
-    if getattr(config, "max_window_layers", None) is not None:
-        config.max_window_layers = min(config.max_window_layers, len(keep))
-    new = _shallow_module_copy(model)
-    new.config = config
-    inner = _shallow_module_copy(model.model)
-    inner.config = config
-    layers = []
-    for new_idx, old_idx in enumerate(keep):
-        layer = _shallow_module_copy(model.model.layers[old_idx])
-        attn = _shallow_module_copy(layer.self_attn)
-        attn.config = config
-        attn.layer_idx = new_idx
-        layer.self_attn = attn
-        layers.append(layer)
-    inner.layers = torch.nn.ModuleList(layers)
-    new.model = inner
-    return new

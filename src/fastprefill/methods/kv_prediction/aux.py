@@ -6,7 +6,7 @@ Two kinds (arXiv 2410.08391, Sec. 4):
   named in the zoo (``qwen2.5-coder-0.5b`` for base ``qwen2.5-coder-1.5b``).
 - **KVP-LP** (:meth:`AuxSpec.layer_drop`): the base itself with only every ``stride``-th layer
   kept, built at load time from the base's own weight tensors by
-  :func:`fastprefill.models.adapters.drop_layers` (no copy, no extra memory).
+  :func:`fastprefill.models.kv.drop_layers` (no copy, no extra memory).
 
 Identity of models and tokenizers is checked with cheap fingerprints
 (:func:`weights_fingerprint`, :func:`tokenizer_fingerprint`) stored in checkpoints.
@@ -23,7 +23,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.errors import ConfigError, FastprefillError
-from fastprefill.models.adapters import ModelShape, drop_layers
+from fastprefill.models.kv import drop_layers
+from fastprefill.models.shape import ModelShape
 
 __all__ = [
     "AuxSpec",

@@ -37,17 +37,11 @@ from fastprefill.methods.kv_prediction.aux import (
 )
 from fastprefill.methods.kv_prediction.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from fastprefill.methods.kv_prediction.predictor import KVPredictor
-from fastprefill.models.adapters import DecoderAdapter, ModelShape, cache_from_kv, prefix_kv
+from fastprefill.models.adapters import require_layer_loop
+from fastprefill.models.kv import cache_from_kv, prefix_kv
+from fastprefill.models.shape import ModelShape
 
-__all__ = ["AuxAlone", "KVPrediction", "shape_from_json", "shape_to_json"]
-
-
-def shape_to_json(shape: ModelShape) -> dict[str, int]:
-    return dict(vars(shape))
-
-
-def shape_from_json(data: dict[str, Any]) -> ModelShape:
-    return ModelShape(**{k: int(v) for k, v in data.items()})
+__all__ = ["AuxAlone", "KVPrediction"]
 
 
 @dataclass
@@ -66,6 +60,7 @@ class KVPrediction(Method):
     """
 
     name: ClassVar[str] = "kvp"
+    layer_loop: ClassVar[bool] = True
 
     predictor: KVPredictor
     aux_spec: AuxSpec = field(default_factory=lambda: AuxSpec.model(None))
@@ -81,7 +76,7 @@ class KVPrediction(Method):
         if self.aux_spec.kind == "model":
             if self.aux is None:
                 raise ConfigError("KVPrediction.aux is required for a separate aux model (KVP-C)")
-            DecoderAdapter(self.aux, method="KV Prediction (aux model)")
+            require_layer_loop(self.aux, "KV Prediction (aux model)")
             self._check_shape("aux", ModelShape.from_config(self.aux.config), self.predictor.aux_shape)
         elif self.aux is not None:
             raise ConfigError("KVPrediction.aux must be None for a layer-drop aux (it is built from the base)")
@@ -107,7 +102,7 @@ class KVPrediction(Method):
         """
         if self._bound is not None and self._bound[0]() is base:
             return self._bound[1]
-        DecoderAdapter(base, method="KV Prediction")
+        require_layer_loop(base, "KV Prediction")
         self._check_shape("base", ModelShape.from_config(base.config), self.predictor.base_shape)
         if self.base_fingerprint is not None and weights_fingerprint(base) != self.base_fingerprint:
             raise CheckpointError(
@@ -136,9 +131,7 @@ class KVPrediction(Method):
         aux_shape = ModelShape.from_config(aux.config)
         aux_flops = aux_shape.causal_prefill_flops(n - 1) - aux_shape.head_flops(1)  # no LM head
         predictor_flops = self.predictor.flops(n - 1)
-        base_flops = base_shape.num_layers * (
-            base_shape.linear_flops_per_token() + base_shape.attention_flops(1, n)
-        ) + base_shape.head_flops(1)
+        base_flops = base_shape.num_layers * base_shape.layer_flops(1, n) + base_shape.head_flops(1)
         stats = ComputeStats(
             token_layers=base_shape.num_layers,
             total_token_layers=n * base_shape.num_layers,
@@ -163,10 +156,10 @@ class KVPrediction(Method):
         """Write the predictor and its metadata to ``path`` (atomic; see :mod:`.checkpoint`)."""
         meta = dict(self.meta)
         meta.setdefault("base", {})
-        meta["base"] = {**meta["base"], "shape": shape_to_json(self.predictor.base_shape),
+        meta["base"] = {**meta["base"], "shape": self.predictor.base_shape.to_json(),
                         "fingerprint": self.base_fingerprint}
         meta.setdefault("aux", {})
-        meta["aux"] = {**meta["aux"], "spec": self.aux_spec.to_json(), "shape": shape_to_json(self.predictor.aux_shape)}
+        meta["aux"] = {**meta["aux"], "spec": self.aux_spec.to_json(), "shape": self.predictor.aux_shape.to_json()}
         meta["layer_map"] = list(self.predictor.layer_map)
         write_checkpoint(path, self.predictor.state_dict(), meta, step=int(meta.get("step", 0)))
 
@@ -194,8 +187,8 @@ class KVPrediction(Method):
         """
         config, state, _ = read_checkpoint(path)
         try:
-            base_shape = shape_from_json(config["base"]["shape"])
-            aux_shape = shape_from_json(config["aux"]["shape"])
+            base_shape = ModelShape.from_json(config["base"]["shape"])
+            aux_shape = ModelShape.from_json(config["aux"]["shape"])
             spec = AuxSpec.from_json(config["aux"]["spec"])
             predictor = KVPredictor(aux_shape, base_shape, layer_map=config["layer_map"])
             predictor.load_state_dict(state, strict=True)
@@ -244,6 +237,7 @@ class AuxAlone(Method):
     built from the base at the first prefill (the KVP-LP aux alone)."""
 
     name: ClassVar[str] = "aux-alone"
+    layer_loop: ClassVar[bool] = True
 
     aux: PreTrainedModel | AuxSpec
 

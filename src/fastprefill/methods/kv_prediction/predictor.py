@@ -9,9 +9,9 @@ acting on the aux KV with heads merged::
 
 **Rotary (a choice, with evidence).** Keys are predicted *before* rotation: the aux model's
 pre-rotation keys (its cached keys un-rotated exactly, see
-:func:`fastprefill.models.adapters.prefix_kv`) map to the base's pre-rotation keys, and the base's
+:func:`fastprefill.models.kv.prefix_kv`) map to the base's pre-rotation keys, and the base's
 own rotary embedding is applied at the original positions when the cache is filled
-(:func:`~fastprefill.models.adapters.cache_from_kv`). A linear map on *rotated* keys has to
+(:func:`~fastprefill.models.kv.cache_from_kv`). A linear map on *rotated* keys has to
 undo one position-dependent rotation and apply another with a single position-independent
 matrix; when the two models' rotary frequencies differ (e.g. ``rope_theta`` 1e6 in Qwen2.5 vs
 1e5 in SmolLM2) no such matrix exists. Evidence: ``tests/test_kv_prediction.py::
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from fastprefill.errors import ConfigError
-from fastprefill.models.adapters import ModelShape
+from fastprefill.models.shape import ModelShape
 
 __all__ = ["KVPredictor", "default_layer_map", "validate_layer_map"]
 

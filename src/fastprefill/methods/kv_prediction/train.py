@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fastprefill.cache import ReplayCache
 from fastprefill.errors import ConfigError
 from fastprefill.methods.kv_prediction.aux import (
     AuxSpec,
@@ -70,9 +71,11 @@ from fastprefill.methods.kv_prediction.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from fastprefill.methods.kv_prediction.method import KVPrediction, shape_to_json
+from fastprefill.methods.kv_prediction.method import KVPrediction
 from fastprefill.methods.kv_prediction.predictor import KVPredictor
-from fastprefill.models.adapters import DecoderAdapter, ModelShape, prefix_kv, rotate_keys
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.kv import prefix_kv, rotate_keys
+from fastprefill.models.shape import ModelShape
 
 __all__ = ["TrainConfig", "base_logits_on_kv", "fit_least_squares", "kv_relative_errors", "train_kvp", "training_corpus"]
 
@@ -285,18 +288,6 @@ def _plot_loss(out_dir: Path, history: list[dict[str, float]]) -> None:
     os.replace(tmp, out_dir / "loss.png")
 
 
-class _ReplayKV:
-    """A cache for :meth:`DecoderAdapter.layer` that hands every layer the given ``(K, V)``
-    ``(1, H_kv, T, d)`` (keys rotated) instead of the keys and values the layer computed."""
-
-    def __init__(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.kv = kv
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[layer_idx]
-
-
 def base_logits_on_kv(
     base: PreTrainedModel, input_ids: torch.Tensor, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
 ) -> torch.Tensor:
@@ -311,7 +302,7 @@ def base_logits_on_kv(
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     hidden = ad.embed(input_ids)
     cos, sin = ad.rotary(hidden, positions)
-    cache = _ReplayKV([(rotate_keys(k, cos, sin), v) for k, v in kv])
+    cache = ReplayCache([(rotate_keys(k, cos, sin), v) for k, v in kv])
     with ad.attention_scope():
         for idx in range(ad.num_layers):
             hidden = ad.layer(idx, hidden, positions, cache, mask=None, rotary=(cos, sin))
@@ -395,9 +386,9 @@ def train_kvp(
     aux_shape = ModelShape.from_config(aux_model.config)
     predictor = KVPredictor(aux_shape, base_shape, layer_map).to(base.device)
     meta: dict[str, Any] = {
-        "base": {"name": base_name, "shape": shape_to_json(base_shape), "fingerprint": weights_fingerprint(base),
+        "base": {"name": base_name, "shape": base_shape.to_json(), "fingerprint": weights_fingerprint(base),
                  "tokenizer": tokenizer_fingerprint(tokenizer)},
-        "aux": {"spec": spec.to_json(), "name": aux_name or spec.name, "shape": shape_to_json(aux_shape),
+        "aux": {"spec": spec.to_json(), "name": aux_name or spec.name, "shape": aux_shape.to_json(),
                 "fingerprint": weights_fingerprint(aux_model) if spec.kind == "model" else None},
         "layer_map": list(predictor.layer_map),
         "l1_weight": cfg.l1_weight,

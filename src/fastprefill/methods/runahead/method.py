@@ -59,7 +59,8 @@ from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
 from fastprefill.methods.full import FullPrefill, FullState
 from fastprefill.methods.runahead.comm import ChainComm, ChainCommError
 from fastprefill.methods.runahead.partition import PartitionPlan, PartitionTable, check_procs, find_table
-from fastprefill.models.adapters import DecoderAdapter, ModelShape, causal_mask
+from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.shape import ModelShape
 
 __all__ = ["KVRunahead", "RunaheadState", "SequenceParallel"]
 
@@ -77,7 +78,7 @@ class RunaheadState:
 
 
 class _RunaheadCache:
-    """The cache a chain rank's decoder layers write to (transformers' ``update`` contract).
+    """The :class:`~fastprefill.cache.LayerCache` a chain rank's decoder layers write to (transformers' ``update`` contract).
 
     ``update(k, v, l)`` is called by the layer after its q/k/v projections and rotary: it waits
     for the prefix of layer ``l`` (rank > 0), appends the own rows, sends the accumulated KV on
@@ -104,9 +105,12 @@ class _RunaheadCache:
             comm.commit()
         return keys, values
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.store.get_seq_length(layer_idx)
+
 
 class _GatherCache:
-    """TSP's cache: ``update`` all-gathers every rank's chunk of KV (padded to the largest chunk)
+    """TSP's :class:`~fastprefill.cache.LayerCache`: ``update`` all-gathers every rank's chunk of KV (padded to the largest chunk)
     and returns the full ``(1, H_kv, T, d)`` keys and values in position order."""
 
     def __init__(self, num_layers: int, plan: PartitionPlan, rank: int, timeout_s: float) -> None:
@@ -140,10 +144,15 @@ class _GatherCache:
         self.store.stage(layer_idx, torch.arange(total, device=keys.device))
         return self.store.update(keys, values, layer_idx)
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.store.get_seq_length(layer_idx)
+
 
 @dataclass
 class _DistributedPrefill(Method):
     """Shared plumbing of the two multi-rank prefills: roles, validation, stats, decoding."""
+
+    layer_loop: ClassVar[bool] = True
 
     procs: int = 2
     timeout_s: float = 120.0
@@ -175,6 +184,10 @@ class _DistributedPrefill(Method):
 
     def is_last_rank(self) -> bool:
         return self.rank() == self.procs - 1
+
+    def check_prompt(self, model: PreTrainedModel, prompt_len: int) -> None:
+        """Every rank needs a token, and the frozen partition must be valid for this prompt."""
+        self.plan(model, prompt_len)
 
     def plan(self, model: PreTrainedModel, total: int) -> PartitionPlan:
         """The frozen partition for a ``total``-token prompt (the same on every rank)."""
@@ -232,8 +245,6 @@ class _DistributedPrefill(Method):
     def _run(
         self, model: PreTrainedModel, input_ids: torch.Tensor, rank: int, layer_hook: LayerHook | None
     ) -> tuple[torch.Tensor | None, PositionKVCache, ComputeStats]:
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ConfigError(f"input_ids must be (1, T), got {tuple(input_ids.shape)}")
         ad = DecoderAdapter(model, method=self.name)
         total = int(input_ids.shape[1])
         plan = self.plan(model, total)
@@ -259,7 +270,7 @@ class _DistributedPrefill(Method):
     def _stats(self, shape: ModelShape, plan: PartitionPlan, rank: int, cache: Any) -> ComputeStats:
         total, layers = plan.length, shape.num_layers
         pairs = self._attention_pairs(plan)
-        flops = layers * (shape.linear_flops_per_token() * total + shape.attention_flops(total, sum(pairs)))
+        flops = layers * shape.layer_flops(total, sum(pairs))
         comm = getattr(cache, "comm", None)
         received = comm.bytes_received if comm is not None else getattr(cache, "bytes_received", 0)
         sent = comm.bytes_sent if comm is not None else 0

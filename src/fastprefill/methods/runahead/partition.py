@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from fastprefill.errors import ConfigError
-from fastprefill.models.adapters import ModelShape
+from fastprefill.models.shape import ModelShape
 
 __all__ = [
     "CostModel",
@@ -208,9 +208,9 @@ class CostModel:
     ) -> CostModel:
         """An uncalibrated model from FLOP counts at a sustained ``flops_per_s`` (projections)."""
         lin = shape.linear_flops_per_token() / flops_per_s
-        pair = shape.attention_flops(1, 1) / flops_per_s
-        d_q, d_kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-        qkv = shape.hidden_size * (d_q + 2 * d_kv) * 2 / shape.linear_flops_per_token()
+        pair = shape.attention_flops(1) / flops_per_s
+        d_kv = shape.num_kv_heads * shape.head_dim
+        qkv = shape.qkv_share()
         return cls(
             num_layers=shape.num_layers,
             layer_overhead_s=layer_overhead_s,
