@@ -112,9 +112,9 @@ def fit_prompt(
     may be cut at a word boundary). The search runs over the flat word position ``p`` (whole
     units, then words of the next one): an estimate from per-unit token counts, corrected by
     each real measurement of the whole prompt, proposes ``p``; it stops at a prompt of at most
-    ``length`` tokens and at least ``length - tolerance`` (or when no word more fits). Typically
-    two or three tokenisations of the full prompt per sample. ``overhead`` improves the first
-    guess and learns from the result.
+    ``length`` tokens and at least ``length - tolerance`` (or when no word more fits).
+    ``overhead`` improves the first guess and learns from the result (see docs/decisions.md for
+    what the search costs).
 
     Returns:
         ``(prompt, ids, chosen units)``.
