@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -195,6 +197,37 @@ def test_bad_build_arguments(tokenizer, kwargs: dict, message: str) -> None:
     arguments = {"length": 1024, "n": 1, "split": "test"} | kwargs
     with pytest.raises(ConfigError, match=message):
         TASKS["multidoc-qa"].build(tokenizer, arguments["length"], arguments["n"], split=arguments["split"])
+
+
+def _samples_digest(samples: list[Sample]) -> str:
+    """A short SHA-256 of every field of ``samples`` (meta with sorted keys)."""
+    digest = hashlib.sha256()
+    for s in samples:
+        record = [s.task, s.id, s.prompt, s.input_ids, list(s.answers), s.meta]
+        digest.update(json.dumps(record, sort_keys=True, default=repr).encode("utf-8"))
+    return digest.hexdigest()[:16]
+
+
+# Computed on the single-module data/tasks.py before it became a package: the split (and any
+# later refactor) must build the same samples, token for token. Same on the cached smollm2-135m
+# tokenizer and the packaged GGUF one. A deliberate change of the prompts updates these values.
+PINNED_DIGESTS = {
+    "multidoc-qa": {"dev": "6e48a9e556779887", "test": "651f1a0230afb209"},
+    "singledoc-qa": {"dev": "be4d6104bcad8359", "test": "06edaf9bfc2a2dfa"},
+    "needle": {"dev": "43c93bc066a1be74", "test": "1560cee7fce5ac36"},
+    "humaneval": {"dev": "31e64d54cc7e0d23", "test": "064a88396e3475bb"},
+    "humaneval-completion": {"dev": "27459d7002c5af72", "test": "15c2c3e2ddbd58e2"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED_DIGESTS))
+def test_built_samples_are_pinned(tokenizer, name: str) -> None:
+    assert set(PINNED_DIGESTS) == set(TASKS)
+    length = 512 if TASKS[name].sized else None
+    for split in ("dev", "test"):
+        samples = build_samples(name, tokenizer, length, 3, split=split, seed=1)
+        assert len(samples) == 3
+        assert _samples_digest(samples) == PINNED_DIGESTS[name][split], (name, split)
 
 
 # --------------------------------------------------------------------------- task contents

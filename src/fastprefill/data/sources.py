@@ -104,7 +104,7 @@ class HotpotRecord:
 
 @functools.cache
 def hotpotqa() -> tuple[HotpotRecord, ...]:
-    """The 7405 HotpotQA dev distractor records (parsed once, ~0.5 s)."""
+    """The 7405 HotpotQA dev distractor records (parsed on first use, then cached)."""
     records = []
     for raw in _load_lce_json("hotpotqa.json"):
         gold_titles = tuple(dict.fromkeys(title for title, _ in raw["supporting_facts"]))
