@@ -1,5 +1,5 @@
-"""KV Prediction benchmarks (issue 5). Results go to ``benchmarks/results/``; checkpoints to
-``benchmarks/checkpoints/``. Run the timing subcommands on a quiet machine.
+"""KV Prediction benchmarks (issue 5). Results go to ``--out`` (default ``benchmarks/results/``);
+checkpoints to ``benchmarks/checkpoints/``. Run the timing subcommands on a quiet machine.
 
 Pairs (``--pair``):
 
@@ -18,8 +18,13 @@ Subcommands:
   half of the layers) swapped for the prediction, against its own full prefill.
 - ``eval``: base alone, aux alone and KV Prediction on a task (same process, same prompts,
   :func:`fastprefill.bench.runner.run_samples`): TTFT, speedup over the base, TTFT FLOPs,
-  accuracy; plus first-token agreement with the base and per-layer relative K/V error on the
-  same prompts; plots accuracy vs TTFT and accuracy vs TTFT FLOPs.
+  accuracy; plus first-token agreement, identical answers and first-token KL against each
+  method's reference and per-layer relative K/V error on the same prompts; plots accuracy vs
+  TTFT and accuracy vs TTFT FLOPs.
+- ``layers``: redraw the per-layer K/V error plot from a committed ``.summary.json``.
+
+Records, summaries, tables and plots come from :mod:`fastprefill.bench`; this script holds the
+model pairs and method specs.
 """
 
 from __future__ import annotations
@@ -36,8 +41,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fastprefill.bench.runner import Record, environment, load_jsonl, run_samples
+from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ablation
+from fastprefill.bench.records import FULL, RecordLog, environment, write_json
+from fastprefill.bench.report import plot_layer_errors, plot_score_vs_cost, redraw_layer_plot, reference_table
+from fastprefill.bench.runner import run_samples
+from fastprefill.bench.summary import method_entry, references_by_model, summarize
 from fastprefill.data.tasks import get_task
+from fastprefill.errors import FastprefillError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
 from fastprefill.methods.kv_prediction.aux import check_tokenizers
@@ -49,7 +59,7 @@ from fastprefill.methods.kv_prediction.train import (
     training_corpus,
 )
 from fastprefill.models import zoo
-from fastprefill.models.kv import cache_from_kv, prefix_kv, rotate_keys
+from fastprefill.models.kv import prefix_kv, rotate_keys
 from fastprefill.models.shape import ModelShape
 
 PAIRS: dict[str, dict[str, Any]] = {
@@ -57,7 +67,7 @@ PAIRS: dict[str, dict[str, Any]] = {
     "lp": {"base": "qwen2.5-coder-0.5b", "aux": None},
     "smoke": {"base": "smollm2-135m", "aux": None},
 }
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _load_pair(pair: str, stride: int):
@@ -88,7 +98,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     meta = {"command": " ".join(shlex.quote(a) for a in sys.argv), "wall_seconds_this_run": seconds,
             "train_config": vars(cfg), "predictor_parameters": method.predictor.num_parameters(),
             "heldout_rel_error": errors, **environment(args.threads)}
-    Path(args.out, "train_meta.json").write_text(json.dumps(meta, indent=2))
+    write_json(Path(args.out, "train_meta.json"), meta)
     print(json.dumps({"wall_seconds": seconds, "mean_rel_err_k": statistics.mean(errors["k"]),
                       "mean_rel_err_v": statistics.mean(errors["v"])}, indent=2))
 
@@ -126,41 +136,11 @@ def cmd_rope(args: argparse.Namespace) -> None:
             # errors of rotated keys are comparable: RoPE is orthogonal, so ||K|| is the same
             result[name] = [(a / b) ** 0.5 for a, b in zip(num, den)]
     result["mean"] = {k: statistics.mean(result[k]) for k in ("pre_rotation", "rotated")}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"kvp_rope_{args.pair}.json"
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(Path(args.out) / f"kvp_rope_{args.pair}.json", result)
     print(json.dumps(result["mean"], indent=2), "->", out)
 
 
 # ----------------------------------------------------------------------------------- ablate
-KVList = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def ablation_variants(sink: int) -> dict[str, Any]:
-    """Caches to test, each built from the predicted and the true per-layer ``(K, V)`` lists
-    (``(1, H, N, d)``, keys before rotation): the true KV with one part replaced by the prediction."""
-
-    def first_exact(p: KVList, t: KVList) -> KVList:
-        return [(torch.cat([tk[:, :, :sink], pk[:, :, sink:]], 2), torch.cat([tv[:, :, :sink], pv[:, :, sink:]], 2))
-                for (pk, pv), (tk, tv) in zip(p, t)]
-
-    def layers(lo: float, hi: float):
-        def pick(p: KVList, t: KVList) -> KVList:
-            n = len(t)
-            return [p[l] if int(lo * n) <= l < int(hi * n) else t[l] for l in range(n)]
-        return pick
-
-    return {
-        "true KV (sanity)": lambda p, t: t,
-        "predicted K and V": lambda p, t: p,
-        "predicted V only": lambda p, t: [(tk, pv) for (_, pv), (tk, _) in zip(p, t)],
-        "predicted K only": lambda p, t: [(pk, tv) for (pk, _), (_, tv) in zip(p, t)],
-        f"predicted, first {sink} positions exact": first_exact,
-        "predicted in the lower half of layers only": layers(0.0, 0.5),
-        "predicted in the upper half of layers only": layers(0.5, 1.0),
-    }
-
-
 def cmd_ablate(args: argparse.Namespace) -> None:
     """First-token agreement and KL of the base reading partly predicted caches (dev prompts)."""
     torch.set_num_threads(args.threads)
@@ -170,39 +150,18 @@ def cmd_ablate(args: argparse.Namespace) -> None:
     aux = method.bind(base)
     task = get_task(args.task)
     samples = task.build(tok, args.length if task.sized else None, args.n, split=args.split, seed=args.seed)
-    variants = ablation_variants(args.sink)
-    agree: dict[str, list[float]] = {v: [] for v in variants}
-    kl: dict[str, list[float]] = {v: [] for v in variants}
-    with torch.no_grad():
-        for s in tqdm(samples, desc="ablate"):
-            ids = torch.as_tensor(s.input_ids, dtype=torch.long).reshape(1, -1)
-            ref = base(input_ids=ids, logits_to_keep=1).logits[0, -1].float().log_softmax(-1)  # (V,)
-            true, _ = prefix_kv(base, ids[:, :-1])
-            pred = method.predictor(prefix_kv(aux, ids[:, :-1])[0], dtype=base.dtype)
-            for name, build in variants.items():
-                cache = cache_from_kv(base, build(pred, true))
-                out = base(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
-                logp = out.logits[0, -1].float().log_softmax(-1)
-                agree[name].append(float(logp.argmax() == ref.argmax()))
-                kl[name].append(float((ref.exp() * (ref - logp)).sum()))
-    rows = [{"variant": v, "first_token_agreement": statistics.mean(agree[v]),
-             "median_kl_nats": statistics.median(kl[v]), "mean_kl_nats": statistics.mean(kl[v])} for v in variants]
+    prompts = [torch.as_tensor(s.input_ids, dtype=torch.long).reshape(1, -1) for s in samples]
+    rows = run_ablation(base, lambda ids: method.predictor(prefix_kv(aux, ids)[0], dtype=base.dtype), prompts,
+                        ablation_variants(args.sink))
     header = {"bench": "kvp-ablation", "predictor": args.predictor, "base": cfg["base"]["name"],
               "aux": cfg["aux"].get("name") or cfg["aux"]["spec"], "task": args.task, "split": args.split,
               "length": args.length, "n": len(samples), "sink": args.sink,
               "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
-    stem = str(RESULTS / (args.name or f"kvp_ablation_{Path(args.predictor).name}"))  # names hold dots
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    Path(stem + ".json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))
-    lines = [f"# KV Prediction ablation: {Path(args.predictor).name}, {args.task} ({args.split}), n={len(samples)}", "",
-             f"Command: `{header['command']}`", "",
-             ("The base reads its own (true) KV for the prompt with one part replaced by the prediction, then runs "
-              "the last prompt token. Reference: the base's full prefill."), "",
-             "| cache the base reads | first-token agreement | median KL (nats) | mean KL (nats) |", "|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {100 * r['first_token_agreement']:.0f}% | {r['median_kl_nats']:.3f} | "
-              f"{r['mean_kl_nats']:.3f} |" for r in rows]
-    Path(stem + ".md").write_text("\n".join(lines) + "\n")
-    print(Path(stem + ".md").read_text())
+    stem = str(Path(args.out) / (args.name or f"kvp_ablation_{Path(args.predictor).name}"))  # names hold dots
+    write_json(stem + ".json", {"header": header, "rows": rows})
+    md = Path(stem + ".md")
+    md.write_text(ablation_table(header, rows, f"KV Prediction ablation: {Path(args.predictor).name}"))
+    print(md.read_text())
 
 
 # ----------------------------------------------------------------------------------- eval
@@ -219,135 +178,15 @@ def _parse_method(text: str) -> tuple[str, str, str]:
     return name, model, spec
 
 
-def _references(specs: dict[str, tuple[str, str]], main_model: str) -> dict[str, str]:
-    """Each method's reference for speedup and first-token agreement: full prefill of the model
-    it runs on (KVP-C, KVP-LP, the layer-drop aux alone), or the main model's full prefill (a
-    smaller family member run alone: the KVP-C aux alone)."""
-    full_on = {model: name for name, (model, spec) in specs.items() if spec == FULL_SPEC}
-    return {name: (full_on[model] if spec != FULL_SPEC else ("full" if model != main_model else name))
-            for name, (model, spec) in specs.items()}
-
-
-def _summary(records: list[Record], refs: dict[str, str], names: list[str]) -> dict[str, Any]:
-    by = {(r.method, r.sample_id): r for r in records}
-    out: dict[str, Any] = {}
-    for name in names:
-        rs = [r for r in records if r.method == name]
-        if not rs:
-            continue
-        ref = refs[name]
-        paired = [(r, by[(ref, r.sample_id)]) for r in rs if (ref, r.sample_id) in by]
-        main = [(r, by[("full", r.sample_id)]) for r in rs if ("full", r.sample_id) in by]
-        metric_names = sorted(rs[0].metrics)
-        out[name] = {
-            "n": len(rs),
-            "reference": ref,
-            "accuracy": statistics.mean(r.score for r in rs),
-            **{f"mean_{m}": statistics.mean(r.metrics[m] for r in rs) for m in metric_names if m != "score"},
-            "median_ttft_s": statistics.median(r.ttft_s for r in rs),
-            "median_speedup_vs_reference": statistics.median(b.ttft_s / r.ttft_s for r, b in paired),
-            "median_speedup_vs_full": statistics.median(b.ttft_s / r.ttft_s for r, b in main),
-            "median_ttft_flops": statistics.median(r.prefill_flops for r in rs),
-            "first_token_agreement_with_reference": statistics.mean(
-                float(r.extra["first_token"] == b.extra["first_token"]) for r, b in paired),
-            "median_new_tokens": statistics.median(r.new_tokens for r in rs),
-        }
-    return out
-
-
-def _plots(records: list[Record], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    by: dict[str, list[Record]] = {}
-    for r in records:
-        by.setdefault(r.method, []).append(r)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name, rs in by.items():
-        acc = statistics.mean(r.score for r in rs)
-        axes[0].scatter(statistics.median(r.ttft_s for r in rs), 100 * acc, label=name)
-        axes[1].scatter(statistics.median(r.prefill_flops for r in rs), 100 * acc, label=name)
-    axes[0].set_xlabel("median TTFT (s)")
-    axes[1].set_xlabel("TTFT FLOPs")
-    axes[1].set_xscale("log")
-    for ax in axes:
-        ax.set_ylabel("accuracy (%)")
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _layer_plot(header: dict[str, Any], stem: str) -> Path | None:
-    """Draw ``<stem>_layers.png``: per-layer relative error of the predicted K and V (x: base layer)
-    for every KVP method of an eval ``header`` (its ``summary``, ``task`` and ``split``).
-
-    Returns the path, or None, drawing nothing, when no method carries ``rel_error_k``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kvp = {n: s for n, s in header["summary"].items() if s.get("rel_error_k")}
-    if not kvp:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
-    for name, s in kvp.items():
-        for ax, part in zip(axes, ("k", "v"), strict=True):
-            errs = s[f"rel_error_{part}"]
-            ax.plot(range(len(errs)), errs, marker=".", label=f"{name} ({s['rel_error_prompts']} prompts)")
-    for ax, part in zip(axes, ("K", "V"), strict=True):
-        ax.set_xlabel("base layer")
-        ax.set_title(f"predicted {part}: ||pred - true|| / ||true||")
-        ax.axhline(1.0, color="grey", lw=0.6, ls=":")
-        ax.legend(fontsize=8)
-    axes[0].set_ylabel("relative error")
-    fig.suptitle(f"KV Prediction per-layer error, {header['task']} ({header['split']})")
-    fig.tight_layout()
-    path = Path(stem + "_layers.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def cmd_layers(args: argparse.Namespace) -> None:
-    """Redraw the per-layer K/V error plot from a committed ``.summary.json`` (no model needed)."""
-    src = Path(args.summary)
-    if not src.name.endswith(".summary.json"):
-        raise SystemExit(f"{src}: expected an eval summary file ending in .summary.json")
-    out = _layer_plot(json.loads(src.read_text()), str(src)[: -len(".summary.json")])
-    if out is None:
-        raise SystemExit(f"{src}: no method has per-layer errors (rel_error_k)")
-    print(out)
-
-
-def _markdown(header: dict[str, Any], summary: dict[str, Any]) -> str:
-    lines = [f"# KV Prediction: {header['task']} ({header['split']} split), n={header['n']}", "",
-             f"Command: `{header['command']}`", "",
-             f"Threads: {header.get('threads')}; warm-up {header['warmup']} per method, discarded; "
-             "speedups are medians of paired per-prompt TTFT ratios.", "",
-             "| method | runs on | n | accuracy | median TTFT (s) | speedup vs reference (reference) | "
-             "speedup vs full | TTFT GFLOPs | first-token agreement | mean rel. err K / V |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, s in summary.items():
-        model, _spec = header["methods"][name]
-        err = s.get("rel_error_k")
-        errs = f"{statistics.mean(err):.3f} / {statistics.mean(s['rel_error_v']):.3f}" if err else "-"
-        lines.append(f"| {name} | {model} | {s['n']} | {100 * s['accuracy']:.1f} | {s['median_ttft_s']:.2f} | "
-                     f"{s['median_speedup_vs_reference']:.2f}x ({s['reference']}) | {s['median_speedup_vs_full']:.2f}x | "
-                     f"{s['median_ttft_flops'] / 1e9:.0f} | {100 * s['first_token_agreement_with_reference']:.0f}% | {errs} |")
-    return "\n".join(lines) + "\n"
+#: Header keys a resumed eval must share with the new run.
+EVAL_MATCH = ("task", "split", "length", "n", "seed", "max_new_tokens", "methods")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     """Every method on the same prompts in one process; records appended as they come (resumable)."""
     torch.set_num_threads(args.threads)
     parsed = [_parse_method(m) for m in args.method]
-    specs = {"full": (args.model, FULL_SPEC), **{n: (m, s) for n, m, s in parsed}}
+    specs = {FULL: (args.model, FULL_SPEC), **{n: (m, s) for n, m, s in parsed}}
     if len(specs) != len(parsed) + 1:
         raise SystemExit("--method names must be unique and not 'full'")
     models: dict[str, Any] = {}
@@ -355,7 +194,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for model_name in dict.fromkeys(m for m, _ in specs.values()):
         models[model_name], toks[model_name] = zoo.load(model_name)
     tok = toks[args.model]
-    for model_name, other in toks.items():
+    for other in toks.values():
         check_tokenizers(tok, other)  # one prompt encoding serves every model
     methods: dict[str, Any] = {}
     for name, (model_name, spec) in specs.items():
@@ -371,7 +210,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
                                        aux_tokenizer=toks.get(aux_name), base_tokenizer=toks[model_name])
             method.bind(models[model_name])  # checks outside the timed region
             methods[name] = method
-    refs = _references(specs, args.model)
+    refs = references_by_model({n: m for n, (m, _) in specs.items()},
+                               {n for n, (_, s) in specs.items() if s == FULL_SPEC})
     task = get_task(args.task)
     length = args.length if task.sized else None
     samples = task.build(tok, length, args.n, split=args.split, seed=args.seed)
@@ -381,30 +221,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
               "methods": {n: list(v) for n, v in specs.items()},
               "method_describe": {n: m.describe() for n, m in methods.items()}, "references": refs,
               "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / (args.name or f"kvp_{args.task}" + (f"_{length}" if length else ""))
-    log = stem.with_suffix(".jsonl")
-    done: list[Record] = []
-    if log.exists() and args.resume:
-        old, done = load_jsonl(log)
-        for key in ("task", "split", "length", "n", "seed", "max_new_tokens", "methods"):
-            if old.get(key) != header[key]:
-                raise SystemExit(f"--resume: {log} was made with {key}={old.get(key)!r}, not {header[key]!r}")
-        header["command"] = old["command"]
-    elif log.exists():
-        raise SystemExit(f"{log} exists: pass --resume to continue it, or --name for another file")
-    else:
-        log.write_text(json.dumps({"header": header}) + "\n")
-
-    def append(record: Record) -> None:
-        with log.open("a") as f:
-            f.write(json.dumps(record.__dict__) + "\n")
-
-    records = done + run_samples(
+    stem = Path(args.out) / (args.name or f"kvp_{args.task}" + (f"_{length}" if length else ""))
+    log = RecordLog(stem.with_suffix(".jsonl"), header, resume=args.resume, overwrite=False, match=EVAL_MATCH)
+    records = list(log.records) + run_samples(
         models[args.model], tok, task, samples, methods, length=length, max_new_tokens=budget,
         warmup=args.warmup, desc=f"{args.task}", method_models={n: models[m] for n, (m, _) in specs.items()},
-        done=[(r.sample_id, r.method) for r in done], on_record=append)
-    summary = _summary(records, refs, list(specs))
+        done=log.done(length), on_record=log.append, reference=refs)
+    order = list(specs)
+    by_ref = summarize(records, reference=refs, order=order)
+    vs_full = {s.method: s for s in summarize(records, reference=FULL, order=order)}
+    summary = {s.method: method_entry(s, vs_full[s.method]) for s in by_ref}
     # per-layer relative error of the predicted K / V on the first prompts (their prompt[:-1])
     for name, method in methods.items():
         if isinstance(method, KVPrediction) and name in summary:
@@ -413,16 +239,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
             errs = kv_relative_errors(base, method.bind(base), method.predictor, ids)
             summary[name]["rel_error_k"], summary[name]["rel_error_v"] = errs["k"], errs["v"]
             summary[name]["rel_error_prompts"] = len(ids)
-    header["summary"] = summary
-    header["n_done"] = {n: s["n"] for n, s in summary.items()}
-    stem.with_suffix(".summary.json").write_text(json.dumps(header, indent=2))
-    stem.with_suffix(".md").write_text(_markdown(header, summary))
-    _plots(records, stem.with_suffix(".png"), f"KV Prediction, {args.task} ({args.split}), n={args.n}")
-    _layer_plot(header, str(stem))
+    header = {**header, "command": log.header["command"], "summary": summary, "n_done": {n: s["n"] for n, s in summary.items()}}
+    write_json(stem.with_suffix(".summary.json"), header)
+    stem.with_suffix(".md").write_text(reference_table(header, summary, "KV Prediction"))
+    plot_score_vs_cost(by_ref, stem.with_suffix(".png"), f"KV Prediction, {args.task} ({args.split}), n={args.n}")
+    plot_layer_errors(header, str(stem))
     print(stem.with_suffix(".md").read_text())
 
 
-def main(argv: list[str] | None = None) -> None:
+def cmd_layers(args: argparse.Namespace) -> None:
+    """Redraw the per-layer K/V error plot from a committed ``.summary.json`` (no model needed)."""
+    print(redraw_layer_plot(args.summary))
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -466,9 +296,18 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--resume", action="store_true", help="continue an interrupted run")
     lp = sub.add_parser("layers", help="redraw the per-layer K/V error plot from an eval's .summary.json")
     lp.add_argument("summary", help="benchmarks/results/kvp_<task>[_<length>].summary.json")
-    args = p.parse_args(argv)
-    {"train": cmd_train, "rope": cmd_rope, "ablate": cmd_ablate, "eval": cmd_eval,
-     "layers": cmd_layers}[args.cmd](args)
+    for name in ("rope", "ablate", "eval"):
+        sub.choices[name].add_argument("--out", default=str(RESULTS), help="results directory (default benchmarks/results)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        {"train": cmd_train, "rope": cmd_rope, "ablate": cmd_ablate, "eval": cmd_eval,
+         "layers": cmd_layers}[args.cmd](args)
+    except FastprefillError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
-"""The cache variants of ``benchmarks/kvp_bench.py ablate``: each swaps exactly the part it names."""
+"""The KV Prediction cache ablation (:mod:`fastprefill.bench.ablation`), the per-layer error plot
+and the KVP script's argument parsing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-
-@pytest.fixture(scope="module")
-def bench(load_bench):
-    return load_bench("kvp_bench")
+from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ablation
+from fastprefill.bench.report import plot_layer_errors, redraw_layer_plot
+from fastprefill.errors import ConfigError
+from fastprefill.models.kv import prefix_kv
 
 
 def _kv(fill: float, layers: int = 4, n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -21,10 +22,10 @@ def _source(x: torch.Tensor) -> str:
     return "p" if float(x.abs().flatten()[0]) >= 100 else "t"
 
 
-def test_each_variant_swaps_only_its_part(bench):
+def test_each_variant_swaps_only_its_part():
     pred, true = _kv(100.0), _kv(0.0)
     sink = 2
-    got = {name: build(pred, true) for name, build in bench.ablation_variants(sink).items()}
+    got = {name: build(pred, true) for name, build in ablation_variants(sink).items()}
     L = len(true)
     for name, kv in got.items():
         assert len(kv) == L, name
@@ -44,28 +45,64 @@ def test_each_variant_swaps_only_its_part(bench):
         assert (v[:, :, :sink].abs() < 100).all() and (v[:, :, sink:].abs() >= 100).all()
 
 
-def test_layer_plot_draws_only_methods_with_errors(bench, tmp_path):
+def test_run_ablation_exact_prediction_agrees_and_noise_does_not(tiny_llama):
+    prompts = [torch.arange(1, 17).reshape(1, -1), torch.arange(20, 44).reshape(1, -1)]
+    variants = ablation_variants(sink=2)
+    exact = run_ablation(tiny_llama, lambda ids: prefix_kv(tiny_llama, ids)[0], prompts, variants, progress=False)
+    assert [r["variant"] for r in exact] == list(variants)
+    for row in exact:  # every cache is the true one: the first token is full prefill's
+        assert row["first_token_agreement"] == 1.0, row
+        assert abs(row["median_kl_nats"]) < 1e-5 and abs(row["mean_kl_nats"]) < 1e-5, row
+
+    def noisy(ids):
+        g = torch.Generator().manual_seed(0)
+        return [(k + 3 * torch.randn(k.shape, generator=g), v + 3 * torch.randn(v.shape, generator=g))
+                for k, v in prefix_kv(tiny_llama, ids)[0]]
+
+    rows = {r["variant"]: r for r in run_ablation(tiny_llama, noisy, prompts, variants, progress=False)}
+    assert abs(rows["true KV (sanity)"]["mean_kl_nats"]) < 1e-5
+    assert rows["predicted K and V"]["mean_kl_nats"] > 1e-3
+    table = ablation_table({"task": "t", "split": "dev", "n": 2, "command": "c"}, list(rows.values()), "T")
+    assert table.startswith("# T, t (dev), n=2") and "| true KV (sanity) | 100% |" in table
+
+
+def test_layer_plot_draws_only_methods_with_errors(tmp_path):
     no_errors = {"full": {"n": 3}, "aux": {"n": 3}}
     header = {"task": "t", "split": "test", "summary": no_errors}
-    assert bench._layer_plot(header, str(tmp_path / "none")) is None
+    assert plot_layer_errors(header, str(tmp_path / "none")) is None
     assert not (tmp_path / "none_layers.png").exists()
     kvp = {"rel_error_k": [0.1, 0.5], "rel_error_v": [0.7, 1.1], "rel_error_prompts": 2}
     header["summary"] = {**no_errors, "kvp": kvp}
-    assert bench._layer_plot(header, str(tmp_path / "some")) == tmp_path / "some_layers.png"
+    assert plot_layer_errors(header, str(tmp_path / "some")) == tmp_path / "some_layers.png"
     assert (tmp_path / "some_layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_layers_command_names_its_input_problems(bench, tmp_path):
+def test_redraw_layer_plot_names_its_input_problems(tmp_path):
     wrong = tmp_path / "kvp_x.json"
     wrong.write_text("{}")
-    with pytest.raises(SystemExit, match="expected an eval summary file"):
-        bench.main(["layers", str(wrong)])
+    with pytest.raises(ConfigError, match="expected an eval summary file"):
+        redraw_layer_plot(wrong)
     empty = tmp_path / "kvp_x.summary.json"
     empty.write_text('{"task": "t", "split": "test", "summary": {"full": {"n": 1}}}')
-    with pytest.raises(SystemExit, match="no method has per-layer errors"):
-        bench.main(["layers", str(empty)])
+    with pytest.raises(ConfigError, match="no method has per-layer errors"):
+        redraw_layer_plot(empty)
     ok = tmp_path / "kvp_y.summary.json"
     ok.write_text('{"task": "t", "split": "test", "summary": {"kvp": {"rel_error_k": [0.2], '
                   '"rel_error_v": [0.9], "rel_error_prompts": 1}}}')
-    bench.main(["layers", str(ok)])
+    assert redraw_layer_plot(ok) == tmp_path / "kvp_y_layers.png"
     assert (tmp_path / "kvp_y_layers.png").exists()
+
+
+def test_script_arguments_parse_and_errors_exit(load_bench, tmp_path):
+    bench = load_bench("kvp_bench")
+    parser = bench.build_parser()
+    assert parser.parse_args(["train", "--pair", "smoke", "--out", "d"]).cmd == "train"
+    assert parser.parse_args(["rope", "--pair", "lp", "--out", "r"]).out == "r"
+    assert parser.parse_args(["ablate", "--predictor", "p"]).out.endswith("benchmarks/results")
+    args = parser.parse_args(["--threads", "1", "eval", "--model", "m", "--method", "a=m:full", "--resume"])
+    assert args.method == ["a=m:full"] and args.resume and args.threads == 1
+    assert parser.parse_args(["layers", "x.summary.json"]).summary == "x.summary.json"
+    with pytest.raises(SystemExit, match="expected an eval summary file"):
+        bench.main(["layers", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="expected NAME=MODEL:full"):
+        bench._parse_method("broken")

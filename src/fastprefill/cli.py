@@ -4,7 +4,8 @@ Subcommands:
 
 - ``models``: list the model zoo; ``models prepare NAME`` verifies and converts one.
 - ``generate``: answer a prompt (argument, ``--file`` or stdin) and print its TTFT.
-- ``bench``: run methods beside full prefill over a task (flags or a TOML ``--config``).
+- ``bench``: run methods beside full prefill over a task (flags or a TOML ``--config``);
+  ``bench verify`` re-summarizes committed result files and compares them with their summaries.
 - ``demo``: one multi-document QA prompt, answered by full prefill and every available method.
 - ``train-kvp``: train a KV Prediction predictor.
 
@@ -165,8 +166,11 @@ def _bench_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fastprefill.bench.report import markdown_table, summarize
+    if args.action == "verify":
+        return _bench_verify(args.out or "benchmarks/results")
+    from fastprefill.bench.report import markdown_table
     from fastprefill.bench.runner import run_benchmark
+    from fastprefill.bench.summary import summarize
     from fastprefill.methods.registry import make_method
 
     cfg = _bench_config(args)
@@ -176,11 +180,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     records = run_benchmark(
         model, tok, cfg["task"], methods, lengths, int(cfg["n"]), split=cfg["split"], seed=int(cfg["seed"]),
         threads=int(cfg["threads"]), warmup=int(cfg["warmup"]), max_new_tokens=cfg["max_new_tokens"],
-        out_dir=cfg["out"], name=cfg["name"], meta={"model": cfg["model"]},
+        out_dir=cfg["out"], name=cfg["name"], meta={"model": cfg["model"]}, resume=args.resume,
     )
     console.print(markdown_table(summarize(records)))
     console.print(f"results: {cfg['out']}/{cfg['name']}.jsonl (.md, .png)")
     return 0
+
+
+def _bench_verify(results: str) -> int:
+    from fastprefill.bench.verify import verify_results
+
+    report = verify_results(results)
+    for name, reason in report.skipped.items():
+        console.print(f"[dim]skipped {name}: {reason}[/dim]")
+    for mismatch in report.mismatches:
+        err_console.print(f"[red]differs[/red] {mismatch}", highlight=False)
+    console.print(f"{len(report.checked)} files checked, {len(report.mismatches)} values differ")
+    return 0 if report.ok else 1
 
 
 # --- demo --------------------------------------------------------------------------------------
@@ -314,7 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmark methods beside full prefill")
+    p = sub.add_parser("bench", help="benchmark methods beside full prefill, or verify committed results")
+    p.add_argument("action", nargs="?", choices=["run", "verify"], default="run",
+                   help="run (default) a benchmark; verify: re-summarize the result files in --out and "
+                        "compare with their committed summaries")
     p.add_argument("--config", help="TOML file with any of: " + ", ".join(BENCH_KEYS))
     p.add_argument("--model")
     p.add_argument("--task", help="multidoc-qa, singledoc-qa, needle, humaneval")
@@ -328,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive)
     p.add_argument("--out", help="output directory (default benchmarks/results)")
     p.add_argument("--name", help="result file stem")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run's <name>.jsonl")
     p.add_argument("--device")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(func=cmd_bench)

@@ -111,21 +111,24 @@ class Timing:
 
 @dataclass
 class StreamEvent:
-    """One generated token. ``timing`` is set on the last event only."""
+    """One generated token. ``timing`` and ``first_logits`` are set on the last event only."""
 
     token_id: int
     text: str
     index: int
     timing: Timing | None = None
+    first_logits: torch.Tensor | None = None
 
 
 @dataclass
 class GenerationResult:
-    """The generated text, its token ids and the :class:`Timing`."""
+    """The generated text, its token ids, the :class:`Timing` and ``first_logits``: the prefill's
+    ``(V,)`` float32 logits for the first token, a copy on the CPU (taken outside the timing window)."""
 
     text: str
     token_ids: list[int]
     timing: Timing
+    first_logits: torch.Tensor | None = None
 
 
 class TimingWindow:
@@ -315,6 +318,7 @@ def stream(
     eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
 
     out, token, ttft = timed_prefill(model, input_ids, method)
+    first_logits = out.logits.detach().reshape(-1).to("cpu", torch.float32, copy=True)  # (V,)
     generated = [token]
     decode_time = 0.0
     prev_text = ""
@@ -343,7 +347,7 @@ def stream(
             stats=out.stats,
             decode_extra=dict(method.decode_stats(out.state)),
         )
-        yield StreamEvent(token, delta, len(generated) - 1, timing)
+        yield StreamEvent(token, delta, len(generated) - 1, timing, first_logits)
 
 
 def generate(
@@ -373,18 +377,17 @@ def generate(
             answer cannot change the score (e.g. HumanEval after the closing code fence).
 
     Returns:
-        The text, the generated ids and the :class:`Timing`.
+        The text, the generated ids, the :class:`Timing` and the first token's logits.
 
     Raises:
         PromptError, ConfigError, UnsupportedModelError: as :func:`prepare_prompt` says.
     """
     ids: list[int] = []
-    timing: Timing | None = None
-    for event in stream(
+    last: StreamEvent | None = None
+    for last in stream(
         model, tokenizer, prompt, method, max_new_tokens, chat=chat, stop_at_eos=stop_at_eos, stop=stop
     ):
-        ids.append(event.token_id)
-        timing = event.timing
-    assert timing is not None
+        ids.append(last.token_id)
+    assert last is not None and last.timing is not None
     text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
-    return GenerationResult(text=text, token_ids=ids, timing=timing)
+    return GenerationResult(text=text, token_ids=ids, timing=last.timing, first_logits=last.first_logits)

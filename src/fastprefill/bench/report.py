@@ -1,108 +1,55 @@
-"""Benchmark summaries: medians, ratios to full prefill, paired accuracy differences, plots.
+"""Tables and plots of benchmark summaries (every figure is drawn from :func:`summarize`).
 
-Speedups are ratios against full prefill measured in the same run on the same prompts:
-``speedup = median(full TTFT) / median(method TTFT)``; the median of the per-prompt ratios is
-reported beside it. Accuracy differences are paired by sample, with a 95% percentile bootstrap
-interval (seeded, 2000 resamples).
+- :func:`markdown_table`: one row per (length, method) against full prefill (``<stem>.md`` of a
+  task run); :func:`plot_accuracy_vs_speedup` its plot.
+- :func:`reference_table`: one row per method against its own reference, with the model each
+  method runs on (``<stem>.md`` of a multi-model run); :func:`plot_score_vs_cost` its plot.
+- :func:`plot_layer_errors`: per-layer relative error of predicted K / V from a summary header.
+- :func:`write_paired_rows`: the ``<stem>.summary.jsonl`` of a task run.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from fastprefill.bench.records import FULL, Record, load_records, save_records, write_rows
+from fastprefill.bench.summary import Summary, paired_row, summarize
+from fastprefill.errors import ConfigError
 
-from fastprefill.bench.runner import FULL, Record, save_jsonl
-
-
-@dataclass
-class Summary:
-    """Aggregate of one (length, method) cell."""
-
-    length: int | None
-    method: str
-    n: int
-    ttft_median_s: float
-    ttft_p25_s: float
-    ttft_p75_s: float
-    speedup: float
-    speedup_paired_median: float
-    score_mean: float
-    score_diff_vs_full: float
-    score_diff_ci95: tuple[float, float]
-    token_layer_fraction: float
-    ideal_speedup: float
-    realised_over_ideal: float
-    flops_ratio: float
-    decode_s_per_token_median: float | None
-    peak_mem_mb: float
+__all__ = [
+    "markdown_table",
+    "plot_accuracy_vs_speedup",
+    "plot_layer_errors",
+    "plot_score_vs_cost",
+    "redraw_layer_plot",
+    "reference_table",
+    "replot",
+    "write_paired_rows",
+    "write_report",
+]
 
 
-def bootstrap_ci(diffs: Sequence[float], n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile bootstrap interval of the mean of ``diffs``."""
-    arr = np.asarray(diffs, dtype=float)
-    if arr.size == 0:
-        return (float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    means = arr[rng.integers(0, arr.size, size=(n_boot, arr.size))].mean(axis=1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return (float(lo), float(hi))
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
-def summarize(records: Sequence[Record]) -> list[Summary]:
-    """One :class:`Summary` per (length, method), full prefill first within each length."""
-    cells: dict[tuple[Any, str], list[Record]] = defaultdict(list)
-    for r in records:
-        cells[(r.length, r.method)].append(r)
-    out: list[Summary] = []
-    lengths = sorted({k[0] for k in cells}, key=lambda x: (x is None, x))
-    for length in lengths:
-        full = {r.sample_id: r for r in cells.get((length, FULL), [])}
-        methods = [m for (ln, m) in cells if ln == length]
-        methods.sort(key=lambda m: (m != FULL, m))
-        for m in methods:
-            rs = cells[(length, m)]
-            ttft = np.array([r.ttft_s for r in rs])
-            paired = [(full[r.sample_id], r) for r in rs if r.sample_id in full]
-            full_med = float(np.median([f.ttft_s for f, _ in paired])) if paired else float("nan")
-            med = float(np.median(ttft))
-            frac = float(np.mean([r.token_layer_fraction for r in rs]))
-            speedup = full_med / med if med > 0 else float("nan")
-            diffs = [r.score - f.score for f, r in paired]
-            decode = [r.decode_s_per_token for r in rs if r.decode_s_per_token is not None]
-            out.append(
-                Summary(
-                    length=length,
-                    method=m,
-                    n=len(rs),
-                    ttft_median_s=med,
-                    ttft_p25_s=float(np.percentile(ttft, 25)),
-                    ttft_p75_s=float(np.percentile(ttft, 75)),
-                    speedup=speedup,
-                    speedup_paired_median=float(np.median([f.ttft_s / r.ttft_s for f, r in paired]))
-                    if paired else float("nan"),
-                    score_mean=float(np.mean([r.score for r in rs])),
-                    score_diff_vs_full=float(np.mean(diffs)) if diffs else float("nan"),
-                    score_diff_ci95=bootstrap_ci(diffs),
-                    token_layer_fraction=frac,
-                    ideal_speedup=1.0 / frac if frac > 0 else float("nan"),
-                    realised_over_ideal=speedup * frac,
-                    flops_ratio=float(np.mean([r.prefill_flops / f.prefill_flops for f, r in paired]))
-                    if paired else float("nan"),
-                    decode_s_per_token_median=float(np.median(decode)) if decode else None,
-                    peak_mem_mb=float(max(r.peak_mem_mb for r in rs)),
-                )
-            )
-    return out
+def _pct(x: float | None, digits: int = 0) -> str:
+    return "—" if x is None else f"{100 * x:.{digits}f}%"
 
 
 def markdown_table(summaries: Sequence[Summary], header: Mapping[str, Any] | None = None) -> str:
-    """A markdown table of the summaries (scores shown on a 0-100 scale)."""
+    """A markdown table of the summaries (scores on a 0-100 scale), a line about the run first."""
     lines = []
     if header:
         lines.append(
@@ -113,28 +60,54 @@ def markdown_table(summaries: Sequence[Summary], header: Mapping[str, Any] | Non
         lines.append("")
     lines.append(
         "| length | method | n | median TTFT (s) [p25, p75] | speedup vs full | paired speedup | "
-        "score (0-100) | Δ score vs full [95% CI] | token-layers | FLOPs vs full | decode s/token |"
+        "score (0-100) | Δ score vs full [95% CI] | token-layers | FLOPs vs full | decode s/token | "
+        "first token = full | identical answers | median first-token KL |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summaries:
         ci = s.score_diff_ci95
-        delta = "—" if s.method == FULL else f"{100 * s.score_diff_vs_full:+.1f} [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
+        delta = "—" if s.is_reference else f"{100 * s.score_diff:+.1f} [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
         dec = f"{s.decode_s_per_token_median:.4f}" if s.decode_s_per_token_median is not None else "—"
+        kl = f"{s.first_token_kl_median:.3f}" if s.first_token_kl_median is not None else "—"
+        same = "—" if s.is_reference else _pct(s.identical_answers)
+        first = "—" if s.is_reference else _pct(s.first_token_agreement)
         lines.append(
             f"| {s.length} | {s.method} | {s.n} | {s.ttft_median_s:.3f} [{s.ttft_p25_s:.3f}, {s.ttft_p75_s:.3f}] | "
             f"{s.speedup:.2f}x | {s.speedup_paired_median:.2f}x | {100 * s.score_mean:.1f} | {delta} | "
-            f"{100 * s.token_layer_fraction:.0f}% | {100 * s.flops_ratio:.0f}% | {dec} |"
+            f"{100 * s.token_layer_fraction:.0f}% | {100 * s.flops_ratio:.0f}% | {dec} | {first} | {same} | {kl} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def reference_table(header: Mapping[str, Any], entries: Mapping[str, Mapping[str, Any]], title: str) -> str:
+    """A markdown table of per-method entries (:func:`~fastprefill.bench.summary.method_entry`),
+    each against its reference, under ``# <title>: <task> (<split> split), n=<n>``; from
+    ``header``: ``task``, ``split``, ``n``, ``command``, ``threads``, ``warmup`` and ``methods``
+    (name -> ``[model, spec]``)."""
+    lines = [f"# {title}: {header['task']} ({header['split']} split), n={header['n']}", "",
+             f"Command: `{header['command']}`", "",
+             (f"Threads: {header.get('threads')}; warm-up {header['warmup']} per method, discarded; "
+              "speedups are medians of paired per-prompt TTFT ratios."), "",
+             ("| method | runs on | n | accuracy | median TTFT (s) | speedup vs reference (reference) | "
+              "speedup vs full | TTFT GFLOPs | first-token agreement | identical answers | median first-token KL | "
+              "mean rel. err K / V |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in entries.items():
+        model = header["methods"][name][0]
+        err = s.get("rel_error_k")
+        errs = f"{statistics.mean(err):.3f} / {statistics.mean(s['rel_error_v']):.3f}" if err else "-"
+        kl = s.get("median_first_token_kl")
+        lines.append(
+            f"| {name} | {model} | {s['n']} | {100 * s['accuracy']:.1f} | {s['median_ttft_s']:.2f} | "
+            f"{s['median_speedup_vs_reference']:.2f}x ({s['reference']}) | {s['median_speedup_vs_full']:.2f}x | "
+            f"{s['median_ttft_flops'] / 1e9:.0f} | {_pct(s['first_token_agreement_with_reference'])} | "
+            f"{_pct(s.get('identical_answers_with_reference'))} | {'-' if kl is None else f'{kl:.3f}'} | {errs} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_accuracy_vs_speedup(summaries: Sequence[Summary], path: Path, title: str = "") -> None:
-    """Scatter/line plot of score (0-100) against TTFT speedup, one series per method family."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Score (0-100) against TTFT speedup, one line per (length, method family)."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     series: dict[tuple[Any, str], list[Summary]] = defaultdict(list)
     for s in summaries:
@@ -156,21 +129,100 @@ def plot_accuracy_vs_speedup(summaries: Sequence[Summary], path: Path, title: st
     plt.close(fig)
 
 
-def replot(jsonl: str | Path) -> Path:
-    """Redraw the plot of a result file from its records (no re-measurement)."""
-    from fastprefill.bench.runner import load_jsonl
+def plot_score_vs_cost(summaries: Sequence[Summary], path: Path, title: str) -> None:
+    """Two panels: score (%) against median TTFT and against median TTFT FLOPs, a point per method."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for s in summaries:
+        axes[0].scatter(s.ttft_median_s, 100 * s.score_mean, label=s.method)
+        axes[1].scatter(s.flops_median, 100 * s.score_mean, label=s.method)
+    axes[0].set_xlabel("median TTFT (s)")
+    axes[1].set_xlabel("TTFT FLOPs")
+    axes[1].set_xscale("log")
+    for ax in axes:
+        ax.set_ylabel("accuracy (%)")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
-    path = Path(jsonl)
-    header, records = load_jsonl(path)
-    out = path.with_suffix(".png")
-    plot_accuracy_vs_speedup(summarize(records), out, title=f"{header.get('task')} — {header.get('model', '')}")
+
+def plot_layer_errors(header: Mapping[str, Any], stem: str) -> Path | None:
+    """Draw ``<stem>_layers.png``: per-layer relative error of the predicted K and V (x: base
+    layer) for every method of ``header["summary"]`` that carries ``rel_error_k``.
+
+    Returns the path, or None, drawing nothing, when no method carries ``rel_error_k``.
+    """
+    kvp = {n: s for n, s in header["summary"].items() if s.get("rel_error_k")}
+    if not kvp:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for name, s in kvp.items():
+        for ax, part in zip(axes, ("k", "v"), strict=True):
+            errs = s[f"rel_error_{part}"]
+            ax.plot(range(len(errs)), errs, marker=".", label=f"{name} ({s['rel_error_prompts']} prompts)")
+    for ax, part in zip(axes, ("K", "V"), strict=True):
+        ax.set_xlabel("base layer")
+        ax.set_title(f"predicted {part}: ||pred - true|| / ||true||")
+        ax.axhline(1.0, color="grey", lw=0.6, ls=":")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("relative error")
+    fig.suptitle(f"KV Prediction per-layer error, {header['task']} ({header['split']})")
+    fig.tight_layout()
+    path = Path(stem + "_layers.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def redraw_layer_plot(summary: str | Path) -> Path:
+    """Redraw ``<stem>_layers.png`` from a committed ``<stem>.summary.json`` (no model needed).
+
+    Raises:
+        ConfigError: the file is not a ``.summary.json``, or no method in it has per-layer errors.
+    """
+    src = Path(summary)
+    if not src.name.endswith(".summary.json"):
+        raise ConfigError(f"{src}: expected an eval summary file ending in .summary.json")
+    out = plot_layer_errors(json.loads(src.read_text()), str(src)[: -len(".summary.json")])
+    if out is None:
+        raise ConfigError(f"{src}: no method has per-layer errors (rel_error_k)")
     return out
 
 
-def write_report(out_dir: Path, name: str, header: Mapping[str, Any], records: Sequence[Record]) -> list[Summary]:
-    """Write ``name.jsonl`` (records), ``name.md`` (table) and ``name.png`` (plot) into ``out_dir``."""
-    save_jsonl(out_dir / f"{name}.jsonl", header, records)
+def _title(header: Mapping[str, Any]) -> str:
+    return f"{header.get('task')} — {header.get('model', '')}"
+
+
+def replot(jsonl: str | Path) -> Path:
+    """Redraw the plot of a result file from its records (no re-measurement)."""
+    path = Path(jsonl)
+    header, records = load_records(path)
+    out = path.with_suffix(".png")
+    plot_accuracy_vs_speedup(summarize(records), out, title=_title(header))
+    return out
+
+
+def write_paired_rows(path: str | Path, header: Mapping[str, Any], summaries: Sequence[Summary]) -> Path:
+    """Write a ``.summary.jsonl``: ``header``, then :func:`~fastprefill.bench.summary.paired_row`
+    of every summary that is not its own reference."""
+    return write_rows(path, header, [paired_row(s) for s in summaries if not s.is_reference])
+
+
+def write_report(
+    out_dir: Path, name: str, header: Mapping[str, Any], records: Sequence[Record], *, save: bool = True
+) -> list[Summary]:
+    """Write ``name.md`` (table) and ``name.png`` (plot) into ``out_dir``, and ``name.jsonl``
+    (header and records) unless ``save=False`` (a :class:`~fastprefill.bench.records.RecordLog`
+    already wrote it)."""
+    out_dir = Path(out_dir)
+    if save:
+        save_records(out_dir / f"{name}.jsonl", header, records)
     summaries = summarize(records)
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.md").write_text(markdown_table(summaries, header))
-    plot_accuracy_vs_speedup(summaries, out_dir / f"{name}.png", title=f"{header.get('task')} — {header.get('model', '')}")
+    plot_accuracy_vs_speedup(summaries, out_dir / f"{name}.png", title=_title(header))
     return summaries

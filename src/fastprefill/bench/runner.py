@@ -7,23 +7,19 @@ Protocol (what every figure in ``benchmarks/results/`` follows):
 - Warm-up runs (``warmup`` per method, on the first sample) are discarded.
 - For each sample every method runs once, in an order rotated per sample so no method is
   always first after a cache-cold step.
-- TTFT comes from the engine (prefill + first token; the method's own overhead included).
-- Each record holds the sample's score, TTFT, decode time, token-layer fraction, FLOPs and
-  peak memory. The summary reports medians, the number of samples, and speedups as ratios to
-  full prefill.
+- TTFT comes from the engine's timing window (prefill + first token; the method's own
+  overhead included): every run goes through :func:`fastprefill.engine.generate`.
+- Each record holds the sample's score, TTFT, decode time, token-layer fraction, FLOPs, peak
+  memory, the first token and, for a run that is not its own reference, the KL divergence of
+  the reference's first-token distribution from the method's (computed in-process).
+- Records are appended to the result file as they come; an interrupted run resumes.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import resource
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,71 +27,48 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fastprefill.bench.records import FULL, Record, RecordLog, environment
+from fastprefill.bench.report import write_report
 from fastprefill.engine import generate
+from fastprefill.errors import ConfigError
 from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 
-FULL = "full"
+__all__ = ["RESUME_MATCH", "PromptSample", "Unscored", "first_token_kl", "random_samples", "run_benchmark",
+           "run_samples"]
+
+#: Header keys a resumed :func:`run_benchmark` file must share with the new run.
+RESUME_MATCH = ("task", "split", "seed", "n", "lengths", "max_new_tokens", "stop_at_eos", "methods")
 
 
-@dataclass
-class Record:
-    """One (sample, method) run."""
-
-    method: str
-    length: int | None
-    sample_id: str
-    prompt_tokens: int
-    ttft_s: float
-    decode_s_per_token: float | None
-    total_s: float
-    new_tokens: int
-    token_layer_fraction: float
-    prefill_flops: float
-    peak_mem_mb: float
-    score: float
-    metrics: dict[str, float]
-    output: str
-    extra: dict[str, Any] = field(default_factory=dict)
+def first_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(reference || method) in nats between two ``(V,)`` first-token logit vectors."""
+    ref = reference_logits.float().log_softmax(-1)
+    logp = logits.float().log_softmax(-1)
+    return float((ref.exp() * (ref - logp)).sum())
 
 
-def command_line() -> str:
-    """The command that is running, as a user would type it from the repository root."""
-    if not sys.argv:
-        return ""
-    first = sys.argv[0]
-    first = f"python {os.path.relpath(first)}" if first.endswith(".py") else Path(first).name
-    return " ".join([first, *sys.argv[1:]])
+@dataclass(frozen=True)
+class PromptSample:
+    """A prompt without a task behind it: ``id`` and ``input_ids``."""
+
+    id: str
+    input_ids: list[int]
 
 
-def environment(threads: int) -> dict[str, Any]:
-    """Where and how a benchmark ran (recorded in every result file)."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import transformers
+class Unscored:
+    """A task for timing only: every answer scores 0 (``{"score": 0.0}``)."""
 
-    return {
-        "threads": threads,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "git_commit": commit,
-        "command": command_line(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    def score(self, sample: Any, text: str) -> dict[str, float]:
+        return {"score": 0.0}
+
+
+def random_samples(vocab: int, length: int, n: int, seed: int, low: int = 100) -> list[PromptSample]:
+    """``n`` prompts of ``length`` token ids drawn uniformly from ``[low, vocab)`` (seeded)."""
+    if not 0 <= low < vocab:
+        raise ConfigError(f"random_samples: low must lie in [0, vocab={vocab}), got {low}")
+    gen = torch.Generator().manual_seed(seed)
+    return [PromptSample(str(i), torch.randint(low, vocab, (length,), generator=gen).tolist()) for i in range(n)]
 
 
 def _peak_mem_mb(device: torch.device) -> float:
@@ -105,9 +78,17 @@ def _peak_mem_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _references(reference: str | Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
+    refs = {n: reference if isinstance(reference, str) else reference.get(n, "") for n in names}
+    bad = {n: r for n, r in refs.items() if r not in names}
+    if bad:
+        raise ConfigError(f"reference: every method's reference must be one of the methods {list(names)}; got {bad}")
+    return refs
+
+
 def run_samples(
     model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     task: Any,
     samples: Sequence[Any],
     methods: Mapping[str, Method],
@@ -121,24 +102,37 @@ def run_samples(
     done: Collection[tuple[str, str]] = (),
     on_record: Callable[[Record], None] | None = None,
     stop_at_eos: bool = True,
+    reference: str | Mapping[str, str] = FULL,
 ) -> list[Record]:
     """Run every method (full prefill included) on every sample; return the records.
 
     Args:
-        task: a :mod:`fastprefill.data.tasks` task (``score(sample, text) -> dict``).
+        task: a :mod:`fastprefill.data.tasks` task (``score(sample, text) -> dict``, optionally
+            ``stop(sample)``).
         samples: the task's samples (``input_ids``, ``id``).
         methods: name -> method. ``"full"`` is added if missing.
         method_models: name -> the model that method runs on, for methods that do not run on
             ``model`` (e.g. a smaller family member, same tokenizer); default ``model``.
         done: ``(sample_id, method)`` pairs to skip (a resumed run).
-        on_record: called with each record as soon as it exists (to append it to a file).
+        on_record: called with each record as soon as it is complete (to append it to a file).
         stop_at_eos: ``False`` generates exactly ``max_new_tokens`` (decoding benchmarks).
+        reference: the method whose first-token distribution every other is compared with, or
+            a mapping method -> its reference (each one of ``methods``).
 
-    Each record's ``extra["first_token"]`` is the first generated token id.
+    Each record's ``extra["first_token"]`` is the first generated token id. A run whose
+    reference is another method also gets ``extra["first_token_kl"]``, KL(reference || run) of
+    the first-token distributions, when the reference ran on the same sample in this call and
+    both distributions have the same vocabulary size; a record waits (is not yet handed to
+    ``on_record``) until its reference has run on the sample.
+
+    Raises:
+        ConfigError: a reference that is not one of the methods.
     """
     methods = dict(methods)
     methods.setdefault(FULL, FullPrefill())
     names = list(methods)
+    refs = _references(reference, names)
+    needed = set(refs.values())
     runs_on = {name: (method_models or {}).get(name, model) for name in names}
     skip = {(str(s), str(m)) for s, m in done}
     todo = [(s, n) for s in samples for n in names if (str(s.id), n) not in skip]
@@ -148,10 +142,18 @@ def run_samples(
             for _ in range(warmup):
                 generate(runs_on[name], tokenizer, samples[0].input_ids, methods[name], max_new_tokens=2)
     records: list[Record] = []
+
+    def emit(record: Record) -> None:
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+
     bar = tqdm(total=len(todo), desc=desc or "bench", disable=not progress, unit="run")
     for i, sample in enumerate(samples):
         order = names[i % len(names):] + names[: i % len(names)]
         stop = task.stop(sample) if hasattr(task, "stop") else None
+        logits_of: dict[str, torch.Tensor] = {}  # this sample's reference distributions
+        waiting: list[tuple[Record, torch.Tensor]] = []
         for name in order:
             if (str(sample.id), name) in skip:
                 continue
@@ -161,29 +163,42 @@ def run_samples(
                            max_new_tokens=max_new_tokens, stop=stop, stop_at_eos=stop_at_eos)
             metrics = task.score(sample, res.text)
             t = res.timing
-            records.append(
-                Record(
-                    method=name,
-                    length=length,
-                    sample_id=str(sample.id),
-                    prompt_tokens=t.prompt_tokens,
-                    ttft_s=t.ttft_s,
-                    decode_s_per_token=t.decode_s_per_token,
-                    total_s=t.total_s,
-                    new_tokens=t.new_tokens,
-                    token_layer_fraction=t.token_layer_fraction,
-                    prefill_flops=t.prefill_flops,
-                    peak_mem_mb=_peak_mem_mb(device),
-                    score=float(metrics["score"]),
-                    metrics={k: float(v) for k, v in metrics.items()},
-                    output=res.text,
-                    extra={**{k: v for k, v in t.extra.items() if isinstance(v, (int, float, str, list))},
-                           "first_token": res.token_ids[0]},
-                )
+            record = Record(
+                method=name,
+                length=length,
+                sample_id=str(sample.id),
+                prompt_tokens=t.prompt_tokens,
+                ttft_s=t.ttft_s,
+                decode_s_per_token=t.decode_s_per_token,
+                total_s=t.total_s,
+                new_tokens=t.new_tokens,
+                token_layer_fraction=t.token_layer_fraction,
+                prefill_flops=t.prefill_flops,
+                peak_mem_mb=_peak_mem_mb(device),
+                score=float(metrics["score"]),
+                metrics={k: float(v) for k, v in metrics.items()},
+                output=res.text,
+                extra={**{k: v for k, v in t.extra.items() if isinstance(v, (int, float, str, list))},
+                       "first_token": res.token_ids[0]},
             )
-            if on_record is not None:
-                on_record(records[-1])
+            if name in needed:
+                logits_of[name] = res.first_logits
+            waiting.append((record, res.first_logits))
+            still: list[tuple[Record, torch.Tensor]] = []
+            for rec, logits in waiting:
+                ref = refs[rec.method]
+                if ref == rec.method:
+                    emit(rec)
+                elif ref in logits_of:
+                    if logits_of[ref].shape == logits.shape:
+                        rec.extra["first_token_kl"] = first_token_kl(logits_of[ref], logits)
+                    emit(rec)
+                else:
+                    still.append((rec, logits))
+            waiting = still
             bar.update(1)
+        for rec, _ in waiting:  # the reference ran in an earlier (resumed) session
+            emit(rec)
     bar.close()
     return records
 
@@ -206,8 +221,10 @@ def run_benchmark(
     meta: Mapping[str, Any] | None = None,
     progress: bool = True,
     stop_at_eos: bool = True,
+    resume: bool = False,
 ) -> list[Record]:
-    """Run a task at several lengths and write ``<name>.jsonl``, ``<name>.md`` and ``<name>.png``.
+    """Run a task at several lengths; with ``out_dir``, write ``<name>.jsonl`` (appended as runs
+    finish), then ``<name>.md`` and ``<name>.png``.
 
     Args:
         task_name: a task from :data:`fastprefill.data.tasks.TASKS`.
@@ -218,20 +235,20 @@ def run_benchmark(
         max_new_tokens: defaults to the task's own.
         meta: extra fields for the result header (model name, ...).
         stop_at_eos: ``False`` generates exactly ``max_new_tokens`` per run.
+        resume: continue ``<name>.jsonl`` (same task, split, seed, n, lengths, budget and
+            methods), skipping the runs it holds; without it an existing file is replaced.
+
+    Returns:
+        Every record of the result (those of a resumed file included).
+
+    Raises:
+        ConfigError: resuming a file made with other settings.
     """
-    from fastprefill.bench.report import write_report
     from fastprefill.data.tasks import get_task
 
     torch.set_num_threads(threads)
     task = get_task(task_name)
     budget = max_new_tokens or task.default_max_new_tokens
-    records: list[Record] = []
-    for length in lengths:
-        samples = task.build(tokenizer, length, n, split=split, seed=seed)
-        records += run_samples(
-            model, tokenizer, task, samples, methods, length=length, max_new_tokens=budget,
-            warmup=warmup, progress=progress, desc=f"{task_name}@{length}", stop_at_eos=stop_at_eos,
-        )
     header = {
         "task": task_name,
         "split": split,
@@ -245,24 +262,15 @@ def run_benchmark(
         **environment(threads),
         **(dict(meta) if meta else {}),
     }
-    if out_dir is not None:
-        write_report(Path(out_dir), name, header, records)
+    log = RecordLog(Path(out_dir) / f"{name}.jsonl", header, resume=resume, match=RESUME_MATCH) if out_dir else None
+    records: list[Record] = list(log.records) if log else []
+    for length in lengths:
+        samples = task.build(tokenizer, length, n, split=split, seed=seed)
+        records += run_samples(
+            model, tokenizer, task, samples, methods, length=length, max_new_tokens=budget,
+            warmup=warmup, progress=progress, desc=f"{task_name}@{length}", stop_at_eos=stop_at_eos,
+            done=log.done(length) if log else (), on_record=log.append if log else None,
+        )
+    if log is not None:
+        write_report(Path(out_dir), name, log.header, records, save=False)
     return records
-
-
-def save_jsonl(path: Path, header: Mapping[str, Any], records: Sequence[Record]) -> None:
-    """Write the header line then one JSON object per record (atomically)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w") as f:
-        f.write(json.dumps({"header": dict(header)}) + "\n")
-        for r in records:
-            f.write(json.dumps(r.__dict__) + "\n")
-    tmp.replace(path)
-
-
-def load_jsonl(path: str | Path) -> tuple[dict[str, Any], list[Record]]:
-    """Read a file written by :func:`save_jsonl`."""
-    lines = Path(path).read_text().splitlines()
-    header = json.loads(lines[0])["header"]
-    return header, [Record(**json.loads(line)) for line in lines[1:] if line.strip()]

@@ -1,0 +1,222 @@
+"""Benchmark records on disk: JSON lines with a header line, appended as runs finish, resumable.
+
+A result file is ``<stem>.jsonl``: the first line is ``{"header": {...}}`` (the task, the methods,
+the command line, the git commit, the thread count and the machine, see :func:`environment`),
+every further line one :class:`Record`. :class:`RecordLog` writes the header when a run starts
+and appends each record as soon as it exists, so an interrupted run keeps what it measured and
+``resume=True`` continues it, skipping the ``(sample, method)`` pairs already on disk.
+
+Summary files (rows of dicts under a header, or one JSON document) are written with
+:func:`write_rows` and :func:`write_json`, atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastprefill.errors import ConfigError
+
+__all__ = [
+    "FULL",
+    "Record",
+    "RecordLog",
+    "command_line",
+    "environment",
+    "load_records",
+    "read_rows",
+    "save_records",
+    "write_json",
+    "write_rows",
+]
+
+#: The name of full prefill in every result file (the default reference of a summary).
+FULL = "full"
+
+
+@dataclass
+class Record:
+    """One (sample, method) run.
+
+    ``extra`` holds the method's counters (JSON-friendly values only), ``first_token`` (the
+    first generated id) and, for a run that is not its own reference, ``first_token_kl``
+    (KL(reference || method) of the first-token distributions, in nats).
+    """
+
+    method: str
+    length: int | None
+    sample_id: str
+    prompt_tokens: int
+    ttft_s: float
+    decode_s_per_token: float | None
+    total_s: float
+    new_tokens: int
+    token_layer_fraction: float
+    prefill_flops: float
+    peak_mem_mb: float
+    score: float
+    metrics: dict[str, float]
+    output: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def command_line() -> str:
+    """The command that is running, as a user would type it from the repository root."""
+    if not sys.argv:
+        return ""
+    first = sys.argv[0]
+    first = f"python {os.path.relpath(first)}" if first.endswith(".py") else Path(first).name
+    return " ".join([first, *sys.argv[1:]])
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def environment(threads: int) -> dict[str, Any]:
+    """Where and how a benchmark ran (recorded in every result header)."""
+    import torch
+    import transformers
+
+    return {
+        "threads": threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "git_commit": _git_commit(),
+        "command": command_line(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _record_line(record: Record) -> str:
+    return json.dumps(asdict(record)) + "\n"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def save_records(path: str | Path, header: Mapping[str, Any], records: Iterable[Record]) -> None:
+    """Write the header line then one JSON object per record, atomically."""
+    text = json.dumps({"header": dict(header)}) + "\n" + "".join(_record_line(r) for r in records)
+    _atomic_write(Path(path), text)
+
+
+def load_records(path: str | Path) -> tuple[dict[str, Any], list[Record]]:
+    """Read a result file: ``(header, records)``.
+
+    Raises:
+        ConfigError: the file is missing, or its first line is not a ``{"header": ...}`` object.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such result file")
+    header, rows = read_rows(path)
+    return header, [Record(**row) for row in rows]
+
+
+def read_rows(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Read a JSON-lines file with a header line: ``(header, rows)`` (rows as plain dicts)."""
+    lines = Path(path).read_text().splitlines()
+    first = json.loads(lines[0]) if lines else None
+    if not isinstance(first, dict) or "header" not in first:
+        raise ConfigError(f"{path}: the first line must be a {{\"header\": ...}} object")
+    return first["header"], [json.loads(line) for line in lines[1:] if line.strip()]
+
+
+def write_rows(path: str | Path, header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> Path:
+    """Write ``{"header": header}`` then one JSON object per row (a ``.summary.jsonl``), atomically."""
+    path = Path(path)
+    _atomic_write(path, json.dumps({"header": dict(header)}) + "\n" + "".join(json.dumps(dict(r)) + "\n" for r in rows))
+    return path
+
+
+def write_json(path: str | Path, document: Any) -> Path:
+    """Write one JSON document (indented), atomically."""
+    path = Path(path)
+    _atomic_write(path, json.dumps(document, indent=2))
+    return path
+
+
+class RecordLog:
+    """An open result file: the header is on disk, :meth:`append` adds one record.
+
+    Args:
+        path: the ``.jsonl`` file.
+        header: this run's header.
+        resume: continue an existing file: its records are loaded (:attr:`records`, :attr:`done`)
+            and new ones appended after them; the file's header is kept (:meth:`done` says what
+            to skip). The values of ``match``
+            must equal the file's, or the run is refused.
+        overwrite: when not resuming, replace an existing file (``False``: refuse it).
+        match: header keys a resumed file must agree on (what was run, not when or where).
+
+    Raises:
+        ConfigError: resuming with a header that disagrees on a ``match`` key, or an existing
+            file with ``resume=False, overwrite=False``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        header: Mapping[str, Any],
+        *,
+        resume: bool = False,
+        overwrite: bool = True,
+        match: Sequence[str] = (),
+    ) -> None:
+        self.path = Path(path)
+        self.records: list[Record] = []
+        if resume and self.path.exists():
+            old, self.records = load_records(self.path)
+            for key in match:
+                if json.loads(json.dumps(header.get(key))) != old.get(key):
+                    raise ConfigError(
+                        f"resume: {self.path} was made with {key}={old.get(key)!r}, not {header.get(key)!r}; "
+                        "run without resuming or write to another file"
+                    )
+            self.header = old
+        elif self.path.exists() and not overwrite:
+            raise ConfigError(f"{self.path} exists: resume it, or write to another file")
+        else:
+            self.header = dict(header)
+            save_records(self.path, self.header, [])
+
+    def done(self, length: int | None) -> set[tuple[str, str]]:
+        """``(sample_id, method)`` pairs of prompt length ``length`` already in the file (a
+        sample id names the same source item at every length)."""
+        return {(r.sample_id, r.method) for r in self.records if r.length == length}
+
+    def append(self, record: Record) -> None:
+        """Add one record to the file (flushed at once) and to :attr:`records`."""
+        with self.path.open("a") as f:
+            f.write(_record_line(record))
+        self.records.append(record)

@@ -1,0 +1,293 @@
+"""Paired summaries of benchmark records: one :class:`Summary` per (length, method).
+
+Each method is paired, sample by sample, with a reference method that ran on the same prompts
+in the same process (full prefill unless a mapping says otherwise):
+
+- TTFT: median and quartiles; ``speedup`` is ``median(reference TTFT) / median(method TTFT)``
+  and ``speedup_paired_median`` the median of the per-prompt ratios.
+- Accuracy: the mean score, and the mean paired difference to the reference with a 95%
+  percentile bootstrap interval (seeded, 2000 resamples).
+- Cost: mean token-layer fraction, the ideal speedup ``1 / fraction``, the mean paired FLOPs
+  ratio, decode seconds per token, total seconds.
+- Fidelity: first-token agreement with the reference, the share of answers identical to the
+  reference's (``output.strip()`` equal), and the median first-token KL(reference || method)
+  where the runs recorded it.
+
+Statistics of the method alone use all its records in the cell; everything compared with the
+reference uses the paired samples only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fastprefill.bench.records import FULL, Record
+from fastprefill.errors import ConfigError
+
+__all__ = ["Summary", "bootstrap_ci", "method_entry", "needle_by_depth", "paired_row", "references_by_model",
+           "summarize"]
+
+#: Extras that are per-run facts, not counters to average.
+_NOT_COUNTERS = ("first_token", "first_token_kl")
+
+
+@dataclass
+class Summary:
+    """Aggregate of one (length, method) cell, paired with its reference method."""
+
+    length: int | None
+    method: str
+    reference: str
+    n: int
+    n_paired: int
+    ttft_median_s: float
+    ttft_p25_s: float
+    ttft_p75_s: float
+    reference_ttft_median_s: float
+    speedup: float
+    speedup_paired_median: float
+    score_mean: float
+    reference_score_mean: float
+    score_diff: float
+    score_diff_ci95: tuple[float, float]
+    metric_means: dict[str, float]
+    token_layer_fraction: float
+    ideal_speedup: float
+    realised_over_ideal: float
+    flops_ratio: float
+    flops_median: float
+    decode_s_per_token_median: float | None
+    total_median_s: float
+    reference_total_median_s: float
+    new_tokens_mean: float
+    new_tokens_median: float
+    peak_mem_mb: float
+    first_token_agreement: float | None
+    identical_answers: float
+    first_token_kl_median: float | None
+    first_token_kl_n: int
+    counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def is_reference(self) -> bool:
+        """The cell is its own reference (full prefill against itself)."""
+        return self.method == self.reference
+
+
+def bootstrap_ci(diffs: Sequence[float], n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean of ``diffs``."""
+    arr = np.asarray(diffs, dtype=float)
+    if arr.size == 0:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    means = arr[rng.integers(0, arr.size, size=(n_boot, arr.size))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return (float(lo), float(hi))
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(np.median(values)) if len(values) else float("nan")
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(statistics.mean(values)) if len(values) else float("nan")
+
+
+def _counter_value(value: Any) -> float | None:
+    """A counter's per-run value: a number, or the mean of a list of numbers (empty: 0)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return float(statistics.mean(value)) if value else 0.0
+    return None
+
+
+def _counters(records: Sequence[Record]) -> dict[str, float]:
+    """Mean of each numeric counter in ``extra`` over the records (a run without it counts 0)."""
+    keys = {k for r in records for k, v in r.extra.items() if k not in _NOT_COUNTERS and _counter_value(v) is not None}
+    out = {}
+    for key in sorted(keys):
+        values = [_counter_value(r.extra.get(key)) for r in records]
+        out[key] = float(statistics.mean(v if v is not None else 0.0 for v in values))
+    return out
+
+
+def _reference_of(reference: str | Mapping[str, str], method: str) -> str:
+    if isinstance(reference, str):
+        return reference
+    if method not in reference:
+        raise ConfigError(f"reference: no reference method given for {method!r}; known: {sorted(reference)}")
+    return reference[method]
+
+
+def _cell(length: int | None, method: str, ref: str, rs: list[Record], refs: Mapping[str, Record]) -> Summary:
+    paired = [(refs[r.sample_id], r) for r in rs if r.sample_id in refs]
+    ttft = np.array([r.ttft_s for r in rs])
+    med = float(np.median(ttft))
+    ref_med = _median([f.ttft_s for f, _ in paired])
+    frac = float(np.mean([r.token_layer_fraction for r in rs]))
+    speedup = ref_med / med if med > 0 else float("nan")
+    diffs = [r.score - f.score for f, r in paired]
+    decode = [r.decode_s_per_token for r in rs if r.decode_s_per_token is not None]
+    firsts = [(f.extra["first_token"], r.extra["first_token"]) for f, r in paired
+              if "first_token" in f.extra and "first_token" in r.extra]
+    kls = [float(r.extra["first_token_kl"]) for r in rs if r.extra.get("first_token_kl") is not None]
+    metric_names = sorted({k for r in rs for k in r.metrics})
+    return Summary(
+        length=length,
+        method=method,
+        reference=ref,
+        n=len(rs),
+        n_paired=len(paired),
+        ttft_median_s=med,
+        ttft_p25_s=float(np.percentile(ttft, 25)),
+        ttft_p75_s=float(np.percentile(ttft, 75)),
+        reference_ttft_median_s=ref_med,
+        speedup=speedup,
+        speedup_paired_median=_median([f.ttft_s / r.ttft_s for f, r in paired]),
+        score_mean=float(np.mean([r.score for r in rs])),
+        reference_score_mean=_mean([f.score for f, _ in paired]),
+        score_diff=float(np.mean(diffs)) if diffs else float("nan"),
+        score_diff_ci95=bootstrap_ci(diffs),
+        metric_means={m: _mean([r.metrics[m] for r in rs if m in r.metrics]) for m in metric_names},
+        token_layer_fraction=frac,
+        ideal_speedup=1.0 / frac if frac > 0 else float("nan"),
+        realised_over_ideal=speedup * frac,
+        flops_ratio=float(np.mean([r.prefill_flops / f.prefill_flops for f, r in paired])) if paired else float("nan"),
+        flops_median=_median([r.prefill_flops for r in rs]),
+        decode_s_per_token_median=float(np.median(decode)) if decode else None,
+        total_median_s=_median([r.total_s for r in rs]),
+        reference_total_median_s=_median([f.total_s for f, _ in paired]),
+        new_tokens_mean=_mean([r.new_tokens for r in rs]),
+        new_tokens_median=_median([r.new_tokens for r in rs]),
+        peak_mem_mb=float(max(r.peak_mem_mb for r in rs)),
+        first_token_agreement=_mean([float(a == b) for a, b in firsts]) if firsts else None,
+        identical_answers=_mean([float(r.output.strip() == f.output.strip()) for f, r in paired]),
+        first_token_kl_median=_median(kls) if kls else None,
+        first_token_kl_n=len(kls),
+        counters=_counters(rs),
+    )
+
+
+def summarize(
+    records: Sequence[Record],
+    reference: str | Mapping[str, str] = FULL,
+    order: Sequence[str] | None = None,
+) -> list[Summary]:
+    """One :class:`Summary` per (length, method), lengths ascending (``None`` last).
+
+    Args:
+        records: runs of one benchmark (every method on the same samples).
+        reference: the method every other is paired with, or a mapping method -> its reference
+            (a method may be its own reference).
+        order: method order within a length; by default the reference methods first, then the
+            rest alphabetically. Methods not listed follow, alphabetically.
+
+    Raises:
+        ConfigError: a mapping ``reference`` without an entry for a method in ``records``.
+    """
+    cells: dict[tuple[Any, str], list[Record]] = defaultdict(list)
+    for r in records:
+        cells[(r.length, r.method)].append(r)
+    refs_of = {m: _reference_of(reference, m) for _, m in cells}
+    is_ref = set(refs_of.values())
+    rank = {m: i for i, m in enumerate(order or ())}
+    out: list[Summary] = []
+    for length in sorted({k[0] for k in cells}, key=lambda x: (x is None, x)):
+        methods = [m for (ln, m) in cells if ln == length]
+        if order is None:
+            methods.sort(key=lambda m: (m not in is_ref, m))
+        else:
+            methods.sort(key=lambda m: (rank.get(m, len(rank)), m))
+        for m in methods:
+            ref = refs_of[m]
+            ref_records = {r.sample_id: r for r in cells.get((length, ref), [])}
+            out.append(_cell(length, m, ref, cells[(length, m)], ref_records))
+    return out
+
+
+def paired_row(s: Summary) -> dict[str, Any]:
+    """A ``.summary.jsonl`` row: a method paired with its reference (keys as the LazyLLM
+    result files have them; ``*_full`` names the reference's figure)."""
+    return {
+        "length": s.length, "method": s.method, "n": s.n,
+        "score": s.score_mean, "score_full": s.reference_score_mean,
+        "score_diff": s.score_diff, "score_diff_ci95": list(s.score_diff_ci95),
+        "same_output_as_full": s.identical_answers,
+        "first_token_agreement": s.first_token_agreement,
+        "first_token_kl_median": s.first_token_kl_median,
+        "ttft_s_median": s.ttft_median_s,
+        "ttft_full_s_median": s.reference_ttft_median_s,
+        "speedup_median": s.speedup_paired_median,
+        "total_s_median": s.total_median_s,
+        "total_full_s_median": s.reference_total_median_s,
+        "new_tokens_mean": s.new_tokens_mean,
+        "token_layer_fraction": s.token_layer_fraction, "ideal_speedup": s.ideal_speedup,
+        "revived_per_step_mean": s.counters.get("revived_per_step", 0.0),
+    }
+
+
+def method_entry(s: Summary, vs_full: Summary | None = None) -> dict[str, Any]:
+    """A ``.summary.json`` entry: one method against its own reference (and, through ``vs_full``,
+    the same cell paired with full prefill), as the KV Prediction result files have it."""
+    return {
+        "n": s.n,
+        "reference": s.reference,
+        "accuracy": s.score_mean,
+        **{f"mean_{m}": v for m, v in s.metric_means.items() if m != "score"},
+        "median_ttft_s": s.ttft_median_s,
+        "median_speedup_vs_reference": s.speedup_paired_median,
+        "median_speedup_vs_full": (vs_full or s).speedup_paired_median,
+        "median_ttft_flops": s.flops_median,
+        "first_token_agreement_with_reference": s.first_token_agreement,
+        "identical_answers_with_reference": s.identical_answers,
+        "median_first_token_kl": s.first_token_kl_median,
+        "median_new_tokens": s.new_tokens_median,
+    }
+
+
+def references_by_model(runs_on: Mapping[str, str], plain: Collection[str], main: str = FULL) -> dict[str, str]:
+    """Each method's reference when methods run on several models.
+
+    A method that is not a plain prefill is paired with the plain prefill of the model it runs
+    on; a plain prefill of another model (a smaller family member alone) with ``main``; a plain
+    prefill of ``main``'s model with itself.
+
+    Args:
+        runs_on: method -> the model it runs on.
+        plain: the methods that are full prefill of their model.
+        main: the plain prefill every other model's plain prefill is compared with.
+
+    Raises:
+        ConfigError: ``main`` is not a plain prefill in ``runs_on``, or a model has methods but
+            no plain prefill to pair them with.
+    """
+    if main not in runs_on or main not in plain:
+        raise ConfigError(f"references: {main!r} must be one of the plain prefills {sorted(set(plain) & set(runs_on))}")
+    full_on = {runs_on[name]: name for name in runs_on if name in plain}
+    full_on[runs_on[main]] = main
+    missing = sorted({m for n, m in runs_on.items() if n not in plain and m not in full_on})
+    if missing:
+        raise ConfigError(f"references: no full prefill of {missing} to pair their methods with")
+    return {name: (full_on[model] if name not in plain else (main if model != runs_on[main] else name))
+            for name, model in runs_on.items()}
+
+
+def needle_by_depth(records: Sequence[Record]) -> list[dict[str, Any]]:
+    """Retrieval rate per (length, depth, method), the depth read back from each needle sample id."""
+    from fastprefill.data.tasks import NeedleTask
+
+    task = NeedleTask()
+    hits: dict[tuple[Any, float, str], list[float]] = defaultdict(list)
+    for r in records:
+        hits[(r.length, task.depth_of(r.sample_id), r.method)].append(r.score)
+    return [{"length": ln, "depth": d, "method": m, "n": len(v), "retrieved": statistics.mean(v)}
+            for (ln, d, m), v in sorted(hits.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]

@@ -1,0 +1,56 @@
+"""Every committed figure reproduces: ``fastprefill bench verify`` re-summarizes each committed
+result file and finds the numbers of its committed summaries."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from fastprefill.bench.verify import compare_tables, verify_results
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def test_every_committed_summary_reproduces_from_its_records():
+    report = verify_results(RESULTS)
+    assert report.ok, "\n".join(map(str, report.mismatches))
+    summaries = [p.name for p in RESULTS.iterdir() if p.name.endswith((".summary.jsonl", ".summary.json"))]
+    assert set(summaries) <= set(report.checked)
+    records_with_md = [p.name for p in RESULTS.glob("*.md") if p.with_suffix(".jsonl").exists()]
+    # every committed table over records is checked, except the KV-Runahead ones (not bench records)
+    assert {m for m in records_with_md if not m.startswith("runahead_")} <= set(report.checked)
+    assert all(not name.startswith(("lazyllm_", "kvp_", "baseline_")) or "no committed summary" in why
+               for name, why in report.skipped.items())
+
+
+def test_verify_finds_a_changed_figure(tmp_path):
+    for stem in ("lazyllm_sweep_qwen2.5-coder-0.5b_2048", "kvp_humaneval-completion"):
+        for path in RESULTS.glob(stem + ".*"):
+            shutil.copy(path, tmp_path / path.name)
+    assert verify_results(tmp_path).ok
+    md = tmp_path / "lazyllm_sweep_qwen2.5-coder-0.5b_2048.md"
+    md.write_text(md.read_text().replace("| 2.48x | 2.46x |", "| 2.48x | 2.47x |"))
+    doc = json.loads((tmp_path / "kvp_humaneval-completion.summary.json").read_text())
+    doc["summary"]["kvp-c"]["accuracy"] = 0.01
+    (tmp_path / "kvp_humaneval-completion.summary.json").write_text(json.dumps(doc))
+    rows = (tmp_path / "lazyllm_sweep_qwen2.5-coder-0.5b_2048.summary.jsonl").read_text().splitlines()
+    header = json.loads(rows[0])
+    header["header"]["selection"]["chosen"] = "lazyllm-aggressive"
+    (tmp_path / "lazyllm_sweep_qwen2.5-coder-0.5b_2048.summary.jsonl").write_text(
+        "\n".join([json.dumps(header), *rows[1:]]) + "\n")
+    found = {(m.file, m.where) for m in verify_results(tmp_path).mismatches}
+    assert found == {
+        ("lazyllm_sweep_qwen2.5-coder-0.5b_2048.md", "row 2 column 'paired speedup'"),
+        ("kvp_humaneval-completion.summary.json", "summary.kvp-c.accuracy"),
+        ("lazyllm_sweep_qwen2.5-coder-0.5b_2048.summary.jsonl", "header.selection.chosen"),
+    }
+
+
+def test_tables_compare_to_the_printed_precision():
+    old = "| a | b |\n|---|---|\n| 1.23x | 45% |\n"
+    assert compare_tables("f", old, "| a | b | new |\n|---|---|---|\n| 1.23x | 45% | 9 |\n") == []
+    assert compare_tables("f", old, "| a | b |\n|---|---|\n| 1.23x | 44% |\n")
+    assert compare_tables("f", old, "| a | b |\n|---|---|\n| 1.24x | 45% |\n")
+    assert compare_tables("f", old, "| a | b |\n|---|---|\n| 1.23 | 45% |\n")  # text differs
+    assert compare_tables("f", old, "| a |\n|---|\n| 1.23x |\n")[0].recomputed == "(missing)"
