@@ -52,9 +52,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: set once they are merged. A violation that is gone must be removed from here (the test says so).
 KNOWN_VIOLATIONS: frozenset[str] = frozenset(
     {
-        # issue 12 part 2 (one bench harness): report imports runner's FULL, Record, save_jsonl;
-        # runner imports report.write_report inside a function.
-        "cycle: bench.report, bench.runner",
         # issue 12 part 1 (distributed wing): partition.py imports free_port and load_model from
         # launch.py inside its calibration functions; launch.py imports the runahead method.
         "cycle: launch, methods.runahead.comm, methods.runahead.method, methods.runahead.partition",
