@@ -1,7 +1,7 @@
 """KV-Runahead (arXiv 2405.05329) and its all-gather baseline (TSP) as fastprefill methods.
 
 **KV-Runahead.** ``P`` ranks, each with a full model copy; the prompt is split into ``P``
-contiguous chunks by a frozen :class:`~fastprefill.methods.runahead.partition.PartitionPlan`.
+contiguous chunks by a frozen :class:`~fastprefill.methods.runahead.plan.PartitionPlan`.
 At every layer ``l`` rank ``i``:
 
 1. computes its own q/k/v (the model's own decoder layer, via
@@ -58,7 +58,9 @@ from fastprefill.errors import ConfigError
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
 from fastprefill.methods.full import FullPrefill, FullState
 from fastprefill.methods.runahead.comm import ChainComm, ChainCommError
-from fastprefill.methods.runahead.partition import PartitionPlan, PartitionTable, check_procs, find_table
+from fastprefill.methods.runahead.plan import PartitionPlan, check_procs
+from fastprefill.methods.runahead.search import CostModel, search_partition
+from fastprefill.methods.runahead.tables import PartitionTable, find_table
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
 from fastprefill.models.shape import ModelShape
 
@@ -297,7 +299,7 @@ class KVRunahead(_DistributedPrefill):
             any table the grid search runs on an uncalibrated FLOP cost model); or explicit chunk
             sizes ``(c_0, ..., c_{P-1})`` that must sum to the prompt length.
         table: path to a partition table JSON (built by ``python -m
-            fastprefill.methods.runahead.partition``), or ``None``.
+            fastprefill.methods.runahead.calibrate``), or ``None``.
         timeout_s: bound on every communication wait (a dead or hung rank raises instead).
 
     Raises:
@@ -338,8 +340,6 @@ class KVRunahead(_DistributedPrefill):
         table = PartitionTable.load(self.table) if self.table else find_table(shape)
         if table is not None:
             return table.plan(total, self.procs)
-        from fastprefill.methods.runahead.partition import CostModel, search_partition
-
         return search_partition(total, self.procs, CostModel.from_flops(shape, 5e10, 2e9))
 
     def _attention_pairs(self, plan: PartitionPlan) -> list[int]:
