@@ -16,8 +16,10 @@ import torch
 
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
-from fastprefill.launch import RankPool, RankPoolError, load_model, make_method
+from fastprefill.launch import RankPool, RankPoolError, load_model
+from fastprefill.methods.base import DistributedMethod
 from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.registry import make_method
 from fastprefill.methods.runahead import (
     ChainComm,
     ChainCommError,
@@ -93,13 +95,34 @@ def test_paper_example_counts():
         (lambda: KVRunahead(procs=2, partition=(3, 0)), "chunk 1"),
         (lambda: KVRunahead(procs=2, timeout_s=0), "timeout_s"),
         (lambda: SequenceParallel(procs=-1), "procs"),
-        (lambda: make_method("full", 2), "one process"),
-        (lambda: make_method("runahead", 2, "3:2"), "partition"),
+        (lambda: make_method("full:procs=2"), "no option"),
+        (lambda: make_method("runahead:procs=2,partition=3:2"), "partition"),
+        (lambda: make_method("runahead:procs=2,partition=3/x"), "partition"),
+        (lambda: make_method("runahead:procs=2,partition=3/2/1"), "3 chunks but procs=2"),
+        (lambda: make_method("runahead:procs=two"), "option 'procs': not an integer"),
+        (lambda: make_method("tsp:procs=2,partition=even"), "no option"),
     ],
 )
 def test_bad_configuration(build, match):
     with pytest.raises(ConfigError, match=match):
         build()
+
+
+def test_registry_builds_distributed_methods():
+    ra = make_method("runahead:procs=2,partition=searched")
+    assert isinstance(ra, KVRunahead) and isinstance(ra, DistributedMethod)
+    assert (ra.procs, ra.partition) == (2, "searched")
+    assert make_method("runahead:procs=2,partition=600/424").partition == (600, 424)
+    tsp = make_method("tsp:procs=3,timeout_s=5")
+    assert isinstance(tsp, SequenceParallel) and isinstance(tsp, DistributedMethod)
+    assert (tsp.procs, tsp.timeout_s) == (3, 5.0)
+    assert not isinstance(FullPrefill(), DistributedMethod)
+    # defaults fill what the spec leaves out, only for the methods that declare them
+    defaults = {"procs": 3, "partition": "2/1/1", "timeout_s": 9.0}
+    assert make_method("runahead", defaults) == KVRunahead(procs=3, partition=(2, 1, 1), timeout_s=9.0)
+    assert make_method("runahead:procs=2,partition=even", defaults) == KVRunahead(procs=2, timeout_s=9.0)
+    assert make_method("tsp", defaults) == SequenceParallel(procs=3, timeout_s=9.0)
+    assert isinstance(make_method("full", defaults), FullPrefill)
 
 
 def test_explicit_partition_must_sum_to_prompt(tiny_llama):
