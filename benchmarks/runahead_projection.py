@@ -2,7 +2,7 @@
 
 The paper (arXiv 2405.05329) reports, on 8xA100 for Llama 7B / Falcon 7B in fp16, more than
 1.4x (NVLink, 300 GB/s) and more than 1.6x (10 GB/s) faster TTFT than TSP. This script evaluates
-our :class:`~fastprefill.methods.runahead.partition.CostModel` (the same simulator the partition
+our :class:`~fastprefill.methods.runahead.search.CostModel` (the same simulator the partition
 search uses) for that setting: FLOP-derived compute times at a sustained ``--tflops`` (default
 125 TFLOP/s, ~40% of an A100's fp16 peak), fp16 KV (2 bytes), the given link bandwidths and
 ``--latency-us`` per message. TSP is a ring all-gather per layer with attention of every rank's
@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from fastprefill.methods.runahead.partition import CostModel, PartitionPlan, search_partition
+from fastprefill.methods.runahead import CostModel, PartitionPlan, search_partition
 from fastprefill.models.shape import ModelShape
 
 LLAMA_7B = ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
@@ -62,7 +62,7 @@ def main() -> None:
         f"# KV-Runahead vs TSP: cost-model projection (NOT measured), Llama-7B shape, {args.procs} ranks",
         "",
         f"Compute at {args.tflops:.0f} sustained TFLOP/s per rank, fp16 KV, {args.latency_us:.0f} us per message. "
-        "TTFT in ms predicted by `CostModel` (fastprefill.methods.runahead.partition).",
+        "TTFT in ms predicted by `CostModel` (fastprefill.methods.runahead.search).",
         "",
         "| link GB/s | tokens | 1 rank | TSP | runahead even | runahead searched | TSP / searched (model) "
         "| paper, measured vs TSP |",

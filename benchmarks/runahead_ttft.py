@@ -8,7 +8,7 @@ Configurations (each model, each prompt length):
   pinned to its own core, even split or the shipped searched table;
 - ``tsp``: the all-gather baseline on the same 2 ranks.
 
-Every configuration runs through the same :class:`fastprefill.launch.RankPool` machinery, so
+Every configuration runs through the same :class:`fastprefill.distributed.pool.RankPool` machinery, so
 dispatch overhead is the same for all, and TTFT is measured on the driver from prompt dispatch
 to the first token id (all communication included); model loading is outside. The methods are
 interleaved within each repetition on the 2-rank pool (drift hits them alike); ``--warmup``
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fastprefill.launch import RankPool
+from fastprefill.distributed.pool import RankPool
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.runahead import KVRunahead, SequenceParallel
 

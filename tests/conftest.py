@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random decoder configs (no download) and the real smollm2-135m."""
+"""Shared fixtures: tiny random decoder models (`random:llama`, `random:qwen2` of
+fastprefill.models.random; no download) and the real smollm2-135m."""
 
 from __future__ import annotations
 
@@ -7,41 +8,25 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from fastprefill.models.random import random_model
 
 
 def _tiny(config_cls, **overrides):
-    cfg = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    cfg.update(overrides)
-    torch.manual_seed(0)
-    config = config_cls(**cfg)
-    config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+    """The seeded random model of ``config_cls``'s family (:func:`fastprefill.models.random.random_model`)."""
+    return random_model(config_cls.model_type, **overrides)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama():
     """A 4-layer random Llama with GQA (4 query heads, 2 KV heads), vocab 128."""
-    return _tiny(LlamaConfig)
+    return random_model("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2():
     """A 4-layer random Qwen2 (q/k/v biases) with GQA, vocab 128."""
-    return _tiny(Qwen2Config)
+    return random_model("qwen2")
 
 
 @pytest.fixture(params=["llama", "qwen2"])

@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+import fastprefill
+from fastprefill import launch
+from fastprefill.distributed.pool import RankPool, RankPoolError
 from fastprefill.engine import generate
-from fastprefill.errors import ConfigError
-from fastprefill.launch import RankPool, RankPoolError, load_model, make_method
+from fastprefill.errors import ConfigError, ModelNotFoundError, PromptError, UnsupportedModelError
+from fastprefill.methods.base import DistributedMethod
 from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.registry import make_method
 from fastprefill.methods.runahead import (
     ChainComm,
     ChainCommError,
@@ -28,7 +35,8 @@ from fastprefill.methods.runahead import (
     SequenceParallel,
     search_partition,
 )
-from fastprefill.methods.runahead.partition import TABLES_DIR, find_table
+from fastprefill.methods.runahead.tables import TABLES_DIR, find_table
+from fastprefill.models import load
 from fastprefill.models.shape import ModelShape
 
 ATOL = 1e-4
@@ -93,13 +101,45 @@ def test_paper_example_counts():
         (lambda: KVRunahead(procs=2, partition=(3, 0)), "chunk 1"),
         (lambda: KVRunahead(procs=2, timeout_s=0), "timeout_s"),
         (lambda: SequenceParallel(procs=-1), "procs"),
-        (lambda: make_method("full", 2), "one process"),
-        (lambda: make_method("runahead", 2, "3:2"), "partition"),
+        (lambda: make_method("full:procs=2"), "no option"),
+        (lambda: make_method("runahead:procs=2,partition=3:2"), "partition"),
+        (lambda: make_method("runahead:procs=2,partition=3/x"), "partition"),
+        (lambda: make_method("runahead:procs=2,partition=3/2/1"), "3 chunks but procs=2"),
+        (lambda: make_method("runahead:procs=two"), "option 'procs': not an integer"),
+        (lambda: make_method("tsp:procs=2,partition=even"), "no option"),
     ],
 )
 def test_bad_configuration(build, match):
     with pytest.raises(ConfigError, match=match):
         build()
+
+
+def test_registry_builds_distributed_methods():
+    ra = make_method("runahead:procs=2,partition=searched")
+    assert isinstance(ra, KVRunahead) and isinstance(ra, DistributedMethod)
+    assert (ra.procs, ra.partition) == (2, "searched")
+    assert make_method("runahead:procs=2,partition=600/424").partition == (600, 424)
+    tsp = make_method("tsp:procs=3,timeout_s=5")
+    assert isinstance(tsp, SequenceParallel) and isinstance(tsp, DistributedMethod)
+    assert (tsp.procs, tsp.timeout_s) == (3, 5.0)
+    assert not isinstance(FullPrefill(), DistributedMethod)
+    # defaults fill what the spec leaves out, only for the methods that declare them
+    defaults = {"procs": 3, "partition": "2/1/1", "timeout_s": 9.0}
+    assert make_method("runahead", defaults) == KVRunahead(procs=3, partition=(2, 1, 1), timeout_s=9.0)
+    assert make_method("runahead:procs=2,partition=even", defaults) == KVRunahead(procs=2, timeout_s=9.0)
+    assert make_method("tsp", defaults) == SequenceParallel(procs=3, timeout_s=9.0)
+    assert isinstance(make_method("full", defaults), FullPrefill)
+
+
+def test_random_models_are_seeded_and_the_fixtures_use_them(tiny_llama):
+    state = torch.random.get_rng_state()
+    model, tok = load("random:llama")
+    assert tok is None and torch.equal(state, torch.random.get_rng_state())  # global RNG untouched
+    ours, fixture = model.state_dict(), tiny_llama.state_dict()
+    assert ours.keys() == fixture.keys() and all(torch.equal(ours[k], fixture[k]) for k in ours)
+    assert load("random:qwen2")[0].config.model_type == "qwen2"
+    with pytest.raises(ModelNotFoundError, match="random:llama"):
+        load("random:mamba")
 
 
 def test_explicit_partition_must_sum_to_prompt(tiny_llama):
@@ -151,7 +191,9 @@ def test_shipped_tables_parse_and_plan():
     assert {p.stem for p in paths} >= {"smollm2-135m", "qwen2.5-coder-0.5b"}
     for p in paths:
         table = PartitionTable.load(p)
-        assert table.command.startswith("python -m fastprefill.methods.runahead.partition")
+        # the shipped tables were built before partition.py became plan/search/tables/calibrate
+        assert table.command.startswith(("python -m fastprefill.methods.runahead.calibrate",
+                                         "python -m fastprefill.methods.runahead.partition"))
         for n in (512, 3000, 8192):
             plan = table.plan(n, 2)
             assert plan.length == n and plan.chunks[0] >= plan.chunks[1]
@@ -160,7 +202,7 @@ def test_shipped_tables_parse_and_plan():
 # --- communication object -----------------------------------------------------------------------------
 def test_chain_comm_refuses_misuse():
     plan = PartitionPlan((4, 3, 2), 9)
-    kw = dict(kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
+    kw = {"kv_heads": 2, "head_dim": 8, "dtype": torch.float32, "device": torch.device("cpu")}
     first, mid, last = (ChainComm(plan, r, **kw) for r in range(3))
     with pytest.raises(ChainCommError, match="rank 0"):
         first.send_recv(0, recv=True)
@@ -216,7 +258,7 @@ def pool3():
 
 
 def _check_pool(pool, family: str, ids: list[int], methods, n_new: int = 6) -> None:
-    model, _ = load_model(f"random:{family}")
+    model, _ = load(f"random:{family}")
     ref_logits, hf = _reference(model, ids, n_new)
     for method in methods:
         res = pool.generate(ids, method, n_new, stop_at_eos=False)
@@ -265,6 +307,31 @@ def test_pool_refuses_bad_requests_and_stays_usable(pool3):
     _check_pool(pool3, "qwen2", _ids(9, 9), [KVRunahead(procs=3)], n_new=2)
 
 
+def test_pool_reports_user_errors_as_themselves_and_stays_usable(pool2):
+    with pytest.raises(PromptError, match="exceeds the model's context"):
+        pool2.generate(_ids(600, 3), KVRunahead(procs=2), 2)
+    with pytest.raises(ConfigError, match="tokenizer"):
+        pool2.generate("text, but random models have no tokenizer", SequenceParallel(procs=2), 2)
+    with pytest.raises(ConfigError, match="runs on one process, but this group has 2"):
+        pool2.generate([1, 2, 3], FullPrefill(), 2)
+    _check_pool(pool2, "llama", _ids(11, 4), [SequenceParallel(procs=2)], n_new=2)
+
+
+def test_unsupported_family_is_refused_on_every_rank():
+    """random:gpt2 is no layer-loop family: every rank raises UnsupportedModelError before any
+    communication, the driver re-raises it, and the ranks stay up for the next request."""
+    with RankPool("random:gpt2", 2, timeout_s=30, start_method="fork") as pool:
+        for method in (KVRunahead(procs=2), SequenceParallel(procs=2), KVRunahead(procs=2)):
+            with pytest.raises(UnsupportedModelError, match="gpt2"):
+                pool.generate(_ids(8, 1), method, 2)
+        assert not _gone(pool.pids)
+
+
+def test_unknown_model_fails_at_start_with_its_own_error():
+    with pytest.raises(ModelNotFoundError, match="mamba"):
+        RankPool("random:mamba", 2, timeout_s=30, start_method="fork")
+
+
 # --- faults (last: they shut the pools down) --------------------------------------------------------
 def test_dead_rank_fails_every_rank_fast(pool3):
     pids = pool3.pids
@@ -287,6 +354,83 @@ def test_hung_rank_times_out(pool2):
     assert time.monotonic() - t0 < 3 * 4 + 60
     assert _gone(pids)
     assert os.getpid() not in pids
+
+
+# --- python -m fastprefill.launch: torchrun and the local pool ------------------------------------------
+def _subprocess_env() -> dict[str, str]:
+    """This interpreter's environment with this source tree first on the path, outside any torchrun."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                             "MASTER_ADDR", "MASTER_PORT")}
+    src = str(Path(fastprefill.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    return env
+
+
+def test_torchrun_two_ranks_equal_full_prefill(tmp_path):
+    """``torchrun --standalone --nproc-per-node 2 -m fastprefill.launch`` (torchrun is
+    ``python -m torch.distributed.run`` of this interpreter) with KV-Runahead (searched and
+    uneven explicit partitions) and TSP in turn on the same two ranks: each method's first-token
+    logits and tokens are single-process full prefill's, and only the last rank prints."""
+    ids = _ids(37, 12)
+    saved = tmp_path / "logits.pt"
+    methods = ["runahead:partition=searched", "runahead:partition=30/7", "tsp"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fastprefill.launch", "--model", "random:llama", "--prompt-ids", " ".join(map(str, ids)),
+           *[x for m in methods for x in ("--method", m)], "--max-new-tokens", "4", "--timeout", "60", "--json",
+           "--save-logits", str(saved)]
+    proc = subprocess.run(cmd, check=False, env=_subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [o["method"] for o in outs] == ["runahead(procs=2, partition=searched)",
+                                           "runahead(procs=2, partition=30/7)", "tsp(procs=2)"], proc.stdout
+    model, _ = load("random:llama")
+    ref_logits, hf = _reference(model, ids, 4)
+    for out, logits in zip(outs, torch.load(saved), strict=True):
+        assert out["first_token_id"] == int(ref_logits.argmax()) and out["token_ids"] == hf
+        assert (out["procs"], out["prompt_tokens"], out["ttft_clock"]) == (2, 37, "last rank") and out["ttft_s"] > 0
+        diff = float((logits - ref_logits).abs().max())
+        assert diff <= ATOL, f"{out['method']}: max |logit diff| {diff}"
+
+
+class _ForkPool(RankPool):
+    """RankPool started with ``fork`` (fast in tests; see RankPool's start_method)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "start_method": "fork"})
+
+
+def test_launch_local_pool_json(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("fastprefill.distributed.pool.RankPool", _ForkPool)
+    ids = _ids(21, 13)
+    argv = ["--model", "random:qwen2", "--prompt-ids", ",".join(map(str, ids)), "--method", "runahead:partition=15/6",
+            "--procs", "2", "--max-new-tokens", "3", "--json", "--save-logits", str(tmp_path / "l.pt")]
+    assert launch.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    model, _ = load("random:qwen2")
+    ref_logits, hf = _reference(model, ids, 3)
+    assert out["token_ids"] == hf and out["first_token_id"] == int(ref_logits.argmax())
+    assert out["method"] == "runahead(procs=2, partition=15/6)" and out["ttft_clock"] == "driver"
+    (logits,) = torch.load(tmp_path / "l.pt")
+    assert float((logits - ref_logits).abs().max()) <= ATOL
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--method", "full", "--procs", "2"], "runs on 1 rank(s), but --procs is 2"),
+        (["--method", "runahead:procs=3", "--procs", "2"], "runs on 3 rank(s), but --procs is 2"),
+        (["--method", "lazy"], "unknown method"),
+        (["--device", "cuda"], "runs on CPU"),
+        (["--prompt-ids", "1 x"], "--prompt-ids"),
+        (["--threads", "0"], "threads_per_rank must be"),
+    ],
+)
+def test_launch_refuses_bad_arguments_before_starting(capsys, argv, match):
+    base = {"--model": "random:llama", "--prompt-ids": "1 2 3"}
+    for i in range(0, len(argv), 2):
+        base[argv[i]] = argv[i + 1]
+    assert launch.main([x for kv in base.items() for x in kv]) == 2
+    assert match in capsys.readouterr().err
 
 
 # --- the real model ---------------------------------------------------------------------------------

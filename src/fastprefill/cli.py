@@ -95,27 +95,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from fastprefill.engine import stream
+    from fastprefill.methods.base import DistributedMethod
     from fastprefill.methods.registry import make_method
 
     prompt = _read_prompt(args)
     torch.set_num_threads(args.threads)
-    name = args.method.split(":")[0]
-    if name in ("runahead", "tsp"):
-        from fastprefill.launch import generate_distributed
+    # --procs/--partition/--timeout reach only the methods that have them (runahead, tsp)
+    method = make_method(args.method, {"procs": args.procs, "partition": args.partition, "timeout_s": args.timeout})
+    if isinstance(method, DistributedMethod):
+        from fastprefill.distributed.pool import generate_distributed
 
         result = generate_distributed(
-            args.model, prompt, procs=args.procs, method=name, partition=args.partition,
-            max_new_tokens=args.max_new_tokens, chat=not args.raw, threads_per_rank=args.threads_per_rank,
-            pin=args.pin, timeout_s=args.timeout,
+            args.model, prompt, method, max_new_tokens=args.max_new_tokens, chat=not args.raw,
+            threads_per_rank=args.threads_per_rank, pin=args.pin,
         )
         console.print(result.text, highlight=False, markup=False)
         t = result.timing
         err_console.print(
-            f"[dim]{name} on {args.procs} ranks: TTFT {result.ttft_s:.3f} s (driver clock, dispatch and all "
-            f"communication included) for {t['prompt_tokens']} prompt tokens[/dim]"
+            f"[dim]{method.describe()} on {method.procs} ranks: TTFT {result.ttft_s:.3f} s (driver clock, dispatch "
+            f"and all communication included) for {t['prompt_tokens']} prompt tokens[/dim]"
         )
         return 0
-    method = make_method(args.method)
     model, tok = _load(args.model, args.device, args.dtype)
     timing = None
     for event in stream(model, tok, prompt, method, args.max_new_tokens, chat=not args.raw):
@@ -247,9 +247,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                       f"{base_ttft / t.ttft_s:.2f}x", f"{100 * t.token_layer_fraction:.0f}%")
     notes: list[str] = []
     if args.procs > 1:
-        from fastprefill.launch import RankPool, make_method
+        from fastprefill.distributed.pool import RankPool
+        from fastprefill.methods.registry import make_method
 
-        ra_method = make_method("runahead", args.procs, "searched")
+        ra_method = make_method(f"runahead:procs={args.procs},partition=searched")
         with (console.status(f"KV-Runahead: starting {args.procs} ranks (model loading is not timed) ..."),
               RankPool(args.model, args.procs, threads_per_rank=max(1, args.threads // args.procs)) as pool):
             pool.generate(sample.input_ids, ra_method, 2)  # warm-up, not shown

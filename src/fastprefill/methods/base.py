@@ -11,11 +11,15 @@ Each prefill reports what it computed in a :class:`ComputeStats`: the prompt (to
 pairs computed against the full count, and a FLOPs estimate. Everything a method does to get
 the first token (scoring, gathering, an auxiliary model, communication) happens inside
 ``prefill``, so the engine's TTFT timer includes it.
+
+A method that splits the prefill over several processes also meets :class:`DistributedMethod`:
+the last rank runs the engine, the others :meth:`DistributedMethod.contribute`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -116,3 +120,45 @@ class Method(ABC):
     def describe(self) -> str:
         """One line naming the method and its settings, for tables and logs."""
         return self.name
+
+
+#: Called after every layer of a rank's share of a distributed prefill as ``hook(rank, layer)``
+#: (fault-injection tests use it).
+LayerHook = Callable[[int, int], None]
+
+
+class DistributedMethod(Method):
+    """The contract of a prefill split over ``procs`` ranks of one torch.distributed process group.
+
+    Every rank holds the model and gets the same prompt ids. The last rank (``procs - 1``) runs
+    the engine: :meth:`prefill` gives it the first-token logits and it decodes alone. Ranks
+    ``0..procs-2`` call :meth:`contribute` with the same ids and are then free. Drivers (the
+    local rank pool in ``fastprefill.distributed.pool``, torchrun ranks in ``fastprefill.launch``)
+    talk to distributed methods only through this contract. With ``procs == 1`` no process group
+    is needed and the method is an ordinary one-process :class:`Method`.
+
+    Attributes:
+        procs: number of ranks; when > 1 it must equal the process group's world size.
+        timeout_s: bound in seconds on every communication wait (a dead or hung rank raises
+            instead of blocking); drivers bound a whole request by a small multiple of it.
+    """
+
+    procs: int
+    timeout_s: float
+
+    @abstractmethod
+    def contribute(
+        self, model: PreTrainedModel, input_ids: torch.Tensor, layer_hook: LayerHook | None = None
+    ) -> ComputeStats:
+        """Run this helper rank's share of the prefill (ranks ``0..procs-2``) and send what the
+        later ranks need.
+
+        Args:
+            model: the same model as on every other rank.
+            input_ids: ``(1, T)`` int64, the whole prompt, validated by
+                :func:`fastprefill.engine.prepare_prompt` as on the last rank.
+            layer_hook: called as ``hook(rank, layer)`` after every layer, or ``None``.
+
+        Returns:
+            What this rank computed (its counters in ``extra``).
+        """

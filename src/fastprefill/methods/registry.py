@@ -1,7 +1,11 @@
 """Method names for the CLI and benchmark configs: ``"name"`` or ``"name:key=value,key=value"``.
 
 Examples: ``full``, ``lazyllm:preset=default``, ``static:keep=0.5,select_layer=8``,
-``random:keep=0.5,seed=0``, ``kvp:predictor=ckpt/``.
+``random:keep=0.5,seed=0``, ``kvp:predictor=ckpt/``, ``runahead:procs=2,partition=searched``,
+``runahead:procs=2,partition=600/424``, ``tsp:procs=2,timeout_s=60``.
+
+``runahead`` and ``tsp`` build :class:`~fastprefill.methods.base.DistributedMethod` instances:
+they run on a rank pool or under torchrun (see ``fastprefill.launch``).
 
 Method modules are imported only when their name is used, so a missing optional piece never
 breaks the others.
@@ -12,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastprefill.errors import ConfigError
@@ -25,6 +29,10 @@ METHODS: dict[str, tuple[str, str]] = {
     "random": ("fastprefill.methods.baselines:RandomDrop", "random token drop (baseline)"),
     "static": ("fastprefill.methods.baselines:StaticPruning", "static GemFilter-style pruning (baseline)"),
     "kvp": ("fastprefill.methods.kv_prediction:KVPrediction.from_spec", "KV Prediction (needs a trained predictor)"),
+    "runahead": ("fastprefill.methods.runahead.method:KVRunahead",
+                 "KV-Runahead over procs ranks (options: procs, partition, table, timeout_s)"),
+    "tsp": ("fastprefill.methods.runahead.method:SequenceParallel",
+            "all-gather sequence-parallel prefill, KV-Runahead's baseline (options: procs, timeout_s)"),
 }
 
 
@@ -47,7 +55,10 @@ def _convert(value: str, annotation: Any) -> Any:
         raise ValueError(f"not a boolean: {value!r}")
     for typ in (int, float):
         if annotation in (typ, typ.__name__) or text == typ.__name__:
-            return typ(value)
+            try:
+                return typ(value)
+            except ValueError:
+                raise ValueError(f"not {'an integer' if typ is int else 'a number'}: {value!r}") from None
     return value
 
 
@@ -63,8 +74,15 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip(), kwargs
 
 
-def make_method(spec: str) -> Method:
+def make_method(spec: str, defaults: Mapping[str, Any] | None = None) -> Method:
     """Build a method from a spec string.
+
+    Args:
+        spec: ``"name"`` or ``"name:key=value,..."`` (see the module docstring).
+        defaults: typed values for options the spec leaves out, used only for the options the
+            method declares (the CLI passes ``--procs``, ``--partition`` and ``--timeout`` this
+            way: they reach ``runahead`` and ``tsp`` and no other method). Options in ``spec``
+            win.
 
     Raises:
         ConfigError: unknown method name, unknown option, or a value of the wrong type.
@@ -81,10 +99,15 @@ def make_method(spec: str) -> Method:
         unknown = set(raw) - fields
         if unknown:
             raise ConfigError(f"method {name!r} has no option(s) {sorted(unknown)}; options: {sorted(fields)}")
-        try:
-            kwargs = {k: _convert(v, hints.get(k, str)) for k, v in raw.items()}
-        except ValueError as exc:
-            raise ConfigError(f"method {name!r}: {exc}") from None
+        kwargs = {}
+        for key, value in raw.items():
+            try:
+                kwargs[key] = _convert(value, hints.get(key, str))
+            except ValueError as exc:
+                raise ConfigError(f"method {name!r}, option {key!r}: {exc}") from None
+        for key, value in (defaults or {}).items():
+            if key in fields:
+                kwargs.setdefault(key, value)
     try:
         return target(**kwargs)
     except TypeError as exc:

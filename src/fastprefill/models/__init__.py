@@ -1,5 +1,20 @@
-"""Models: the zoo of packaged real models (``zoo``) and the family adapters (``adapters``)."""
+"""Models: the zoo of packaged real models (``zoo``), seeded random test models (``random``)
+and the family adapters (``adapters``).
 
+:func:`load` is the one loader every process calls with a model name (the CLI, rank-pool
+workers, torchrun ranks, calibration): a zoo name, a local folder or Hugging Face id, or
+``random:<family>``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from fastprefill.models import random as random_models
+from fastprefill.models import zoo
 from fastprefill.models.zoo import (
     DEFAULT_MODEL,
     ZOO,
@@ -7,7 +22,6 @@ from fastprefill.models.zoo import (
     default_cache_dir,
     is_prepared,
     list_models,
-    load,
     prepare,
 )
 
@@ -21,3 +35,28 @@ __all__ = [
     "load",
     "prepare",
 ]
+
+
+def load(
+    spec: str | os.PathLike[str] | ZooEntry,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` in eval mode on ``device``.
+
+    Args:
+        spec: ``"random:llama"`` / ``"random:qwen2"`` / ``"random:gpt2"`` (a seeded tiny model,
+            tokenizer ``None``; see :mod:`fastprefill.models.random`), or anything
+            :func:`fastprefill.models.zoo.load` accepts (zoo name, model folder, HF id).
+        cache_dir, progress: for zoo models (see :func:`fastprefill.models.zoo.load`).
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError, MissingPackageError, ChecksumError: see
+            :func:`fastprefill.models.zoo.load`.
+    """
+    if random_models.is_random_spec(spec):
+        return random_models.load(str(spec), device=device, dtype=dtype)
+    return zoo.load(spec, device=device, dtype=dtype, cache_dir=cache_dir, progress=progress)

@@ -5,7 +5,7 @@ In the spirit of ring-flash-attention's ``RingComm``: operations are *queued*
 ``isend``/``irecv`` of torch.distributed) and *waited* for (:meth:`ChainComm.wait`). Rank ``i``
 only ever receives from ``i - 1`` and sends to ``i + 1``. Every message is one layer's keys or
 values of the accumulated prefix; its shape ``(1, H_kv, s, d)`` is known in advance from the
-frozen :class:`~fastprefill.methods.runahead.partition.PartitionPlan` (rank ``i`` receives
+frozen :class:`~fastprefill.methods.runahead.plan.PartitionPlan` (rank ``i`` receives
 ``s_i = c_0 + ... + c_{i-1}`` rows, sends ``s_{i+1}``), so there is no shape handshake; a tensor
 of another shape is refused before it is sent.
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fastprefill.errors import FastprefillError
-from fastprefill.methods.runahead.partition import PartitionPlan
+from fastprefill.methods.runahead.plan import PartitionPlan
 
 __all__ = ["ChainComm", "ChainCommError"]
 

@@ -1,7 +1,7 @@
 """KV-Runahead (arXiv 2405.05329) and its all-gather baseline (TSP) as fastprefill methods.
 
 **KV-Runahead.** ``P`` ranks, each with a full model copy; the prompt is split into ``P``
-contiguous chunks by a frozen :class:`~fastprefill.methods.runahead.partition.PartitionPlan`.
+contiguous chunks by a frozen :class:`~fastprefill.methods.runahead.plan.PartitionPlan`.
 At every layer ``l`` rank ``i``:
 
 1. computes its own q/k/v (the model's own decoder layer, via
@@ -27,7 +27,10 @@ to a ``DynamicCache`` at the first decode step: the first token does not need it
 prefill's TTFT does not include such a copy either). The other ranks call
 :meth:`KVRunahead.contribute` with the same prompt and are then free for the next prompt. This
 keeps decoding free of any per-token broadcast (it would cost a message per token and gain
-nothing: only one rank holds the full cache). :mod:`fastprefill.launch` drives both roles.
+nothing: only one rank holds the full cache). Both methods meet
+:class:`~fastprefill.methods.base.DistributedMethod`; the local rank pool
+(``fastprefill.distributed.pool``) and torchrun ranks (``python -m fastprefill.launch``) drive
+both roles through it.
 
 *choose* (masks): ranks with a prefix pass an explicit boolean mask. With ``mask=None``
 transformers' sdpa path crops the keys to the first ``T`` when there are more keys than
@@ -45,7 +48,6 @@ Both run in the default torch.distributed process group (gloo on CPU, NCCL on CU
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -55,18 +57,16 @@ from transformers import PreTrainedModel
 
 from fastprefill.cache import PositionKVCache
 from fastprefill.errors import ConfigError
-from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
+from fastprefill.methods.base import ComputeStats, DistributedMethod, LayerHook, PrefillOutput
 from fastprefill.methods.full import FullPrefill, FullState
 from fastprefill.methods.runahead.comm import ChainComm, ChainCommError
-from fastprefill.methods.runahead.partition import PartitionPlan, PartitionTable, check_procs, find_table
+from fastprefill.methods.runahead.plan import PartitionPlan, check_procs
+from fastprefill.methods.runahead.search import CostModel, search_partition
+from fastprefill.methods.runahead.tables import PartitionTable, find_table
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
 from fastprefill.models.shape import ModelShape
 
 __all__ = ["KVRunahead", "RunaheadState", "SequenceParallel"]
-
-#: Called after every layer as ``hook(rank, layer)`` (fault-injection tests use it).
-LayerHook = Callable[[int, int], None]
-
 
 @dataclass
 class RunaheadState:
@@ -149,7 +149,7 @@ class _GatherCache:
 
 
 @dataclass
-class _DistributedPrefill(Method):
+class _DistributedPrefill(DistributedMethod):
     """Shared plumbing of the two multi-rank prefills: roles, validation, stats, decoding."""
 
     layer_loop: ClassVar[bool] = True
@@ -175,7 +175,8 @@ class _DistributedPrefill(Method):
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 f"{self.name} with procs={self.procs} needs a torch.distributed process group: run it "
-                "through fastprefill.launch (RankPool, or `fastprefill generate --procs N`) or under torchrun"
+                "on a rank pool (fastprefill.distributed.pool.RankPool, or `fastprefill generate --method "
+                f"{self.name} --procs N`) or under torchrun (`torchrun ... -m fastprefill.launch`)"
             )
         world = dist.get_world_size()
         if world != self.procs:
@@ -295,9 +296,10 @@ class KVRunahead(_DistributedPrefill):
         partition: ``"even"``; ``"searched"`` (the shipped lookup table for this model shape,
             interpolated at the prompt length; a table path in ``table`` overrides it; without
             any table the grid search runs on an uncalibrated FLOP cost model); or explicit chunk
-            sizes ``(c_0, ..., c_{P-1})`` that must sum to the prompt length.
+            sizes ``(c_0, ..., c_{P-1})`` that must sum to the prompt length, as a tuple or as
+            a string like ``"600/424"`` (the CLI's and the registry's form).
         table: path to a partition table JSON (built by ``python -m
-            fastprefill.methods.runahead.partition``), or ``None``.
+            fastprefill.methods.runahead.calibrate``), or ``None``.
         timeout_s: bound on every communication wait (a dead or hung rank raises instead).
 
     Raises:
@@ -310,12 +312,14 @@ class KVRunahead(_DistributedPrefill):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.partition, str):
-            if self.partition not in ("even", "searched"):
+        if isinstance(self.partition, str) and self.partition not in ("even", "searched"):
+            try:
+                self.partition = tuple(int(x) for x in self.partition.split("/"))
+            except ValueError:
                 raise ConfigError(
-                    f"partition must be 'even', 'searched' or a tuple of chunk sizes, got {self.partition!r}"
-                )
-        else:
+                    f"partition must be 'even', 'searched' or chunk sizes like 600/424, got {self.partition!r}"
+                ) from None
+        if not isinstance(self.partition, str):
             chunks = tuple(self.partition)
             PartitionPlan(chunks)  # every chunk an integer >= 1
             if len(chunks) != self.procs:
@@ -338,8 +342,6 @@ class KVRunahead(_DistributedPrefill):
         table = PartitionTable.load(self.table) if self.table else find_table(shape)
         if table is not None:
             return table.plan(total, self.procs)
-        from fastprefill.methods.runahead.partition import CostModel, search_partition
-
         return search_partition(total, self.procs, CostModel.from_flops(shape, 5e10, 2e9))
 
     def _attention_pairs(self, plan: PartitionPlan) -> list[int]:
