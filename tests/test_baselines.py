@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from fastprefill.errors import ConfigError
-from fastprefill.methods.baselines import RandomDrop, StaticPruning, equivalent_keep
-from fastprefill.methods.lazyllm import LazyLLM, keep_count
+from fastprefill.methods.baselines import RandomDrop, StaticPruning, equivalent_keep, matched_baselines
+from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.methods.pruning import keep_count
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -79,6 +80,29 @@ def test_budgets_match_lazyllm(tiny_qwen2):
     assert abs(rd - lazy) < layers and abs(st - lazy) < layers
     with pytest.raises(ConfigError, match="select_layer"):
         equivalent_keep(sched, layers, n, select_layer=2)
+
+
+def test_matched_baselines_spend_lazyllm_budget_and_feed_the_demo(tiny_qwen2):
+    """One place builds the baselines at LazyLLM's budget; the CLI demo takes them from there."""
+    from fastprefill.cli import demo_methods
+
+    n, layers = 64, 4
+    lazy = LazyLLM(schedule=((0, 0.5), (2, 0.25)))
+    methods = matched_baselines(lazy, layers, n, static_select_layer=0)
+    assert list(methods) == ["static", "random"]
+    ids = _ids(n, 8)
+    with torch.inference_mode():
+        budget = lazy.prefill(tiny_qwen2, ids).stats.token_layers
+        spent = {name: m.prefill(tiny_qwen2, ids).stats.token_layers for name, m in methods.items()}
+    assert all(abs(t - budget) < layers for t in spent.values()), (budget, spent)
+    assert methods["static"].select_layer == 0
+    assert matched_baselines(lazy, layers, n)["static"].select_layer == layers // 4  # the default
+    with pytest.raises(ConfigError, match="select_layer"):
+        matched_baselines(lazy, layers, n, static_select_layer=2)
+    demo = dict(demo_methods(tiny_qwen2, n))
+    default = matched_baselines(LazyLLM.preset("default"), layers, n)
+    assert demo["static pruning, same budget"] == default["static"]
+    assert demo["random drop, same budget"] == default["random"]
 
 
 @pytest.mark.parametrize(

@@ -12,14 +12,8 @@ from fastprefill.cache import PositionKVCache
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
 from fastprefill.methods.full import FullPrefill
-from fastprefill.methods.lazyllm import (
-    DEFAULT_PRESET,
-    PRESETS,
-    LazyLLM,
-    keep_count,
-    resolve_depth_schedule,
-    schedule_token_layers,
-)
+from fastprefill.methods.lazyllm import DEFAULT_PRESET, PRESETS, LazyLLM
+from fastprefill.methods.pruning import keep_count, resolve_depth_schedule, schedule_token_layers
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
 
 

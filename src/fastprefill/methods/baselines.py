@@ -1,9 +1,9 @@
 """LazyLLM's baselines at matched token budgets: random token drop and static (GemFilter-style) pruning.
 
-Both run through the same layer loop as :class:`~fastprefill.methods.lazyllm.LazyLLM`
-(original positions, gathered rows, one :class:`~fastprefill.cache.PositionKVCache`) and decode
-normally from their shorter cache: each generated token at its true position attends every
-cached key of every layer.
+Both are policies over the pruning mechanism of :mod:`fastprefill.methods.pruning` (original
+positions, gathered rows, one :class:`~fastprefill.cache.PositionKVCache`) and decode normally
+from their shorter cache: each generated token at its true position attends every cached key of
+every layer.
 
 - :class:`RandomDrop`: a random subset of the prompt (the last token always kept) through every
   layer.
@@ -13,7 +13,8 @@ cached key of every layer.
   (token-layers, FLOPs and TTFT).
 
 :func:`equivalent_keep` turns a LazyLLM schedule into the uniform keep fraction with the same
-prompt token-layer count, so all three are compared at the same budget.
+prompt token-layer count, and :func:`matched_baselines` builds every baseline at a LazyLLM
+setting's budget (the one place benchmarks and the demo get them from).
 """
 
 from __future__ import annotations
@@ -24,16 +25,17 @@ from typing import Any, ClassVar
 import torch
 from transformers import PreTrainedModel
 
-from fastprefill.cache import PositionKVCache
 from fastprefill.errors import ConfigError
-from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
-from fastprefill.methods.lazyllm import (
+from fastprefill.methods.base import Method, PrefillOutput
+from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.methods.pruning import (
     Schedule,
+    check_keep,
     check_layers,
     check_schedule,
     decode_step,
     keep_count,
-    new_state,
+    probe_scores,
     schedule_token_layers,
     subset_prefill,
     top_k_keep,
@@ -41,13 +43,7 @@ from fastprefill.methods.lazyllm import (
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.shape import ModelShape
 
-__all__ = ["RandomDrop", "StaticPruning", "equivalent_keep"]
-
-
-def _check_keep(keep: Any) -> float:
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < float(keep) <= 1.0:
-        raise ConfigError(f"keep must be a fraction in (0, 1], got {keep!r}")
-    return float(keep)
+__all__ = ["RandomDrop", "StaticPruning", "equivalent_keep", "matched_baselines"]
 
 
 def equivalent_keep(
@@ -83,6 +79,11 @@ def equivalent_keep(
     return min(1.0, budget / (num_layers * prompt_len))
 
 
+def _decode(state: Any, token_id: int) -> torch.Tensor:
+    """Plain decoding over a static policy's cache (empty schedule: nothing is reselected)."""
+    return decode_step(state, token_id, top_k_keep)
+
+
 @dataclass
 class RandomDrop(Method):
     """Random token drop: ``ceil(keep * T)`` prompt tokens (the last always among them) through every layer.
@@ -100,7 +101,7 @@ class RandomDrop(Method):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        self.keep = _check_keep(self.keep)
+        self.keep = check_keep(self.keep)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
 
@@ -113,18 +114,11 @@ class RandomDrop(Method):
 
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
         ad = DecoderAdapter(model, method="RandomDrop")
-        n = int(input_ids.shape[1])
-        state = new_state(ad, (), n)
-        keep = self.choose(n).to(ad.device)
-        with torch.inference_mode(), ad.attention_scope():
-            logits, flops = subset_prefill(ad, state, input_ids, keep)
-        k = int(keep.numel())
-        stats = ComputeStats(token_layers=k * ad.num_layers, total_token_layers=n * ad.num_layers, flops=flops,
-                             extra={"kept": k})
-        return PrefillOutput(logits=logits, state=state, stats=stats)
+        keep = self.choose(int(input_ids.shape[1])).to(ad.device)
+        return subset_prefill(ad, input_ids, keep)
 
     def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        return decode_step(self, state, token_id)
+        return _decode(state, token_id)
 
     def describe(self) -> str:
         return f"random[keep={self.keep:g},seed={self.seed}]"
@@ -147,7 +141,7 @@ class StaticPruning(Method):
     select_layer: int = 8
 
     def __post_init__(self) -> None:
-        self.keep = _check_keep(self.keep)
+        self.keep = check_keep(self.keep)
         if isinstance(self.select_layer, bool) or not isinstance(self.select_layer, int) or self.select_layer < 0:
             raise ConfigError(f"select_layer must be an integer >= 0, got {self.select_layer!r}")
 
@@ -162,38 +156,40 @@ class StaticPruning(Method):
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
         self.check_prompt(model, int(input_ids.shape[1]))
         ad = DecoderAdapter(model, method="StaticPruning")
-        n = int(input_ids.shape[1])
-        shape = ad.shape
-        k = keep_count(self.keep, n)
-        s = self.select_layer
-        with torch.inference_mode(), ad.attention_scope():
-            # selection pass: layers 0..s on the whole prompt, into a throwaway cache
-            probe = PositionKVCache(ad.num_layers)
-            pos = torch.arange(n, device=ad.device)
-            hidden = ad.embed(input_ids)
-            rot = ad.rotary(hidden, pos[None])
-            scores: dict[int, torch.Tensor] = {}
-            for layer in range(s + 1):
-                probe.stage(layer, pos)
-                hidden = ad.layer(layer, hidden, pos[None], probe, mask=None, rotary=rot,
-                                  scores=scores if layer == s else None)
-            row = scores[s][0].clone()
-            row[-1] = float("inf")
-            keep = top_k_keep(row, k)  # ascending positions
-            del probe, hidden
-            state = new_state(ad, (), n)
-            logits, flops = subset_prefill(ad, state, input_ids, keep)
-        select_flops = (s + 1) * shape.layer_flops(n) + shape.scoring_flops(n)
-        stats = ComputeStats(
-            token_layers=n * (s + 1) + k * ad.num_layers,
-            total_token_layers=n * ad.num_layers,
-            flops=flops + select_flops,
-            extra={"kept": k, "selection_token_layers": n * (s + 1)},
-        )
-        return PrefillOutput(logits=logits, state=state, stats=stats)
+        row = probe_scores(ad, input_ids, self.select_layer)
+        row[-1] = float("inf")
+        keep = top_k_keep(row, keep_count(self.keep, int(input_ids.shape[1])))  # ascending positions
+        return subset_prefill(ad, input_ids, keep, selection_layer=self.select_layer)
 
     def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        return decode_step(self, state, token_id)
+        return _decode(state, token_id)
 
     def describe(self) -> str:
         return f"static[keep={self.keep:g},select_layer={self.select_layer}]"
+
+
+def matched_baselines(
+    lazy: LazyLLM, num_layers: int, prompt_len: int, *, static_select_layer: int | None = None
+) -> dict[str, Method]:
+    """The baselines at ``lazy``'s prompt token-layer budget on an ``L``-layer model and a ``T``-token prompt.
+
+    Args:
+        lazy: the LazyLLM setting whose budget the baselines match.
+        num_layers: ``L``.
+        prompt_len: ``T``.
+        static_select_layer: :class:`StaticPruning`'s selection layer (default ``L // 4``); its
+            selection pass is paid out of the same budget.
+
+    Returns:
+        ``{"static": StaticPruning, "random": RandomDrop}`` (registry names as keys).
+
+    Raises:
+        ConfigError: ``lazy``'s schedule does not fit the model, or a selection pass alone
+            exceeds the budget.
+    """
+    schedule = lazy.resolved(num_layers)
+    select = num_layers // 4 if static_select_layer is None else static_select_layer
+    return {
+        "static": StaticPruning(keep=equivalent_keep(schedule, num_layers, prompt_len, select), select_layer=select),
+        "random": RandomDrop(keep=equivalent_keep(schedule, num_layers, prompt_len), seed=0),
+    }
