@@ -173,13 +173,8 @@ class LazyLLM(Method):
         return decode_step(state, token_id, self.select)
 
     def decode_stats(self, state: Any) -> dict[str, Any]:
-        """Revivals per decode step (tokens and token-layers) and their totals."""
-        return {
-            "revived_per_step": list(state.revived_per_step),
-            "revived_token_layers_per_step": list(state.revived_token_layers_per_step),
-            "revived_total": int(sum(state.revived_per_step)),
-            "aux_cache_waiting": len(state.aux),
-        }
+        """Revivals per decode step (distinct tokens, (token, stage) pairs, token-layers) and totals."""
+        return state.revival_stats()
 
     def describe(self) -> str:
         if self.preset_name:

@@ -65,8 +65,8 @@ def _fastprefill_sdpa(
         attention_mask: ``None`` (plain causal) or a boolean ``(B, 1, T, N)`` mask.
     """
     sink = kwargs.pop(SCORE_SINK_KWARG, None)
-    if dropout == 0.0 and "position_bias" not in kwargs and _packable_single_query(query, key, attention_mask):
-        out = _single_query_masked_sdpa(query, key, value, attention_mask, scaling)
+    if dropout == 0.0 and "position_bias" not in kwargs and _gqa_with_shared_mask(query, key, attention_mask):
+        out = _gqa_masked_sdpa(query, key, value, attention_mask, scaling)
     else:
         out, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -76,38 +76,65 @@ def _fastprefill_sdpa(
     return out, None
 
 
-def _packable_single_query(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
-    """One query row, grouped-query heads and a boolean mask shared by all heads."""
+def _gqa_with_shared_mask(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Grouped-query heads and a boolean ``(B, 1, T, N)`` mask shared by all heads."""
     return (
-        attention_mask is not None and attention_mask.dtype == torch.bool and query.shape[2] == 1
-        and query.shape[1] != key.shape[1] and attention_mask.shape[1] == 1
+        attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
+        and query.shape[1] != key.shape[1]
     )
 
 
-def _single_query_masked_sdpa(
+def _gqa_masked_sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Masked attention of a single query under GQA without copying K and V per query head.
+    """Masked attention under GQA without copying K and V per query head.
 
     transformers repeats K and V to every query head (``repeat_kv``) whenever a mask is given on
-    CPU, a copy of the layer's whole cache at every LazyLLM decode step. With one query row the ``G``
-    query heads of a KV group can instead be laid out as ``G`` query rows of that group, which all
-    share the same ``(B, 1, 1, N)`` mask (the trick transformers uses for the unmasked case).
+    CPU, a copy of the layer's whole cache at every masked call (LazyLLM's decode steps, with or
+    without revived rows). Instead:
+
+    - on CPU with several query rows, SDPA's ``enable_gqa``: the CPU kernel reads each query
+      head's KV head in place and takes the mask as it is;
+    - otherwise (one query row, or a device whose masked kernels need equal head counts) the
+      ``G`` query heads of a KV group are laid out as ``G * T`` query rows of that group, with the
+      ``(T, N)`` mask repeated ``G`` times (one row: the mask broadcasts as it is).
 
     Args:
-        query: ``(B, H_q, 1, d)``; key, value: ``(B, H_kv, N, d)``; attention_mask: bool ``(B, 1, 1, N)``.
+        query: ``(B, H_q, T, d)``; key, value: ``(B, H_kv, N, d)`` with ``H_q = G * H_kv``;
+        attention_mask: bool ``(B, 1, T, N)``, True = attend.
 
     Returns:
-        ``(B, 1, H_q, d)``, the layout transformers' attention functions return.
+        ``(B, T, H_q, d_v)``, the layout transformers' attention functions return.
     """
-    b, h_q, _, d = query.shape
+    t = query.shape[2]
+    if t > 1 and query.device.type == "cpu":
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+        )  # (B, H_q, T, d_v)
+        return out.transpose(1, 2).contiguous()
+    return _packed_gqa_sdpa(query, key, value, attention_mask, scaling)
+
+
+def _packed_gqa_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """The packed layout of :func:`_gqa_masked_sdpa`: query head ``h = g_kv * G + j`` row ``t`` -> row ``j * T + t``.
+
+    Shapes as in :func:`_gqa_masked_sdpa`.
+    """
+    b, h_q, t, d = query.shape
     h_kv = key.shape[1]
-    packed = query.reshape(b, h_kv, h_q // h_kv, d)  # (B, H_kv, G, d): head h = g_kv * G + j
+    g = h_q // h_kv
+    packed = query.reshape(b, h_kv, g * t, d)  # (B, H_kv, G*T, d)
+    mask = attention_mask
+    if t > 1:
+        mask = mask[:, :, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)  # (B, 1, G*T, N)
     out = torch.nn.functional.scaled_dot_product_attention(
-        packed, key, value, attn_mask=attention_mask, scale=scaling
-    )  # (B, H_kv, G, d_v)
-    return out.reshape(b, h_q, 1, -1).transpose(1, 2).contiguous()
+        packed, key, value, attn_mask=mask, scale=scaling
+    )  # (B, H_kv, G*T, d_v)
+    return out.reshape(b, h_q, t, -1).transpose(1, 2).contiguous()
 
 
 def last_query_attention(

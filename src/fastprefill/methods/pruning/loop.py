@@ -185,13 +185,14 @@ def decode_step(state: LazyState, token_id: int, select: SelectFn) -> torch.Tens
     """
     ad, cache, aux = state.adapter, state.cache, state.aux
     t = state.next_pos
-    step = len(state.revived_per_step)
+    step = len(state.revived_tokens_per_step)
     prune = dict(state.schedule)
     device = ad.device
     new_pos = torch.tensor([t], device=device)
     rows = new_pos  # (R,) original positions of the rows being computed, the new token last
     selected: torch.Tensor | None = None  # (t+1,) bool over positions; None = every token (stage 0)
-    revived = revived_layers = 0
+    revived: set[int] = set()  # distinct earlier positions computed at this step
+    token_stages = token_layers = 0
     chosen_per_stage: list[torch.Tensor] = []
     with torch.inference_mode(), ad.attention_scope():
         hidden = ad.embed(torch.tensor([[token_id]], device=device))  # (1, R, D)
@@ -203,7 +204,7 @@ def decode_step(state: LazyState, token_id: int, select: SelectFn) -> torch.Tens
                 mask = causal_mask(rows, keys) & selected[keys][None, None, None, :]
             scores: dict[int, torch.Tensor] | None = {} if layer in prune else None
             hidden = run_rows(state, layer, hidden, rows, rot, mask, scores)
-            revived_layers += int(rows.numel()) - 1
+            token_layers += int(rows.numel()) - 1
             if scores is None:
                 continue
             keys = cache.positions(layer)  # (N,), the new token's key last
@@ -218,7 +219,8 @@ def decode_step(state: LazyState, token_id: int, select: SelectFn) -> torch.Tens
             selected = torch.zeros(t + 1, dtype=torch.bool, device=device)
             selected[chosen] = True
             # revived rows carried so far rest in the Aux Cache at the next layer; take back the
-            # selected tokens that have no KV there (their Aux entry is exactly at layer + 1)
+            # selected tokens that have no KV there (their Aux entry is exactly at layer + 1):
+            # the carried ones go on into the next stage, the others resume here
             if rows.numel() > 1:
                 aux.put(layer + 1, rows[:-1], hidden[:, :-1])
             cand = chosen[chosen != t]
@@ -229,8 +231,10 @@ def decode_step(state: LazyState, token_id: int, select: SelectFn) -> torch.Tens
                 except KeyError as exc:
                     raise RuntimeError(f"pruning invariant broken: position {exc} has no Aux Cache entry "
                                        f"at layer {layer + 1}") from None
-                revived += int(missing.numel())
-                state.revivals.extend((step, p, layer + 1) for p in missing.tolist())
+                token_stages += int(missing.numel())
+                resumed = [p for p in missing.tolist() if p not in revived]
+                revived.update(resumed)
+                state.revivals.extend((step, p, layer + 1) for p in resumed)
             else:
                 back = hidden[:, :0]
             rows = torch.cat([missing, new_pos])
@@ -238,8 +242,9 @@ def decode_step(state: LazyState, token_id: int, select: SelectFn) -> torch.Tens
             rot = ad.rotary(hidden, rows[None])
         logits = ad.head(hidden[:, -1:])[0, -1]
     state.next_pos = t + 1
-    state.revived_per_step.append(revived)
-    state.revived_token_layers_per_step.append(revived_layers)
+    state.revived_tokens_per_step.append(len(revived))
+    state.revived_token_stages_per_step.append(token_stages)
+    state.revived_token_layers_per_step.append(token_layers)
     if chosen_per_stage:
         state.selected = chosen_per_stage
     return logits

@@ -6,6 +6,7 @@ Shapes: positions ``(N,)`` int64; the counter is ``(L, N)`` int32.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,9 +58,13 @@ class LazyState:
         schedule: resolved ``(layer, keep)`` pairs (empty: plain decoding over the cache).
         next_pos: position of the next token fed to :func:`~fastprefill.methods.pruning.decode_step`.
         counter: computations per (layer, position), prefill and decode.
-        revived_per_step: tokens revived at each decode step.
-        revived_token_layers_per_step: (token, layer) pairs computed for revived tokens per step.
-        revivals: ``(step, position, layer)`` for every revival (``layer`` = where it resumed).
+        revived_tokens_per_step: distinct earlier tokens computed at each decode step (each
+            resumed from the Aux Cache).
+        revived_token_stages_per_step: (token, stage) pairs computed for them per step; a revived
+            token that goes on through the next stage counts once per stage.
+        revived_token_layers_per_step: (token, layer) pairs computed for them per step.
+        revivals: ``(step, position, layer)`` for every revived token, once per step (``layer`` =
+            where it resumed).
         selected: positions selected for each stage at the last step (prefill, then decode).
     """
 
@@ -69,10 +74,22 @@ class LazyState:
     schedule: Schedule
     next_pos: int
     counter: ComputeCounter
-    revived_per_step: list[int] = field(default_factory=list)
+    revived_tokens_per_step: list[int] = field(default_factory=list)
+    revived_token_stages_per_step: list[int] = field(default_factory=list)
     revived_token_layers_per_step: list[int] = field(default_factory=list)
     revivals: list[tuple[int, int, int]] = field(default_factory=list)
     selected: list[torch.Tensor] = field(default_factory=list)
+
+    def revival_stats(self) -> dict[str, Any]:
+        """The revival counters per decode step, their totals and the tokens still deferred."""
+        return {
+            "revived_tokens_per_step": list(self.revived_tokens_per_step),
+            "revived_token_stages_per_step": list(self.revived_token_stages_per_step),
+            "revived_token_layers_per_step": list(self.revived_token_layers_per_step),
+            "revived_tokens_total": int(sum(self.revived_tokens_per_step)),
+            "revived_token_layers_total": int(sum(self.revived_token_layers_per_step)),
+            "aux_cache_waiting": len(self.aux),
+        }
 
 
 def new_state(adapter: DecoderAdapter, schedule: Schedule, n_prompt: int) -> LazyState:
