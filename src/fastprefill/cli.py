@@ -196,6 +196,7 @@ def demo_methods(model: Any, prompt_len: int) -> list[tuple[str, Any]]:
         ("LazyLLM (default preset)", lazy),
         ("static pruning, same budget", baselines["static"]),
         ("random drop, same budget", baselines["random"]),
+        ("GemFilter, same budget", baselines["gemfilter"]),
     ]
 
 

@@ -23,7 +23,8 @@ METHODS: dict[str, tuple[str, str]] = {
     "full": ("fastprefill.methods.full:FullPrefill", "plain full prefill (the reference)"),
     "lazyllm": ("fastprefill.methods.lazyllm:LazyLLM.from_spec", "LazyLLM dynamic token pruning"),
     "random": ("fastprefill.methods.baselines:RandomDrop", "random token drop (baseline)"),
-    "static": ("fastprefill.methods.baselines:StaticPruning", "static GemFilter-style pruning (baseline)"),
+    "static": ("fastprefill.methods.baselines:StaticPruning", "static pruning at original positions (baseline)"),
+    "gemfilter": ("fastprefill.methods.baselines:GemFilter", "GemFilter static pruning, renumbered positions (baseline)"),
     "kvp": ("fastprefill.methods.kv_prediction:KVPrediction.from_spec", "KV Prediction (needs a trained predictor)"),
 }
 

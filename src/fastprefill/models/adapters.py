@@ -22,7 +22,7 @@ Supported families for the layer-loop methods: ``llama`` (SmolLM2) and ``qwen2``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,8 +38,15 @@ LAYER_LOOP_FAMILIES: frozenset[str] = frozenset({"llama", "qwen2"})
 
 ATTENTION_NAME = "fastprefill_sdpa"
 #: Keyword argument, passed through the decoder layer to the attention function, that receives
-#: the last query's attention probabilities: a dict ``{layer_idx: (B, N) float32}``.
+#: the last query's scores: a dict ``{layer_idx: (B, N) float32}``.
 SCORE_SINK_KWARG = "fastprefill_scores"
+#: Keyword argument naming the :data:`ScoreFn` that fills the sink (default
+#: :func:`last_query_attention`).
+SCORER_KWARG = "fastprefill_scorer"
+
+#: ``scorer(query, key, attention_mask, scaling) -> (B, N)``: one score per key from the last query
+#: row, computed beside the fused attention (shapes as in :func:`last_query_attention`).
+ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float | None], torch.Tensor]
 
 
 def _fastprefill_sdpa(
@@ -52,12 +59,13 @@ def _fastprefill_sdpa(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA attention that can also report the last query's attention row.
+    """SDPA attention that can also report the last query's scores over the keys.
 
     The fused kernel computes the output. When the caller passes ``fastprefill_scores=dict`` the
-    last query row of the attention probabilities is computed beside it: one row, not the full
-    matrix. It is averaged over *all query heads* (GQA groups included) and stored as
-    ``sink[layer_idx] = probs`` with shape ``(B, N)`` over the ``N`` keys of this layer.
+    last query's scores are computed beside it (one row, not the full matrix) by the
+    ``fastprefill_scorer`` (default :func:`last_query_attention`: attention probabilities averaged
+    over *all query heads*) and stored as ``sink[layer_idx]`` with shape ``(B, N)`` over the ``N``
+    keys of this layer.
 
     Args:
         query: ``(B, H_q, T, d)`` rotated queries.
@@ -65,6 +73,7 @@ def _fastprefill_sdpa(
         attention_mask: ``None`` (plain causal) or a boolean ``(B, 1, T, N)`` mask.
     """
     sink = kwargs.pop(SCORE_SINK_KWARG, None)
+    scorer: ScoreFn = kwargs.pop(SCORER_KWARG, last_query_attention)
     if dropout == 0.0 and "position_bias" not in kwargs and _gqa_with_shared_mask(query, key, attention_mask):
         out = _gqa_masked_sdpa(query, key, value, attention_mask, scaling)
     else:
@@ -72,7 +81,7 @@ def _fastprefill_sdpa(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if sink is not None:
-        sink[module.layer_idx] = last_query_attention(query, key, attention_mask, scaling)
+        sink[module.layer_idx] = scorer(query, key, attention_mask, scaling)
     return out, None
 
 
@@ -161,6 +170,31 @@ def last_query_attention(
         logits = logits.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return probs.mean(dim=(1, 2))  # (B, N)
+
+
+def last_query_logits(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """Pre-softmax attention logits of the last query over all keys, summed over every query head.
+
+    GemFilter's selection score. Under GQA the ``G`` query heads of a KV group share its keys,
+    so their sum is ``(sum_j q_j) . k``: the queries are summed per group first and each key is
+    read once (no ``repeat_kv``).
+
+    Args:
+        query, key, attention_mask, scaling: as in :func:`last_query_attention`.
+
+    Returns:
+        ``(B, N)`` float32, ``-inf`` at keys the last query may not attend.
+    """
+    b, h_q, _, d = query.shape
+    h_kv = key.shape[1]
+    scale = scaling if scaling is not None else d**-0.5
+    q_sum = query[:, :, -1, :].float().reshape(b, h_kv, h_q // h_kv, d).sum(2)  # (B, H_kv, d)
+    logits = torch.einsum("bhd,bhnd->bn", q_sum, key.float()) * scale  # (B, N)
+    if attention_mask is not None:
+        logits = logits.masked_fill(~attention_mask[:, 0, -1, :], float("-inf"))
+    return logits
 
 
 _registered = False
@@ -273,6 +307,7 @@ class DecoderAdapter:
         mask: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         scores: dict[int, torch.Tensor] | None = None,
+        scorer: ScoreFn = last_query_attention,
     ) -> torch.Tensor:
         """Run decoder layer ``idx`` on the rows ``hidden`` (``(B, T, D)``) at ``positions``.
 
@@ -283,7 +318,9 @@ class DecoderAdapter:
             mask: boolean ``(B, 1, T, N)`` (True = attend) over the ``N`` keys the cache returns;
                 ``None`` means plain causal attention with queries aligned to the last ``T`` keys.
             rotary: precomputed :meth:`rotary` output for ``positions`` (shared across layers).
-            scores: if given, receives ``scores[idx] = (B, N)`` last-query attention probabilities.
+            scores: if given, receives ``scores[idx] = (B, N)``, the last query's scores.
+            scorer: what the scores are (:func:`last_query_attention`, the default, or
+                :func:`last_query_logits`).
 
         Returns:
             ``(B, T, D)`` hidden states after the layer. Must be called inside
@@ -291,7 +328,7 @@ class DecoderAdapter:
         """
         if rotary is None:
             rotary = self.rotary(hidden, positions)
-        extra = {SCORE_SINK_KWARG: scores} if scores is not None else {}
+        extra = {SCORE_SINK_KWARG: scores, SCORER_KWARG: scorer} if scores is not None else {}
         return self.layers[idx](
             hidden,
             attention_mask=mask,

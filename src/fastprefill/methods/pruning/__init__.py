@@ -25,7 +25,7 @@ from fastprefill.methods.pruning.schedule import (
     resolve_depth_schedule,
     schedule_token_layers,
 )
-from fastprefill.methods.pruning.select import SelectFn, top_k_keep
+from fastprefill.methods.pruning.select import SelectFn, avg_pool_scores, top_k_keep
 from fastprefill.methods.pruning.state import ComputeCounter, LazyState, new_state
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "LazyState",
     "Schedule",
     "SelectFn",
+    "avg_pool_scores",
     "check_depth_schedule",
     "check_keep",
     "check_layers",

@@ -10,7 +10,7 @@ and the causal mask. Every layer call is counted per (layer, position) by the st
   policy's ``select`` picks from the last prompt token's attention row which tokens go on; the
   others wait in the Aux Cache at the next layer.
 - :func:`probe_scores` and :func:`subset_prefill`: the static shape, one selection (or none) and
-  then every layer on the kept rows only.
+  then every layer on the kept rows only, at their original positions or renumbered ``0..K-1``.
 - :func:`decode_step`: one generated token; with a schedule, stage-by-stage reselection and
   revival from the Aux Cache (each (token, layer) computed at most once); without, plain
   decoding over the cache.
@@ -36,7 +36,7 @@ from fastprefill.methods.base import ComputeStats, PrefillOutput
 from fastprefill.methods.pruning.schedule import Schedule, keep_count
 from fastprefill.methods.pruning.select import SelectFn
 from fastprefill.methods.pruning.state import LazyState, new_state
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.adapters import DecoderAdapter, ScoreFn, causal_mask, last_query_attention
 from fastprefill.models.shape import ModelShape
 
 __all__ = ["decode_step", "probe_scores", "progressive_prefill", "run_rows", "subset_prefill"]
@@ -114,11 +114,14 @@ def progressive_prefill(
     return PrefillOutput(logits=logits, state=state, stats=stats)
 
 
-def probe_scores(adapter: DecoderAdapter, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
+def probe_scores(
+    adapter: DecoderAdapter, input_ids: torch.Tensor, layer: int, scorer: ScoreFn = last_query_attention
+) -> torch.Tensor:
     """The last prompt token's score row ``(T,)`` at ``layer``, from layers ``0..layer`` on the whole prompt.
 
     The layers run into a throwaway cache: this is a static policy's selection pass, paid in
-    its TTFT and charged by :func:`subset_prefill` (``selection_layer``).
+    its TTFT and charged by :func:`subset_prefill` (``selection_layer``). ``scorer`` is the
+    policy's score (attention probabilities averaged over heads by default).
     """
     ad = adapter
     n = int(input_ids.shape[1])
@@ -130,12 +133,14 @@ def probe_scores(adapter: DecoderAdapter, input_ids: torch.Tensor, layer: int) -
         scores: dict[int, torch.Tensor] = {}
         for i in range(layer + 1):
             probe.stage(i, pos)
-            hidden = ad.layer(i, hidden, pos[None], probe, mask=None, rotary=rot, scores=scores if i == layer else None)
+            hidden = ad.layer(i, hidden, pos[None], probe, mask=None, rotary=rot,
+                              scores=scores if i == layer else None, scorer=scorer)
         return scores[layer][0].clone()
 
 
 def subset_prefill(
-    adapter: DecoderAdapter, input_ids: torch.Tensor, keep: torch.Tensor, selection_layer: int | None = None
+    adapter: DecoderAdapter, input_ids: torch.Tensor, keep: torch.Tensor, selection_layer: int | None = None,
+    renumber: bool = False,
 ) -> PrefillOutput:
     """Run every layer on the prompt rows ``keep`` ``(K,)`` (ascending original positions).
 
@@ -145,21 +150,26 @@ def subset_prefill(
     Args:
         selection_layer: if the policy chose ``keep`` by :func:`probe_scores` at this layer, the
             probe's ``T * (selection_layer + 1)`` token-layers, FLOPs and scoring are charged too.
+        renumber: run the kept rows at positions ``0..K-1`` (as if the prompt were only them)
+            instead of their original positions; decoding then continues at ``K``.
 
     Returns:
         ``(V,)`` logits of the last kept row, a :class:`LazyState` with an empty schedule (plain
-        decoding from the position after the prompt) and the stats.
+        decoding from the position after the kept prompt) whose ``selected`` holds ``keep``, and
+        the stats.
     """
     ad = adapter
     shape = ad.shape
     n, k = int(input_ids.shape[1]), int(keep.numel())
-    state = new_state(ad, (), n)
+    positions = torch.arange(k, device=keep.device) if renumber else keep  # (K,)
+    state = new_state(ad, (), k if renumber else n)
+    state.selected = [keep]
     with torch.inference_mode(), ad.attention_scope():
         ids = input_ids.index_select(1, keep)
         hidden = ad.embed(ids)
-        rot = ad.rotary(hidden, keep[None])
+        rot = ad.rotary(hidden, positions[None])
         for layer in range(ad.num_layers):
-            hidden = run_rows(state, layer, hidden, keep, rot, None)
+            hidden = run_rows(state, layer, hidden, positions, rot, None)
         logits = ad.head(hidden[:, -1:])[0, -1]
     flops = shape.num_layers * shape.layer_flops(k) + shape.head_flops(1)
     token_layers, extra = k * ad.num_layers, {"kept": k}

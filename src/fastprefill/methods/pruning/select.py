@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["SelectFn", "top_k_keep"]
+__all__ = ["SelectFn", "avg_pool_scores", "top_k_keep"]
 
 SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -19,3 +19,15 @@ SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
 def top_k_keep(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``(k,)`` (ascending) of the ``k`` largest ``scores`` ``(N,)``; ``+inf`` entries always win."""
     return torch.topk(scores, k, sorted=False).indices.sort().values
+
+
+def avg_pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Average ``scores`` ``(N,)`` over a centred window of ``kernel`` (odd) positions; ``(N,)`` out.
+
+    Zero padding at both ends counts in the average (``avg_pool1d``'s default, as GemFilter and
+    SnapKV pool), so edge tokens are averaged with zeros. ``kernel=1`` returns ``scores``.
+    """
+    if kernel == 1:
+        return scores
+    pooled = torch.nn.functional.avg_pool1d(scores[None, None], kernel, stride=1, padding=kernel // 2)
+    return pooled[0, 0]
