@@ -12,14 +12,8 @@ from fastprefill.cache import PositionKVCache
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
 from fastprefill.methods.full import FullPrefill
-from fastprefill.methods.lazyllm import (
-    DEFAULT_PRESET,
-    PRESETS,
-    LazyLLM,
-    keep_count,
-    resolve_depth_schedule,
-    schedule_token_layers,
-)
+from fastprefill.methods.lazyllm import DEFAULT_PRESET, PRESETS, LazyLLM
+from fastprefill.methods.pruning import keep_count, resolve_depth_schedule, schedule_token_layers
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
 
 
@@ -43,7 +37,7 @@ def test_keep_all_counts_every_token_layer_once_and_revives_nothing(tiny_model):
     ids = _ids(41, 1)
     lazy = generate(tiny_model, None, ids, LazyLLM.preset("keep-all"), max_new_tokens=10, stop_at_eos=False)
     assert lazy.timing.token_layers == lazy.timing.total_token_layers == 41 * 4
-    assert lazy.timing.extra["revived_total"] == 0
+    assert lazy.timing.extra["revived_tokens_total"] == 0
 
 
 @pytest.mark.integration
@@ -74,13 +68,46 @@ def test_each_token_layer_computed_at_most_once(tiny_model):
     assert int(counts.max()) == 1
     assert bool((counts[0] == 1).all())  # layer 0 (before any pruning) computes everyone once
     assert bool((counts[:, n:] == 1).all())  # every generated token through every layer once
-    assert sum(st.revived_per_step) > 0  # revivals did happen, so the invariant was exercised
+    assert sum(st.revived_tokens_per_step) > 0  # revivals did happen, so the invariant was exercised
     # counted total = prefill + a full column per decoded token + revived rows
     assert int(counts.sum()) == out.stats.token_layers + 4 * steps + sum(st.revived_token_layers_per_step)
     # the caches agree: no position stored twice at a layer
     for layer in range(4):
         pos = st.cache.positions(layer)
         assert pos.unique().numel() == pos.numel() == int(counts[layer].sum())
+
+
+def test_revival_counters_agree_with_the_compute_counter(tiny_model):
+    """Per decode step, from the counter's growth over earlier positions: distinct tokens, (token,
+    stage) pairs and token-layers equal the three revival counters; revivals list each token once."""
+    sched = ((0, 0.5), (1, 0.25), (2, 0.1))
+    method = LazyLLM(schedule=sched)
+    n, steps = 40, 12
+    stage_of = torch.tensor([sum(layer > p for p, _ in sched) for layer in range(4)])  # (L,) stage of each layer
+    with torch.inference_mode():
+        out = method.prefill(tiny_model, _ids(n, 4))
+        st, tok = out.state, int(out.logits.argmax())
+        for step in range(steps):
+            t = n + step
+            before = st.counter.counts[:, :t].clone()  # (L, t)
+            tok = int(method.decode(st, tok).argmax())
+            delta = st.counter.counts[:, :t] - before  # (L, t) layers computed this step, earlier positions
+            assert bool((st.counter.counts[:, t] == 1).all())  # the new token: every layer once
+            assert int(delta.min()) >= 0
+            touched = delta.sum(0) > 0  # (t,)
+            assert int(touched.sum()) == st.revived_tokens_per_step[step]
+            assert int(delta.sum()) == st.revived_token_layers_per_step[step]
+            per_stage = torch.zeros(int(stage_of.max()) + 1, t, dtype=torch.int32).index_add_(0, stage_of, delta)
+            assert int((per_stage > 0).sum()) == st.revived_token_stages_per_step[step]
+            # each revived token once, resuming at the first layer it was computed at
+            first = {p: int(delta[:, p].nonzero()[0]) for p in touched.nonzero().flatten().tolist()}
+            assert {(p, layer) for s, p, layer in st.revivals if s == step} == set(first.items())
+    stats = method.decode_stats(st)
+    assert stats["revived_tokens_total"] == sum(st.revived_tokens_per_step) > 0
+    assert stats["revived_token_layers_total"] == int(st.counter.counts.sum()) - out.stats.token_layers - 4 * steps
+    # a revived token went on through a later stage at some step: the two counts really differ
+    assert sum(st.revived_token_stages_per_step) > sum(st.revived_tokens_per_step)
+    assert int(st.counter.counts.max()) == 1
 
 
 # --- revival from the Aux Cache ----------------------------------------------------------------
@@ -116,7 +143,7 @@ def test_revival_resumes_from_aux_cache_at_the_right_layer(tiny_llama):
         method.force = target  # layer 0 stores positions in order, so storage index == position
         method.decode(st, 7)
     assert (0, target, 1) in st.revivals
-    assert st.revived_per_step[0] >= 1
+    assert st.revived_tokens_per_step[0] >= 1
     # resumed at layer 1: layer 0 not recomputed, layers 1.. computed once (layer 2 prunes again:
     # the forced index at layer 2 is not the target, so it may stop after layer 2)
     after = st.counter.counts[:, target].tolist()
@@ -231,27 +258,58 @@ def test_pruning_reduces_token_layers_by_the_expected_count(tiny_qwen2):
     assert len(out.state.aux) == 20 + 10  # every pruned token is waiting in the Aux Cache
 
 
-# --- the masked single-query attention path (LazyLLM decode) -------------------------------------
+# --- the masked GQA attention path (LazyLLM decode) --------------------------------------------
+def _random_attention(h_q, h_kv, t, n=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h_q, t, 8, generator=g)
+    k, v = torch.randn(2, 1, h_kv, n, 8, generator=g)
+    mask = torch.rand(1, 1, t, n, generator=g) > 0.4
+    mask[..., -1] = True
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("t", [1, 2, 5])
 @pytest.mark.parametrize("h_q,h_kv", [(6, 2), (4, 1)])
-def test_packed_single_query_attention_equals_transformers_sdpa(h_q, h_kv):
+def test_gqa_masked_attention_equals_transformers_sdpa(h_q, h_kv, t):
+    """One query row (the new token) or several (revived rows + the new token), each with its own mask."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from fastprefill.models.adapters import _fastprefill_sdpa, _packable_single_query
+    from fastprefill.models.adapters import _fastprefill_sdpa, _gqa_with_shared_mask, _packed_gqa_sdpa
 
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, h_q, 1, 8, generator=g)
-    k, v = torch.randn(2, 1, h_kv, 11, 8, generator=g)
-    mask = torch.rand(1, 1, 1, 11, generator=g) > 0.4
-    mask[..., -1] = True
+    q, k, v, mask = _random_attention(h_q, h_kv, t)
     module = SimpleNamespace(num_key_value_groups=h_q // h_kv, is_causal=True, layer_idx=3)
-    assert _packable_single_query(q, k, mask)
+    assert _gqa_with_shared_mask(q, k, mask)
     sink: dict = {}
     got, _ = _fastprefill_sdpa(module, q, k, v, mask, scaling=0.3, fastprefill_scores=sink)
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
-    assert got.shape == ref.shape == (1, 1, h_q, 8)
+    assert got.shape == ref.shape == (1, t, h_q, 8)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
-    assert sink[3].shape == (1, 11) and float(sink[3][0, ~mask[0, 0, 0]].abs().max()) == 0.0
-    # two query rows need per-row masks: the packed path must not be taken
-    assert not _packable_single_query(torch.randn(1, h_q, 2, 8), k, mask.expand(1, 1, 2, 11))
+    # the packed layout (taken off CPU for several rows) gives the same on CPU
+    torch.testing.assert_close(_packed_gqa_sdpa(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
+    assert sink[3].shape == (1, 11) and float(sink[3][0, ~mask[0, 0, -1]].abs().max()) == 0.0
+    # no GQA (as many KV heads as query heads): transformers' own path
+    assert not _gqa_with_shared_mask(q, q, mask)
+
+
+def test_gqa_masked_attention_does_not_copy_kv_per_query_head():
+    """transformers' masked path feeds SDPA keys repeated to every query head; ours never builds them."""
+    from types import SimpleNamespace
+
+    from torch.profiler import profile
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from fastprefill.models.adapters import _fastprefill_sdpa
+
+    h_q, h_kv, n = 6, 2, 37
+    q, k, v, mask = _random_attention(h_q, h_kv, 4, n=n)
+    module = SimpleNamespace(num_key_value_groups=h_q // h_kv, is_causal=True, layer_idx=0)
+
+    def repeated_shapes(fn) -> int:
+        with profile(record_shapes=True) as prof:
+            fn(module, q, k, v, mask, scaling=0.3)
+        return sum(list(shape) == [1, h_q, n, 8] for ev in prof.events() for shape in ev.input_shapes)
+
+    assert repeated_shapes(sdpa_attention_forward) > 0  # the reference copies: the check can fail
+    assert repeated_shapes(_fastprefill_sdpa) == 0

@@ -3,7 +3,8 @@
 A table of methods (in the spirit of kvpress's ``default_presses``): each entry, configured to
 keep everything, must give full prefill's first-token logits (float32, max abs diff <= 1e-4) and
 transformers' own greedy ``generate`` tokens, on the tiny Llama and Qwen2 configs. A new method
-is covered by adding a row.
+is covered by adding a row. A second table feeds each registered method bad options through the
+registry: each must be refused with a ConfigError naming the option.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ import pytest
 import torch
 
 from fastprefill.engine import generate
-from fastprefill.methods.baselines import RandomDrop, StaticPruning
+from fastprefill.errors import ConfigError
+from fastprefill.methods.baselines import GemFilter, RandomDrop, StaticPruning
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.methods.registry import METHODS, make_method
 from fastprefill.methods.runahead import KVRunahead, SequenceParallel
+
+#: layers of the selection pass a row pays on top of the full count (layers 0..s on the whole prompt)
+SELECTION_LAYERS = {"static-keep-1": 2, "gemfilter-keep-1": 3, "gemfilter-keep-1-default-depth": 2}
 
 LOSSLESS = {
     "full": FullPrefill(),
@@ -24,6 +30,8 @@ LOSSLESS = {
     "lazyllm-keep-1.0-at-layers-1-2": LazyLLM(schedule=((1, 1.0), (2, 1.0))),
     "random-keep-1": RandomDrop(keep=1.0, seed=3),
     "static-keep-1": StaticPruning(keep=1.0, select_layer=1),
+    "gemfilter-keep-1": GemFilter(keep=1.0, select_layer=2, kernel=7),
+    "gemfilter-keep-1-default-depth": GemFilter(keep=1.0),
     "runahead-1-rank": KVRunahead(procs=1),
     "tsp-1-rank": SequenceParallel(procs=1),
 }
@@ -40,4 +48,39 @@ def test_lossless_setting_equals_full_prefill_and_hf_generate(tiny_model, name):
     hf = tiny_model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, 41:].tolist()
     res = generate(tiny_model, None, ids, method, max_new_tokens=10, stop_at_eos=False)
     assert res.token_ids == hf
-    assert res.timing.token_layers >= 41 * 4 if name.startswith("static") else res.timing.token_layers == 41 * 4
+    assert res.timing.token_layers == 41 * (4 + SELECTION_LAYERS.get(name, 0))
+
+
+def test_every_registered_method_has_a_row():
+    """kvp needs a trained predictor: its lossless setting is the identity test of test_kv_prediction.py."""
+    assert set(METHODS) - {"kvp"} <= {m.name for m in LOSSLESS.values()}
+
+
+INVALID = [
+    ("lazyllm:schedule=1:1.5", r"schedule.*\(0, 1\]"),
+    ("lazyllm:schedule=2:0.5+1:0.4", r"schedule.*strictly increasing"),
+    ("lazyllm:preset=fastest", r"preset"),
+    ("random:keep=0", r"keep.*\(0, 1\]"),
+    ("random:keep=1.5", r"keep.*\(0, 1\]"),
+    ("static:keep=0", r"keep.*\(0, 1\]"),
+    ("static:select_layer=-1", r"select_layer.*>= 0"),
+    ("gemfilter:keep=2", r"keep.*\(0, 1\]"),
+    ("gemfilter:select_layer=-3", r"select_layer.*>= 0"),
+    ("gemfilter:select_depth=1.0", r"select_depth.*\[0, 1\)"),
+    ("gemfilter:select_layer=1,select_depth=0.5", r"select_layer or select_depth, not both"),
+    ("gemfilter:kernel=4", r"kernel.*odd integer >= 1"),
+    ("gemfilter:window=8", r"no option"),
+]
+
+
+@pytest.mark.parametrize(("spec", "match"), INVALID)
+def test_bad_options_are_refused_naming_the_field(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        make_method(spec)
+
+
+def test_registered_specs_build_the_policies():
+    gem = make_method("gemfilter:keep=0.2,select_depth=0.5,kernel=7")
+    assert gem == GemFilter(keep=0.2, select_depth=0.5, kernel=7)
+    assert make_method("gemfilter:select_layer=3").selection_layer(24) == 3
+    assert make_method("static:keep=0.3,select_layer=2") == StaticPruning(keep=0.3, select_layer=2)

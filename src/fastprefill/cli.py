@@ -202,19 +202,17 @@ def _bench_verify(results: str) -> int:
 # --- demo --------------------------------------------------------------------------------------
 def demo_methods(model: Any, prompt_len: int) -> list[tuple[str, Any]]:
     """(label, method) pairs the demo runs beside full prefill, the baselines at LazyLLM's budget."""
-    from fastprefill.methods.baselines import RandomDrop, StaticPruning, equivalent_keep
+    from fastprefill.methods.baselines import matched_baselines
     from fastprefill.methods.lazyllm import LazyLLM
     from fastprefill.models.shape import ModelShape
 
     lazy = LazyLLM.preset("default")
-    layers = ModelShape.from_config(model.config).num_layers
-    schedule = lazy.resolved(layers)
-    select = max(0, layers // 4)
+    baselines = matched_baselines(lazy, ModelShape.from_config(model.config).num_layers, prompt_len)
     return [
         ("LazyLLM (default preset)", lazy),
-        ("static pruning, same budget", StaticPruning(keep=equivalent_keep(schedule, layers, prompt_len, select),
-                                                      select_layer=select)),
-        ("random drop, same budget", RandomDrop(keep=equivalent_keep(schedule, layers, prompt_len), seed=0)),
+        ("static pruning, same budget", baselines["static"]),
+        ("random drop, same budget", baselines["random"]),
+        ("GemFilter, same budget", baselines["gemfilter"]),
     ]
 
 

@@ -22,7 +22,7 @@ Supported families for the layer-loop methods: ``llama`` (SmolLM2) and ``qwen2``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,8 +38,15 @@ LAYER_LOOP_FAMILIES: frozenset[str] = frozenset({"llama", "qwen2"})
 
 ATTENTION_NAME = "fastprefill_sdpa"
 #: Keyword argument, passed through the decoder layer to the attention function, that receives
-#: the last query's attention probabilities: a dict ``{layer_idx: (B, N) float32}``.
+#: the last query's scores: a dict ``{layer_idx: (B, N) float32}``.
 SCORE_SINK_KWARG = "fastprefill_scores"
+#: Keyword argument naming the :data:`ScoreFn` that fills the sink (default
+#: :func:`last_query_attention`).
+SCORER_KWARG = "fastprefill_scorer"
+
+#: ``scorer(query, key, attention_mask, scaling) -> (B, N)``: one score per key from the last query
+#: row, computed beside the fused attention (shapes as in :func:`last_query_attention`).
+ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float | None], torch.Tensor]
 
 
 def _fastprefill_sdpa(
@@ -52,12 +59,13 @@ def _fastprefill_sdpa(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA attention that can also report the last query's attention row.
+    """SDPA attention that can also report the last query's scores over the keys.
 
     The fused kernel computes the output. When the caller passes ``fastprefill_scores=dict`` the
-    last query row of the attention probabilities is computed beside it: one row, not the full
-    matrix. It is averaged over *all query heads* (GQA groups included) and stored as
-    ``sink[layer_idx] = probs`` with shape ``(B, N)`` over the ``N`` keys of this layer.
+    last query's scores are computed beside it (one row, not the full matrix) by the
+    ``fastprefill_scorer`` (default :func:`last_query_attention`: attention probabilities averaged
+    over *all query heads*) and stored as ``sink[layer_idx]`` with shape ``(B, N)`` over the ``N``
+    keys of this layer.
 
     Args:
         query: ``(B, H_q, T, d)`` rotated queries.
@@ -65,49 +73,77 @@ def _fastprefill_sdpa(
         attention_mask: ``None`` (plain causal) or a boolean ``(B, 1, T, N)`` mask.
     """
     sink = kwargs.pop(SCORE_SINK_KWARG, None)
-    if dropout == 0.0 and "position_bias" not in kwargs and _packable_single_query(query, key, attention_mask):
-        out = _single_query_masked_sdpa(query, key, value, attention_mask, scaling)
+    scorer: ScoreFn = kwargs.pop(SCORER_KWARG, last_query_attention)
+    if dropout == 0.0 and "position_bias" not in kwargs and _gqa_with_shared_mask(query, key, attention_mask):
+        out = _gqa_masked_sdpa(query, key, value, attention_mask, scaling)
     else:
         out, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if sink is not None:
-        sink[module.layer_idx] = last_query_attention(query, key, attention_mask, scaling)
+        sink[module.layer_idx] = scorer(query, key, attention_mask, scaling)
     return out, None
 
 
-def _packable_single_query(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
-    """One query row, grouped-query heads and a boolean mask shared by all heads."""
+def _gqa_with_shared_mask(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Grouped-query heads and a boolean ``(B, 1, T, N)`` mask shared by all heads."""
     return (
-        attention_mask is not None and attention_mask.dtype == torch.bool and query.shape[2] == 1
-        and query.shape[1] != key.shape[1] and attention_mask.shape[1] == 1
+        attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
+        and query.shape[1] != key.shape[1]
     )
 
 
-def _single_query_masked_sdpa(
+def _gqa_masked_sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Masked attention of a single query under GQA without copying K and V per query head.
+    """Masked attention under GQA without copying K and V per query head.
 
     transformers repeats K and V to every query head (``repeat_kv``) whenever a mask is given on
-    CPU, a copy of the layer's whole cache at every LazyLLM decode step. With one query row the ``G``
-    query heads of a KV group can instead be laid out as ``G`` query rows of that group, which all
-    share the same ``(B, 1, 1, N)`` mask (the trick transformers uses for the unmasked case).
+    CPU, a copy of the layer's whole cache at every masked call (LazyLLM's decode steps, with or
+    without revived rows). Instead:
+
+    - on CPU with several query rows, SDPA's ``enable_gqa``: the CPU kernel reads each query
+      head's KV head in place and takes the mask as it is;
+    - otherwise (one query row, or a device whose masked kernels need equal head counts) the
+      ``G`` query heads of a KV group are laid out as ``G * T`` query rows of that group, with the
+      ``(T, N)`` mask repeated ``G`` times (one row: the mask broadcasts as it is).
 
     Args:
-        query: ``(B, H_q, 1, d)``; key, value: ``(B, H_kv, N, d)``; attention_mask: bool ``(B, 1, 1, N)``.
+        query: ``(B, H_q, T, d)``; key, value: ``(B, H_kv, N, d)`` with ``H_q = G * H_kv``;
+        attention_mask: bool ``(B, 1, T, N)``, True = attend.
 
     Returns:
-        ``(B, 1, H_q, d)``, the layout transformers' attention functions return.
+        ``(B, T, H_q, d_v)``, the layout transformers' attention functions return.
     """
-    b, h_q, _, d = query.shape
+    t = query.shape[2]
+    if t > 1 and query.device.type == "cpu":
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+        )  # (B, H_q, T, d_v)
+        return out.transpose(1, 2).contiguous()
+    return _packed_gqa_sdpa(query, key, value, attention_mask, scaling)
+
+
+def _packed_gqa_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """The packed layout of :func:`_gqa_masked_sdpa`: query head ``h = g_kv * G + j`` row ``t`` -> row ``j * T + t``.
+
+    Shapes as in :func:`_gqa_masked_sdpa`.
+    """
+    b, h_q, t, d = query.shape
     h_kv = key.shape[1]
-    packed = query.reshape(b, h_kv, h_q // h_kv, d)  # (B, H_kv, G, d): head h = g_kv * G + j
+    g = h_q // h_kv
+    packed = query.reshape(b, h_kv, g * t, d)  # (B, H_kv, G*T, d)
+    mask = attention_mask
+    if t > 1:
+        mask = mask[:, :, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)  # (B, 1, G*T, N)
     out = torch.nn.functional.scaled_dot_product_attention(
-        packed, key, value, attn_mask=attention_mask, scale=scaling
-    )  # (B, H_kv, G, d_v)
-    return out.reshape(b, h_q, 1, -1).transpose(1, 2).contiguous()
+        packed, key, value, attn_mask=mask, scale=scaling
+    )  # (B, H_kv, G*T, d_v)
+    return out.reshape(b, h_q, t, -1).transpose(1, 2).contiguous()
 
 
 def last_query_attention(
@@ -134,6 +170,31 @@ def last_query_attention(
         logits = logits.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return probs.mean(dim=(1, 2))  # (B, N)
+
+
+def last_query_logits(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """Pre-softmax attention logits of the last query over all keys, summed over every query head.
+
+    GemFilter's selection score. Under GQA the ``G`` query heads of a KV group share its keys,
+    so their sum is ``(sum_j q_j) . k``: the queries are summed per group first and each key is
+    read once (no ``repeat_kv``).
+
+    Args:
+        query, key, attention_mask, scaling: as in :func:`last_query_attention`.
+
+    Returns:
+        ``(B, N)`` float32, ``-inf`` at keys the last query may not attend.
+    """
+    b, h_q, _, d = query.shape
+    h_kv = key.shape[1]
+    scale = scaling if scaling is not None else d**-0.5
+    q_sum = query[:, :, -1, :].float().reshape(b, h_kv, h_q // h_kv, d).sum(2)  # (B, H_kv, d)
+    logits = torch.einsum("bhd,bhnd->bn", q_sum, key.float()) * scale  # (B, N)
+    if attention_mask is not None:
+        logits = logits.masked_fill(~attention_mask[:, 0, -1, :], float("-inf"))
+    return logits
 
 
 _registered = False
@@ -246,6 +307,7 @@ class DecoderAdapter:
         mask: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         scores: dict[int, torch.Tensor] | None = None,
+        scorer: ScoreFn = last_query_attention,
     ) -> torch.Tensor:
         """Run decoder layer ``idx`` on the rows ``hidden`` (``(B, T, D)``) at ``positions``.
 
@@ -256,7 +318,9 @@ class DecoderAdapter:
             mask: boolean ``(B, 1, T, N)`` (True = attend) over the ``N`` keys the cache returns;
                 ``None`` means plain causal attention with queries aligned to the last ``T`` keys.
             rotary: precomputed :meth:`rotary` output for ``positions`` (shared across layers).
-            scores: if given, receives ``scores[idx] = (B, N)`` last-query attention probabilities.
+            scores: if given, receives ``scores[idx] = (B, N)``, the last query's scores.
+            scorer: what the scores are (:func:`last_query_attention`, the default, or
+                :func:`last_query_logits`).
 
         Returns:
             ``(B, T, D)`` hidden states after the layer. Must be called inside
@@ -264,7 +328,7 @@ class DecoderAdapter:
         """
         if rotary is None:
             rotary = self.rotary(hidden, positions)
-        extra = {SCORE_SINK_KWARG: scores} if scores is not None else {}
+        extra = {SCORE_SINK_KWARG: scores, SCORER_KWARG: scorer} if scores is not None else {}
         return self.layers[idx](
             hidden,
             attention_mask=mask,

@@ -1,0 +1,52 @@
+"""The token-pruning mechanism shared by LazyLLM and its baselines (policies over it).
+
+The mechanism (:mod:`~fastprefill.methods.pruning.loop`) runs the model layer by layer on
+gathered rows, defers pruned tokens to the Aux Cache, revives them while decoding and counts
+every (layer, position) it computes. A policy supplies only the choice of tokens: a ``select``
+callable over a score row (:mod:`~fastprefill.methods.pruning.select`), a schedule
+(:mod:`~fastprefill.methods.pruning.schedule`), or a fixed subset.
+"""
+
+from fastprefill.methods.pruning.loop import (
+    decode_step,
+    probe_scores,
+    progressive_prefill,
+    run_rows,
+    subset_prefill,
+)
+from fastprefill.methods.pruning.schedule import (
+    DepthSchedule,
+    Schedule,
+    check_depth_schedule,
+    check_keep,
+    check_layers,
+    check_schedule,
+    keep_count,
+    resolve_depth_schedule,
+    schedule_token_layers,
+)
+from fastprefill.methods.pruning.select import SelectFn, avg_pool_scores, top_k_keep
+from fastprefill.methods.pruning.state import ComputeCounter, LazyState, new_state
+
+__all__ = [
+    "ComputeCounter",
+    "DepthSchedule",
+    "LazyState",
+    "Schedule",
+    "SelectFn",
+    "avg_pool_scores",
+    "check_depth_schedule",
+    "check_keep",
+    "check_layers",
+    "check_schedule",
+    "decode_step",
+    "keep_count",
+    "new_state",
+    "probe_scores",
+    "progressive_prefill",
+    "resolve_depth_schedule",
+    "run_rows",
+    "schedule_token_layers",
+    "subset_prefill",
+    "top_k_keep",
+]

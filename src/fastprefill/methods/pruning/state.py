@@ -1,0 +1,100 @@
+"""What a pruned prefill leaves for decoding: per-layer KV, the Aux Cache, the compute counter.
+
+Shapes: positions ``(N,)`` int64; the counter is ``(L, N)`` int32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fastprefill.cache import AuxCache, PositionKVCache
+from fastprefill.methods.pruning.schedule import Schedule
+from fastprefill.models.adapters import DecoderAdapter
+
+__all__ = ["ComputeCounter", "LazyState", "new_state"]
+
+
+class ComputeCounter:
+    """How many times each (layer, position) was computed: an ``(L, capacity)`` int32 tensor.
+
+    Always on: one ``index_add_`` per layer call, independent of the caches. The invariant of
+    the pruning loop is ``counts.max() <= 1`` over the whole generation.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, device: torch.device) -> None:
+        self._counts = torch.zeros(num_layers, max(1, capacity), dtype=torch.int32, device=device)
+        self._ones = torch.ones(max(1, capacity), dtype=torch.int32, device=device)
+        self.length = 0
+
+    def add(self, layer: int, positions: torch.Tensor) -> None:
+        """Count one computation at ``layer`` for each of ``positions`` ``(R,)``."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._counts.shape[1]:
+            grow = max(need, 2 * self._counts.shape[1])
+            pad = torch.zeros(self._counts.shape[0], grow - self._counts.shape[1], dtype=torch.int32,
+                              device=self._counts.device)
+            self._counts = torch.cat([self._counts, pad], dim=1)
+            self._ones = torch.ones(grow, dtype=torch.int32, device=self._counts.device)
+        self.length = max(self.length, need)
+        self._counts[layer].index_add_(0, positions, self._ones[: positions.numel()])
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """``(L, N)`` computations per layer and position, ``N`` = highest position seen + 1."""
+        return self._counts[:, : self.length]
+
+
+@dataclass
+class LazyState:
+    """Decode state of every method built on the pruning loop.
+
+    Attributes:
+        adapter: the model's :class:`DecoderAdapter`.
+        cache: per-layer KV over the positions computed at each layer.
+        aux: the Aux Cache of deferred tokens (empty when nothing is deferred).
+        schedule: resolved ``(layer, keep)`` pairs (empty: plain decoding over the cache).
+        next_pos: position of the next token fed to :func:`~fastprefill.methods.pruning.decode_step`.
+        counter: computations per (layer, position), prefill and decode.
+        revived_tokens_per_step: distinct earlier tokens computed at each decode step (each
+            resumed from the Aux Cache).
+        revived_token_stages_per_step: (token, stage) pairs computed for them per step; a revived
+            token that goes on through the next stage counts once per stage.
+        revived_token_layers_per_step: (token, layer) pairs computed for them per step.
+        revivals: ``(step, position, layer)`` for every revived token, once per step (``layer`` =
+            where it resumed).
+        selected: positions selected for each stage at the last step (prefill, then decode).
+    """
+
+    adapter: DecoderAdapter
+    cache: PositionKVCache
+    aux: AuxCache
+    schedule: Schedule
+    next_pos: int
+    counter: ComputeCounter
+    revived_tokens_per_step: list[int] = field(default_factory=list)
+    revived_token_stages_per_step: list[int] = field(default_factory=list)
+    revived_token_layers_per_step: list[int] = field(default_factory=list)
+    revivals: list[tuple[int, int, int]] = field(default_factory=list)
+    selected: list[torch.Tensor] = field(default_factory=list)
+
+    def revival_stats(self) -> dict[str, Any]:
+        """The revival counters per decode step, their totals and the tokens still deferred."""
+        return {
+            "revived_tokens_per_step": list(self.revived_tokens_per_step),
+            "revived_token_stages_per_step": list(self.revived_token_stages_per_step),
+            "revived_token_layers_per_step": list(self.revived_token_layers_per_step),
+            "revived_tokens_total": int(sum(self.revived_tokens_per_step)),
+            "revived_token_layers_total": int(sum(self.revived_token_layers_per_step)),
+            "aux_cache_waiting": len(self.aux),
+        }
+
+
+def new_state(adapter: DecoderAdapter, schedule: Schedule, n_prompt: int) -> LazyState:
+    """An empty :class:`LazyState` for an ``n_prompt``-token prompt."""
+    return LazyState(
+        adapter=adapter, cache=PositionKVCache(adapter.num_layers), aux=AuxCache(), schedule=schedule,
+        next_pos=n_prompt, counter=ComputeCounter(adapter.num_layers, n_prompt + 64, adapter.device),
+    )
