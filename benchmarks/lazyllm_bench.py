@@ -25,6 +25,7 @@ warm-up excluded, TTFT from the engine's timing window); this script holds the m
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from fastprefill.bench.summary import needle_by_depth, summarize
 from fastprefill.engine import generate
 from fastprefill.errors import FastprefillError
 from fastprefill.methods.base import Method
-from fastprefill.methods.baselines import RandomDrop, StaticPruning, equivalent_keep
+from fastprefill.methods.baselines import matched_baselines
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import DEFAULT_PRESET, PRESETS, LazyLLM
 from fastprefill.models.shape import ModelShape
@@ -58,11 +59,10 @@ def _load(name: str):
     return zoo.load(name)
 
 
-# TODO(merge): replace with fastprefill.methods.pruning.matched_baselines(...)
 def matched_methods(presets: list[str], num_layers: int, length: int, static_depth: float,
-                    baselines: bool = True) -> dict[str, Method]:
-    """LazyLLM presets plus (unless ``baselines=False``) RandomDrop and StaticPruning at each preset's token budget."""
-    select_layer = max(0, int(static_depth * num_layers))
+                    baselines: Sequence[str] = ("random", "static")) -> dict[str, Method]:
+    """LazyLLM presets plus, at each preset's token budget, the ``baselines`` of
+    :func:`~fastprefill.methods.baselines.matched_baselines` (``random``, ``static``, ``gemfilter``)."""
     out: dict[str, Method] = {}
     for preset in presets:
         lazy = LazyLLM.preset(preset)
@@ -70,10 +70,8 @@ def matched_methods(presets: list[str], num_layers: int, length: int, static_dep
         out[f"lazyllm-{p}"] = lazy
         if not baselines:
             continue
-        sched = lazy.resolved(num_layers)
-        out[f"random@{p}"] = RandomDrop(keep=equivalent_keep(sched, num_layers, length), seed=0)
-        out[f"static@{p}"] = StaticPruning(
-            keep=equivalent_keep(sched, num_layers, length, select_layer=select_layer), select_layer=select_layer)
+        matched = matched_baselines(lazy, num_layers, length, static_select_layer=max(0, int(static_depth * num_layers)))
+        out.update({f"{b}@{p}": matched[b] for b in baselines})
     return out
 
 
@@ -159,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--presets", nargs="+", default=["gentle", "default", "aggressive"],
                     help="LazyLLM presets (curve/decode/speed); 'default' is DEFAULT_PRESET")
     ap.add_argument("--no-baselines", action="store_true",
-                    help="curve: LazyLLM presets against full prefill only (no matched random/static)")
+                    help="curve: LazyLLM presets against full prefill only (no matched baselines)")
+    ap.add_argument("--baselines", nargs="+", default=["random", "static"], choices=["random", "static", "gemfilter"],
+                    help="curve: the matched baselines run at each preset's token budget")
     ap.add_argument("--name", default=None,
                     help="result file stem (default lazyllm_<command>_<model>_<lengths>)")
     ap.add_argument("--out", default=str(RESULTS), help="output directory (default benchmarks/results)")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "curve":
             cmd_task(args, f"lazyllm_curve_{tag}",
                      lambda L: matched_methods(args.presets, L, args.lengths[0], args.static_depth,
-                                               baselines=not args.no_baselines),
+                                               baselines=() if args.no_baselines else args.baselines),
                      "test", "multidoc-qa")
         elif args.command == "needle":
             cmd_task(args, f"lazyllm_needle_{tag}",

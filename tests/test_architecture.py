@@ -46,18 +46,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("launch", "serve", "cli", "__init__"),
 )
 
-#: Violations of the current tree, each ``"cycle: a, b, ..."`` (the modules of one strongly
-#: connected component, sorted) or ``"upward: a -> b"``. Known from before the renovation of
-#: issue 12; the branches that restructure these modules remove them, and the lead empties this
-#: set once they are merged. A violation that is gone must be removed from here (the test says so).
-KNOWN_VIOLATIONS: frozenset[str] = frozenset(
-    {
-        # issue 12 part 1 (distributed wing): partition.py imports free_port and load_model from
-        # launch.py inside its calibration functions; launch.py imports the runahead method.
-        "cycle: launch, methods.runahead.comm, methods.runahead.method, methods.runahead.partition",
-        "upward: methods.runahead.partition -> launch",
-    }
-)
+#: Tolerated violations, each ``"cycle: a, b, ..."`` (the modules of one strongly connected
+#: component, sorted) or ``"upward: a -> b"``. Empty: the tree has none. A violation that is gone
+#: must be removed from here (the test says so).
+KNOWN_VIOLATIONS: frozenset[str] = frozenset()
 
 # --------------------------------------------------------------------------- the graph
 

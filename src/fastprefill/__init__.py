@@ -35,9 +35,10 @@ _LAZY = {
     "LazyLLM": "fastprefill.methods.lazyllm",
     "RandomDrop": "fastprefill.methods.baselines",
     "StaticPruning": "fastprefill.methods.baselines",
+    "GemFilter": "fastprefill.methods.baselines",
     "KVPrediction": "fastprefill.methods.kv_prediction",
     "KVRunahead": "fastprefill.methods.runahead",
-    "load_model": "fastprefill.models.zoo",
+    "load_model": "fastprefill.models",
 }
 
 __all__ = [  # noqa: PLE0604 - *_LAZY adds its keys, all strings

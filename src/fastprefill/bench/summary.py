@@ -231,7 +231,8 @@ def paired_row(s: Summary) -> dict[str, Any]:
         "total_full_s_median": s.reference_total_median_s,
         "new_tokens_mean": s.new_tokens_mean,
         "token_layer_fraction": s.token_layer_fraction, "ideal_speedup": s.ideal_speedup,
-        "revived_per_step_mean": s.counters.get("revived_per_step", 0.0),
+        # distinct tokens revived per decode step (records before the counters were split: the old key)
+        "revived_per_step_mean": s.counters.get("revived_tokens_per_step", s.counters.get("revived_per_step", 0.0)),
     }
 
 

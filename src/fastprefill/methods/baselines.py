@@ -12,7 +12,7 @@ every layer.
   *all* layers run from layer 0 on the kept tokens only. The selection pass is part of its cost
   (token-layers, FLOPs and TTFT).
 - :class:`GemFilter`: the peer itself (arXiv 2409.17422): the same static shape, selected at
-  about 40% depth by the last query's *pre-softmax* logits summed over heads and average-pooled
+  layer ``floor(GEMFILTER_DEPTH * L)`` by the last query's *pre-softmax* logits summed over heads and average-pooled
   over positions, and the kept tokens renumbered ``0..K-1`` (they run, and decoding continues,
   as if the prompt were only them).
 
