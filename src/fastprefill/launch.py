@@ -396,7 +396,7 @@ class RankPool:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | bytes | Sequence[int],
         method: Any = None,
         max_new_tokens: int = 64,
         *,
@@ -407,7 +407,7 @@ class RankPool:
         """Greedy generation with ``method`` on every rank.
 
         Args:
-            prompt: text or token ids (the same on every rank).
+            prompt: text (bytes must be UTF-8) or token ids (the same on every rank).
             method: a Method whose ``procs`` equals the pool's (default: ``KVRunahead(procs)``,
                 or full prefill on a one-rank pool).
             fault: test hook ``(rank, layer, "exit"|"hang")``: that helper rank exits (or hangs)
@@ -426,7 +426,7 @@ class RankPool:
             method = KVRunahead(procs=self.procs) if self.procs > 1 else FullPrefill()
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        req = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "method": method,
+        req = {"prompt": prompt if isinstance(prompt, (str, bytes)) else list(prompt), "method": method,
                "max_new_tokens": max_new_tokens, "chat": chat, "stop_at_eos": stop_at_eos, "fault": fault}
         first: list[float] = []
         t0 = time.perf_counter()
@@ -495,7 +495,7 @@ def make_method(method: str, procs: int, partition: str = "even", timeout_s: flo
 
 def generate_distributed(
     model: str,
-    prompt: str | Sequence[int],
+    prompt: str | bytes | Sequence[int],
     procs: int = 2,
     *,
     method: str = "runahead",
