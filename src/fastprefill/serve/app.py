@@ -31,7 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastprefill.engine import PromptInput, context_length, generate, prepare_prompt
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.methods.base import Method
-from fastprefill.methods.registry import make_method, parse_spec
+from fastprefill.methods.registry import METHODS, make_method, parse_spec
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import (
     APIError,
@@ -108,7 +108,7 @@ class MethodTable:
             return self.built[spec]
         try:
             name, _ = parse_spec(spec)
-            if name not in PER_REQUEST_METHODS:
+            if name in METHODS and name not in PER_REQUEST_METHODS:
                 raise APIError(400, f"fastprefill.method: a request may name {sorted(PER_REQUEST_METHODS)} "
                                     f"or a spec the server was started with ({sorted(self.built)}), not "
                                     f"{spec!r}; start the server with --allow-method {spec!r} to offer it",

@@ -212,7 +212,7 @@ def parse_request(raw: bytes, schema: type[_Common]) -> _Common:
     try:
         data = json.loads(raw.decode("utf-8", "surrogateescape"))
     except json.JSONDecodeError as exc:
-        raise APIError(400, f"the body is not valid JSON ({exc.msg} at character {exc.pos})") from None
+        raise APIError(400, f"the body is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
     try:

@@ -199,8 +199,8 @@ class Worker:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            raise APIError(429, f"the server is busy: {self.capacity} requests are waiting for the one "
-                                "model (plus one generating); retry later", kind="rate_limit_error") from None
+            raise APIError(429, f"the server is busy: its queue of {self.capacity} is full (one request "
+                                "generates at a time); retry later", kind="rate_limit_error") from None
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
