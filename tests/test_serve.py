@@ -393,3 +393,32 @@ def test_a_request_over_its_timeout_gets_504_and_the_generation_stops(smollm2):
         _wait(url, _idle)
         assert _metric(url, "fastprefill_requests_total", outcome="timeout") == 2
         assert _metric(url, "fastprefill_completion_tokens_total") < 1000
+
+
+def test_load_benchmark_summary_counts_overhead_and_throughput(load_bench):
+    bench = load_bench("serve_load")
+    rec = bench.LoadRecord
+
+    def server(sid, conc, ttft, wall=None):
+        return rec("m", 512, "full", "server", conc, sid, 500, ttft, ttft + 1.0, 4, ttft * 0.9, 0.01, "a",
+                   {"wall_s": wall} if wall else {})
+
+    records = [
+        rec("m", 512, "full", "inproc", 1, "s1", 500, 1.0, 2.0, 4, text="a"),
+        rec("m", 512, "full", "inproc", 1, "s2", 500, 2.0, 3.0, 4, text="a"),
+        server("s1", 1, 1.1), server("s2", 1, 2.0),
+        server("s1", 2, 3.0, wall=5.0), server("s2", 2, 4.0, wall=5.0),
+    ]
+    one, two = bench.summarize(records)
+    assert (one["concurrency"], two["concurrency"]) == (1, 2)
+    assert one["inproc_ttft_p50_s"] == pytest.approx(1.5)
+    assert one["overhead"] == pytest.approx(1.55 / 1.5)
+    assert one["overhead_paired_median"] == pytest.approx((1.1 + 1.0) / 2)
+    assert one["same_text"] is True
+    assert one["transport_overhead"] == pytest.approx(1 / 0.9)
+    assert one["requests_per_s"] == pytest.approx(2 / (2.1 + 3.0))  # one client: summed request times
+    assert two["requests_per_s"] == pytest.approx(2 / 5.0) and two["tokens_per_s"] == pytest.approx(8 / 5.0)
+    assert two["ttft_p50_s"] == pytest.approx(3.5) and "overhead" not in two
+    table = bench.markdown([one, two], {"started": "t", "command": "c", "cpu": "x", "threads": 2, "torch": "t",
+                                        "transformers": "t", "git_commit": "g", "requests": 2, "max_tokens": 4})
+    assert "| m | 512 | full | 1 | 2 |" in table and "1.033 (1.050) | 1.111 |" in table

@@ -260,12 +260,12 @@ class Server:
                 return None
 
     async def _stream(self, job: Job, ids: ResponseIds, include_usage: bool) -> AsyncIterator[bytes]:
-        if ids.chat:
-            yield sse(chunk_body(ids, "", role=True))
+        first = True
         while True:
             event = await self._next(job, None)
-            if isinstance(event, Token):
-                yield sse(chunk_body(ids, event.text))
+            if isinstance(event, Token):  # the first one comes with the first token (clients time TTFT by it)
+                yield sse(chunk_body(ids, event.text, role=first))
+                first = False
                 continue
             if isinstance(event, Failed):
                 yield sse(event.error.body())

@@ -240,7 +240,7 @@ class Worker:
                 ids.append(event.token_id)
                 timing = event.timing
                 delta = stop.feed(event.text)
-                if job.streaming and delta:
+                if job.streaming and (delta or len(ids) == 1):  # the first token always: it marks TTFT
                     job.post(Token(delta))
                 if timing is None and job.cancelled:
                     break
