@@ -47,6 +47,7 @@ from fastprefill.bench.report import plot_layer_errors, plot_score_vs_cost, redr
 from fastprefill.bench.runner import run_samples
 from fastprefill.bench.summary import method_entry, references_by_model, summarize
 from fastprefill.data.tasks import get_task
+from fastprefill.distributed.runtime import set_threads
 from fastprefill.errors import FastprefillError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
@@ -81,7 +82,7 @@ def _load_pair(pair: str, stride: int):
 
 # ----------------------------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     spec = PAIRS[args.pair]
     base, tok, aux, aux_tok, aux_spec = _load_pair(args.pair, args.stride)
     cfg = TrainConfig(lsq_tokens=args.lsq_tokens, steps=args.steps, seq_len=args.seq_len,
@@ -105,7 +106,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------------- rope ablation
 def cmd_rope(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     base, tok, aux, _, _ = _load_pair(args.pair, args.stride)
     train = training_corpus(tok, args.lsq_tokens, args.seq_len, seed=0)
     held = training_corpus(tok, args.seq_len * args.heldout_seqs, args.seq_len, seed=12345)
@@ -143,7 +144,7 @@ def cmd_rope(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------- ablate
 def cmd_ablate(args: argparse.Namespace) -> None:
     """First-token agreement and KL of the base reading partly predicted caches (dev prompts)."""
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     cfg = json.loads(Path(args.predictor, "config.json").read_text())
     base, tok = zoo.load(cfg["base"]["name"])
     method = KVPrediction.load(args.predictor, base_tokenizer=tok)
@@ -184,7 +185,7 @@ EVAL_MATCH = ("task", "split", "length", "n", "seed", "max_new_tokens", "methods
 
 def cmd_eval(args: argparse.Namespace) -> None:
     """Every method on the same prompts in one process; records appended as they come (resumable)."""
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     parsed = [_parse_method(m) for m in args.method]
     specs = {FULL: (args.model, FULL_SPEC), **{n: (m, s) for n, m, s in parsed}}
     if len(specs) != len(parsed) + 1:

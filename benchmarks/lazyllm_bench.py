@@ -28,13 +28,12 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from fastprefill.bench.records import FULL, environment, write_rows
 from fastprefill.bench.report import markdown_table, write_paired_rows
 from fastprefill.bench.runner import Unscored, random_samples, run_benchmark, run_samples
 from fastprefill.bench.selection import choose_default
 from fastprefill.bench.summary import needle_by_depth, summarize
+from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
 from fastprefill.errors import FastprefillError
 from fastprefill.methods.base import Method
@@ -105,7 +104,7 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
 
 def cmd_equivalence(args: argparse.Namespace) -> None:
     """Keep-all LazyLLM and full prefill on short prompts: first-token logits, greedy tokens, TTFT."""
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model, tok = _load(args.model)
     prompts = ["Explain in one sentence why the sky is blue.",
                "Write a haiku about autumn leaves.",
@@ -131,7 +130,7 @@ def cmd_equivalence(args: argparse.Namespace) -> None:
 
 def cmd_speed(args: argparse.Namespace) -> None:
     """TTFT of full vs each preset on random-token prompts of ``length`` (no scoring)."""
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model, tok = _load(args.model)
     length = args.lengths[0]
     methods: dict[str, Method] = {FULL: FullPrefill(), **{p: LazyLLM.preset(p) for p in args.presets}}

@@ -4,17 +4,21 @@ Subcommands:
 
 - ``models``: list the model zoo; ``models prepare NAME`` verifies and converts one.
 - ``generate``: answer a prompt (argument, ``--file`` or stdin) and print its TTFT.
+- ``serve``: an OpenAI-compatible HTTP server over one model (per-request method).
 - ``bench``: run methods beside full prefill over a task (flags or a TOML ``--config``);
   ``bench verify`` re-summarizes committed result files and compares them with their summaries.
 - ``demo``: one multi-document QA prompt, answered by full prefill and every available method.
 - ``train-kvp``: train a KV Prediction predictor.
 
 Errors a user can cause exit with status 2 and a one-line message, never a traceback.
+``models --json`` and ``generate --json`` print JSON for scripts; tables are never cut to the
+terminal's width when stdout is not a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tomllib
@@ -55,6 +59,11 @@ def _load(model: str, device: str, dtype: str):
         return zoo.load(model, device=device, dtype=torch_dtype)
 
 
+def _print_json(data: Any) -> None:
+    """One JSON document on stdout (plain print: no wrapping, no markup)."""
+    print(json.dumps(data, ensure_ascii=False))
+
+
 # --- models ------------------------------------------------------------------------------------
 def cmd_models(args: argparse.Namespace) -> int:
     from fastprefill.models import zoo
@@ -64,42 +73,50 @@ def cmd_models(args: argparse.Namespace) -> int:
             path = zoo.prepare(name)
             console.print(f"[green]ready[/green] {name} -> {path}")
         return 0
+    rows = [{
+        "name": entry.name, "default": entry.name == zoo.DEFAULT_MODEL, "family": entry.family,
+        "packages": [f"{dist}=={version}" for dist, version in entry.packages],
+        "licence": entry.licence, "prepared": zoo.is_prepared(entry.name),
+    } for entry in zoo.list_models()]
+    if args.json:
+        _print_json(rows)
+        return 0
     table = Table(title="fastprefill model zoo")
     for col in ("name", "family", "from package", "licence", "prepared"):
         table.add_column(col)
-    for entry in zoo.list_models():
-        pkgs = entry.packages
-        pkg = f"{pkgs[0][0]}=={pkgs[0][1]}" + (f" (+{len(pkgs) - 1} parts)" if len(pkgs) > 1 else "")
-        default = " (default)" if entry.name == zoo.DEFAULT_MODEL else ""
-        table.add_row(entry.name + default, entry.family, pkg, entry.licence, "yes" if zoo.is_prepared(entry.name) else "no")
+    for row in rows:
+        pkgs = row["packages"]
+        pkg = pkgs[0] + (f" (+{len(pkgs) - 1} parts)" if len(pkgs) > 1 else "")
+        table.add_row(row["name"] + (" (default)" if row["default"] else ""), row["family"], pkg, row["licence"],
+                      "yes" if row["prepared"] else "no")
     console.print(table)
     console.print("Any Hugging Face model id or local directory works too: --model ORG/NAME or --model ./dir")
     return 0
 
 
 # --- generate ----------------------------------------------------------------------------------
-def _read_prompt(args: argparse.Namespace) -> str:
+def _read_prompt(args: argparse.Namespace) -> bytes:
+    """The prompt as bytes (the engine's prepare_prompt refuses what is not UTF-8 text)."""
     if args.file:
         path = Path(args.file)
         if not path.is_file():
             raise FastprefillError(f"--file {args.file}: no such file")
-        return path.read_text()
+        return path.read_bytes()
     if args.prompt and args.prompt != "-":
-        return args.prompt
+        return os.fsencode(args.prompt)  # the argument's bytes as given
     if args.prompt == "-" or not sys.stdin.isatty():
-        return sys.stdin.read()
+        return sys.stdin.buffer.read()
     raise FastprefillError("give a prompt: as an argument, with --file PATH, or on stdin")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from fastprefill.engine import stream
+    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.engine import generate, stream
     from fastprefill.methods.base import DistributedMethod
     from fastprefill.methods.registry import make_method
 
     prompt = _read_prompt(args)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     # --procs/--partition/--timeout reach only the methods that have them (runahead, tsp)
     method = make_method(args.method, {"procs": args.procs, "partition": args.partition, "timeout_s": args.timeout})
     if isinstance(method, DistributedMethod):
@@ -109,20 +126,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
             args.model, prompt, method, max_new_tokens=args.max_new_tokens, chat=not args.raw,
             threads_per_rank=args.threads_per_rank, pin=args.pin,
         )
-        console.print(result.text, highlight=False, markup=False)
         t = result.timing
+        if args.json:
+            _print_json({"model": args.model, "method": method.describe(), "procs": method.procs, "text": result.text,
+                         "token_ids": result.token_ids, "driver_ttft_s": result.ttft_s, "timing": t})
+            return 0
+        console.print(result.text, highlight=False, markup=False)
         err_console.print(
             f"[dim]{method.describe()} on {method.procs} ranks: TTFT {result.ttft_s:.3f} s (driver clock, dispatch "
             f"and all communication included) for {t['prompt_tokens']} prompt tokens[/dim]"
         )
         return 0
     model, tok = _load(args.model, args.device, args.dtype)
+    if args.json:
+        res = generate(model, tok, prompt, method, args.max_new_tokens, chat=not args.raw)
+        _print_json({"model": args.model, "method": res.timing.method, "text": res.text,
+                     "token_ids": res.token_ids, "timing": res.timing.to_dict()})
+        return 0
     timing = None
     for event in stream(model, tok, prompt, method, args.max_new_tokens, chat=not args.raw):
         console.print(event.text, end="", soft_wrap=True, highlight=False, markup=False)
         timing = event.timing
     console.print()
-    assert timing is not None
     _print_timing(timing)
     return 0
 
@@ -134,6 +159,26 @@ def _print_timing(timing: Any) -> None:
         f"decode {dec}, token-layers computed {100 * timing.token_layer_fraction:.0f}%, "
         f"prefill {timing.prefill_flops / 1e9:.1f} GFLOP[/dim]"
     )
+
+
+# --- serve -------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.serve import ServeConfig, create_app, run
+
+    config = ServeConfig(model_name=args.model, method=args.method, allow_methods=tuple(args.allow_method),
+                         queue_size=args.queue, timeout_s=args.timeout, max_tokens=args.max_tokens)
+    set_threads(args.threads)
+    model, tok = _load(args.model, args.device, args.dtype)
+    app = create_app(model, tok, config)
+    with console.status("warming up ..."):
+        app.state.server.warm_up()
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        err_console.print(f"[yellow]warning:[/yellow] listening on {args.host}: the server has no authentication")
+    err_console.print(f"serving {args.model} ({app.state.server.health()['method']}) at http://{args.host}:{args.port}/v1"
+                      f"; queue {args.queue}, timeout {args.timeout:g} s, {args.threads} threads", highlight=False)
+    run(app, args.host, args.port, log_level=args.log_level)
+    return 0
 
 
 # --- bench -------------------------------------------------------------------------------------
@@ -217,13 +262,13 @@ def demo_methods(model: Any, prompt_len: int) -> list[tuple[str, Any]]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import torch
 
     from fastprefill.data.tasks import get_task
+    from fastprefill.distributed.runtime import set_threads
     from fastprefill.engine import generate
     from fastprefill.methods.full import FullPrefill
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model, tok = _load(args.model, args.device, args.dtype)
     task = get_task("multidoc-qa")
     sample = task.build(tok, args.length, 1, split="test", seed=args.seed)[0]
@@ -270,14 +315,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_train_kvp(args: argparse.Namespace) -> int:
     import time
 
-    import torch
-
+    from fastprefill.distributed.runtime import set_threads
     from fastprefill.methods.kv_prediction import AuxSpec
     from fastprefill.methods.kv_prediction.train import TrainConfig, train_kvp
 
     if (args.aux is None) == (args.drop_stride is None):
         raise FastprefillError("give exactly one of --aux NAME (KVP-C) or --drop-stride N (KVP-LP)")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     cfg = TrainConfig(
         lsq_tokens=args.lsq_tokens, steps=args.steps, seq_len=args.seq_len,
         lr=args.lr, l1_weight=args.l1_weight, ridge=args.ridge, checkpoint_every=args.checkpoint_every,
@@ -312,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="list the model zoo, or prepare models")
     p.add_argument("action", nargs="?", choices=["list", "prepare"], default="list")
     p.add_argument("names", nargs="*", help="zoo names to prepare (default: the embedded default)")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("generate", help="answer a prompt and print its TTFT")
@@ -326,8 +371,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads-per-rank", type=_threads, default=1, help="torch threads per rank (runahead/tsp)")
     p.add_argument("--pin", action="store_true", help="pin each rank to its own core (runahead/tsp)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a silent rank is an error")
+    p.add_argument("--json", action="store_true", help="print the answer, token ids and timing as one JSON object")
     model_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over one model")
+    p.add_argument("--method", default="full", help="default method spec (a request may name another in its "
+                   "'fastprefill' field: full, lazyllm, static, random)")
+    p.add_argument("--allow-method", action="append", default=[], metavar="SPEC",
+                   help="another spec requests may name, built at start (e.g. kvp:predictor=DIR; repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (no authentication: keep it local)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--queue", type=_positive, default=16, help="requests that may wait while one generates")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queue wait included")
+    p.add_argument("--max-tokens", type=_positive, default=256, help="tokens when a request gives no max_tokens")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    model_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="benchmark methods beside full prefill, or verify committed results")
     p.add_argument("action", nargs="?", choices=["run", "verify"], default="run",
@@ -381,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not console.is_terminal:  # a pipe or a file: never cut a table's cells to 80 columns
+        console.width = 1 << 16
     try:
         return int(args.func(args) or 0)
     except FastprefillError as exc:

@@ -2,7 +2,7 @@
 
 Protocol (what every figure in ``benchmarks/results/`` follows):
 
-- ``torch.set_num_threads(threads)`` is set explicitly before anything runs.
+- the torch thread count is set explicitly (:func:`~fastprefill.distributed.runtime.set_threads`) before anything runs.
 - Full prefill always runs, on the same samples, in the same process.
 - Warm-up runs (``warmup`` per method, on the first sample) are discarded.
 - For each sample every method runs once, in an order rotated per sample so no method is
@@ -29,6 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.bench.records import FULL, Record, RecordLog, environment
 from fastprefill.bench.report import write_report
+from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import Method
@@ -246,7 +247,7 @@ def run_benchmark(
     """
     from fastprefill.data.tasks import get_task
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     task = get_task(task_name)
     budget = max_new_tokens or task.default_max_new_tokens
     header = {

@@ -442,7 +442,7 @@ class RankPool:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | bytes | Sequence[int],
         method: Method | None = None,
         max_new_tokens: int = 64,
         *,
@@ -453,7 +453,7 @@ class RankPool:
         """Greedy generation with ``method`` on every rank.
 
         Args:
-            prompt: text or token ids (the same on every rank).
+            prompt: text (bytes must be UTF-8) or token ids (the same on every rank).
             method: a :class:`DistributedMethod` whose ``procs`` equals the pool's, or any
                 Method on a one-rank pool (default: ``KVRunahead(procs)``, or full prefill on
                 a one-rank pool).
@@ -474,7 +474,7 @@ class RankPool:
             method = KVRunahead(procs=self.procs) if self.procs > 1 else FullPrefill()
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        req = Request(prompt if isinstance(prompt, str) else list(prompt), method, max_new_tokens, chat, stop_at_eos,
+        req = Request(prompt if isinstance(prompt, (str, bytes)) else list(prompt), method, max_new_tokens, chat, stop_at_eos,
                       fault)
         first: list[float] = []
         t0 = time.perf_counter()
@@ -520,7 +520,7 @@ class RankPool:
 
 def generate_distributed(
     model: str,
-    prompt: str | Sequence[int],
+    prompt: str | bytes | Sequence[int],
     method: Method,
     *,
     procs: int | None = None,

@@ -1,0 +1,341 @@
+"""Load on ``fastprefill serve``: TTFT p50/p95 and throughput at 1, 2 and 4 concurrent clients,
+and the server's own overhead against the engine called in-process.
+
+For each model the script starts ``fastprefill serve`` as a subprocess on 127.0.0.1 (a free
+port; loopback only) and loads the same model in this process. For each prompt length it builds
+``--requests`` multidoc-qa prompts of that many tokens (``fastprefill.data.tasks``, test split)
+and, for each method (sent per request in the ``fastprefill`` body field):
+
+- **overhead** (concurrency 1): prompt by prompt, the engine in this process
+  (:func:`fastprefill.engine.generate`, its TTFT, on one worker thread like the server's) and
+  the same prompt through the server, one after the other (the server never works while this
+  process does), which first alternating by prompt, so drift hits both alike.
+  ``overhead = median(server TTFT) / median(in-process TTFT)``, with the median of per-prompt
+  ratios beside it (goal <= 1.05). ``transport`` = the median of client TTFT / the server's
+  engine TTFT per request: what HTTP, the queue and the stream add, measured in one process.
+- **load** (each ``--concurrency`` above 1): that many client threads send the prompts as fast
+  as answers come back; wall time from the first request to the last answer.
+
+Server TTFT is the client's clock: from sending the streamed request (``/v1/completions``, the
+prompt's text) to the first token's chunk, so HTTP, JSON, tokenization, the queue hand-off and
+the stream are all inside; the server's own engine TTFT and queue wait (its usage block) are
+recorded beside. Every request generates exactly ``--max-tokens`` tokens (``ignore_eos``), so
+throughput compares like with like. One warm-up request per method and client kind is
+discarded. Both processes use ``--threads`` torch threads.
+
+Measured run (the lead schedules it; on a quiet machine)::
+
+    python benchmarks/serve_load.py --models smollm2-135m qwen2.5-coder-0.5b --lengths 1024 2048 \\
+        --methods full lazyllm:preset=default --concurrency 1 2 4 --requests 8 --max-tokens 16 --threads 2
+
+Smoke run (a minute)::
+
+    python benchmarks/serve_load.py --models smollm2-135m --lengths 512 --requests 2 --max-tokens 4 \\
+        --concurrency 1 2 --out /tmp/serve_load
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+
+from fastprefill.bench.runner import environment, save_jsonl
+from fastprefill.data.tasks import Sample, get_task
+from fastprefill.distributed.runtime import free_port, set_threads
+from fastprefill.engine import generate
+from fastprefill.errors import FastprefillError
+from fastprefill.methods.registry import make_method
+from fastprefill.models import zoo
+
+GOAL = 1.05
+
+
+@dataclass
+class LoadRecord:
+    """One request (``kind``: ``inproc`` = the engine in this process, ``server`` = over HTTP)."""
+
+    model: str
+    length: int
+    method: str
+    kind: str
+    concurrency: int
+    sample_id: str
+    prompt_tokens: int
+    ttft_s: float
+    total_s: float
+    completion_tokens: int
+    server_ttft_s: float | None = None
+    server_queue_wait_s: float | None = None
+    text: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ServerProcess:
+    """``fastprefill serve`` in a subprocess on a free loopback port."""
+
+    def __init__(self, model: str, threads: int, queue: int, max_tokens: int) -> None:
+        self.port = free_port()
+        self.model = model
+        cmd = [sys.executable, "-m", "fastprefill.cli", "serve", "--model", model, "--port", str(self.port),
+               "--threads", str(threads), "--queue", str(queue), "--timeout", "3600",
+               "--max-tokens", str(max_tokens), "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=3600)
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        client, deadline = self.client(), time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                client.models.list()
+                return
+            except openai.APIConnectionError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the server did not start in time") from None
+                time.sleep(0.5)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _server_request(client: openai.OpenAI, model: str, prompt: str | list[int], spec: str,
+                    max_tokens: int) -> dict[str, Any]:
+    """One streamed completion; the client's TTFT (to the first token's chunk) and the usage block."""
+    t0 = time.perf_counter()
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"fastprefill": {"method": spec, "ignore_eos": True}})
+    ttft, parts, usage = None, [], None
+    for chunk in stream:
+        if chunk.choices:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            parts.append(chunk.choices[0].text)
+        elif chunk.usage is not None:
+            usage = chunk.usage
+    total = time.perf_counter() - t0
+    assert ttft is not None and usage is not None, "the stream ended without a token or usage"
+    fp = usage.fastprefill
+    return {"ttft_s": ttft, "total_s": total, "completion_tokens": usage.completion_tokens,
+            "prompt_tokens": usage.prompt_tokens, "server_ttft_s": fp["ttft_s"],
+            "server_queue_wait_s": fp["queue_wait_s"], "text": "".join(parts), "method": fp["method"]}
+
+
+def _wire_prompt(tok: Any, sample: Sample) -> str | list[int]:
+    """The sample's text when the server's tokenization of it gives the sample's ids, else the ids."""
+    return sample.prompt if tok(sample.prompt)["input_ids"] == list(sample.input_ids) else list(sample.input_ids)
+
+
+def run_model(name: str, args: argparse.Namespace) -> list[LoadRecord]:
+    model, tok = zoo.load(name)
+    server = ServerProcess(name, args.threads, queue=max(args.concurrency) * 2, max_tokens=args.max_tokens)
+    records: list[LoadRecord] = []
+    # The in-process engine runs with the server's thread structure (model loaded on the main
+    # thread, generation on one worker thread), so the two sides differ only by the server.
+    engine = ThreadPoolExecutor(1, thread_name_prefix="inproc-engine", initializer=set_threads,
+                                initargs=(args.threads,))
+    try:
+        server.wait_ready()
+        client = server.client()
+        for length in args.lengths:
+            samples = get_task("multidoc-qa").build(tok, length, args.requests, split="test", seed=args.seed)
+            wire = [_wire_prompt(tok, s) for s in samples]
+            for spec in args.methods:
+                method = make_method(spec)
+                label = method.describe()
+                # warm-up, discarded: one in-process, one over HTTP
+                engine.submit(generate, model, tok, samples[0].input_ids, method, args.max_tokens,
+                              stop_at_eos=False).result()
+                _server_request(client, name, wire[0], spec, args.max_tokens)
+                for i, (s, w) in enumerate(zip(samples, wire, strict=True)):  # overhead: one at a time
+                    pair: list[LoadRecord] = []
+                    for kind in ("inproc", "server") if i % 2 == 0 else ("server", "inproc"):  # alternating
+                        if kind == "inproc":
+                            res = engine.submit(generate, model, tok, s.input_ids, method, args.max_tokens,
+                                                stop_at_eos=False).result()
+                            t = res.timing
+                            pair.append(LoadRecord(name, length, label, "inproc", 1, s.id, t.prompt_tokens, t.ttft_s,
+                                                   t.total_s, len(res.token_ids), text=res.text))
+                            continue
+                        r = _server_request(client, name, w, spec, args.max_tokens)
+                        if r["prompt_tokens"] != len(s.input_ids):
+                            raise RuntimeError(f"the server saw {r['prompt_tokens']} prompt tokens, not "
+                                               f"{len(s.input_ids)}")
+                        pair.append(_server_record(name, length, label, 1, s, r))
+                    records.extend(pair)
+                for conc in (c for c in args.concurrency if c > 1):
+                    records.extend(_load(server, name, length, label, spec, conc, samples, wire, args.max_tokens))
+                print(f"{name} {length} {label}: done", file=sys.stderr, flush=True)
+    finally:
+        server.close()
+        engine.shutdown()
+    return records
+
+
+def _server_record(name: str, length: int, label: str, conc: int, s: Sample, r: dict[str, Any],
+                   extra: dict[str, Any] | None = None) -> LoadRecord:
+    return LoadRecord(name, length, label, "server", conc, s.id, r["prompt_tokens"], r["ttft_s"], r["total_s"],
+                      r["completion_tokens"], r["server_ttft_s"], r["server_queue_wait_s"], r["text"],
+                      extra or {})
+
+
+def _load(server: ServerProcess, name: str, length: int, label: str, spec: str, conc: int,
+          samples: list[Sample], wire: list[str | list[int]], max_tokens: int) -> list[LoadRecord]:
+    """``conc`` client threads draining the prompts; each record holds the cell's wall time."""
+    todo = list(range(len(samples)))
+    lock = threading.Lock()
+    results: list[tuple[int, dict[str, Any]]] = []
+    errors: list[Exception] = []
+
+    def client_loop() -> None:
+        client = server.client()
+        while True:
+            with lock:
+                if not todo or errors:
+                    return
+                i = todo.pop(0)
+            try:
+                r = _server_request(client, name, wire[i], spec, max_tokens)
+            except Exception as exc:  # noqa: BLE001 - any failure is re-raised after the join
+                errors.append(exc)
+                return
+            with lock:
+                results.append((i, r))
+
+    threads = [threading.Thread(target=client_loop) for _ in range(conc)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return [_server_record(name, length, label, conc, samples[i], r, {"wall_s": wall}) for i, r in results]
+
+
+# --- report ------------------------------------------------------------------------------------
+def summarize(records: list[LoadRecord]) -> list[dict[str, Any]]:
+    """One row per (model, length, method, concurrency) of server runs, with the overhead at 1."""
+    rows = []
+    keys = sorted({(r.model, r.length, r.method, r.concurrency) for r in records if r.kind == "server"})
+    for model, length, method, conc in keys:
+        cell = [r for r in records if (r.model, r.length, r.method, r.concurrency, r.kind)
+                == (model, length, method, conc, "server")]
+        ttft = np.array([r.ttft_s for r in cell])
+        wall = cell[0].extra.get("wall_s") or sum(r.total_s for r in cell)
+        row = {
+            "model": model, "length": length, "method": method, "concurrency": conc, "n": len(cell),
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p95_s": float(np.percentile(ttft, 95)),
+            "server_engine_ttft_p50_s": float(np.median([r.server_ttft_s for r in cell])),
+            "queue_wait_p50_s": float(np.median([r.server_queue_wait_s for r in cell])),
+            "requests_per_s": len(cell) / wall, "tokens_per_s": sum(r.completion_tokens for r in cell) / wall,
+        }
+        if conc == 1:
+            inproc = {r.sample_id: r for r in records if (r.model, r.length, r.method, r.kind)
+                      == (model, length, method, "inproc")}
+            base = float(np.median([r.ttft_s for r in inproc.values()]))
+            row["inproc_ttft_p50_s"] = base
+            row["overhead"] = row["ttft_p50_s"] / base
+            row["overhead_paired_median"] = statistics.median(r.ttft_s / inproc[r.sample_id].ttft_s for r in cell)
+            row["transport_overhead"] = statistics.median(r.ttft_s / r.server_ttft_s for r in cell)
+            row["same_text"] = all(r.text == inproc[r.sample_id].text for r in cell)
+        rows.append(row)
+    return rows
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
+def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
+    lines = [
+        f"# fastprefill serve under load ({header['started']})", "",
+        f"`{header['command']}`", "",
+        (f"{header['cpu']}, {header['threads']} torch threads in the server and in-process; torch "
+        f"{header['torch']}, transformers {header['transformers']}, commit {header['git_commit']}. "
+        f"{header['requests']} multidoc-qa prompts per cell, {header['max_tokens']} generated tokens each "
+        "(ignore_eos). TTFT is the client's clock (request sent -> first token's chunk, over loopback HTTP); "
+        "engine TTFT is what the server's engine measured; throughput = answers / wall time of the cell "
+         "(at 1 client: / the summed request times). "
+        f"Overhead = server TTFT p50 / in-process engine TTFT p50 at concurrency 1 (goal <= {GOAL}); "
+        "transport = median of client TTFT / the server's engine TTFT (the same requests)."), "",
+        ("| model | prompt | method | clients | n | TTFT p50 (s) | TTFT p95 (s) | engine TTFT p50 (s) | "
+        "queue wait p50 (s) | req/s | tokens/s | in-process TTFT p50 (s) | overhead (paired) | transport | "
+         "same answers |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        over = (f"{r['overhead']:.3f} ({r['overhead_paired_median']:.3f})"
+                f"{'' if r['overhead'] <= GOAL else ' ✗'}") if "overhead" in r else ""
+        lines.append(
+            f"| {r['model']} | {r['length']} | {r['method']} | {r['concurrency']} | {r['n']} | "
+            f"{r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} | {r['server_engine_ttft_p50_s']:.3f} | "
+            f"{r['queue_wait_p50_s']:.3f} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"{_num(r.get('inproc_ttft_p50_s'))} | {over} | {_num(r.get('transport_overhead'))} | "
+            f"{r.get('same_text', '')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["smollm2-135m"])
+    p.add_argument("--lengths", nargs="+", type=int, default=[1024])
+    p.add_argument("--methods", nargs="+", default=["full", "lazyllm:preset=default"])
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--requests", type=int, default=8, help="prompts per cell (each sent once per concurrency)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--name", default=None, help="file stem (default serve_load_<models>)")
+    args = p.parse_args(argv)
+    if 1 not in args.concurrency:
+        p.error("--concurrency must include 1 (the overhead is measured there)")
+    if args.requests < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
+        p.error("--requests, --max-tokens and --concurrency must be >= 1")
+    set_threads(args.threads)
+    header = {**environment(args.threads), "models": args.models, "lengths": args.lengths, "methods": args.methods,
+              "concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
+              "task": "multidoc-qa", "split": "test", "seed": args.seed, "goal_overhead": GOAL}
+    try:
+        records = [r for name in args.models for r in run_model(name, args)]
+    except FastprefillError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    stem = args.name or "serve_load_" + "_".join(args.models)
+    save_jsonl(out / f"{stem}.jsonl", header, records)
+    rows = summarize(records)
+    (out / f"{stem}.summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(rows, header))
+    print(markdown(rows, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""An OpenAI-compatible HTTP server over one model, with the prefill method chosen per request.
+
+``fastprefill serve --model NAME`` runs :func:`create_app` under uvicorn; ``app.py`` holds the
+routes, ``worker.py`` the one generation thread and its bounded queue, ``protocol.py`` the wire
+format, ``metrics.py`` the Prometheus series.
+"""
+
+from __future__ import annotations
+
+from fastprefill.serve.app import PER_REQUEST_METHODS, ServeConfig, background, create_app, run
+
+__all__ = ["PER_REQUEST_METHODS", "ServeConfig", "background", "create_app", "run"]

@@ -1,0 +1,54 @@
+"""The server's Prometheus metrics, in a registry of their own (one per app, so several servers
+can live in one process).
+
+Every series is labelled by ``method``: the registry name of the request's method (``full``,
+``lazyllm``, ...; ``invalid`` when the request named none that exists), a bounded set whatever
+the requests send. The full setting (``lazyllm[four-stage]``) is in each response's usage block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["ServeMetrics"]
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+
+
+class ServeMetrics:
+    """TTFT, decode time, queue wait, prompt sizes, token-layers and request outcomes."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["method"]
+        self.ttft = Histogram("fastprefill_ttft_seconds", "prefill through the first token (engine clock)",
+                              m, buckets=_SECONDS, registry=r)
+        self.decode = Histogram("fastprefill_decode_seconds_per_token", "mean decode seconds per token of a request",
+                                m, buckets=_SECONDS, registry=r)
+        self.queue_wait = Histogram("fastprefill_queue_wait_seconds", "seconds from arrival to the start of generation",
+                                    m, buckets=_SECONDS, registry=r)
+        self.prompt_tokens = Histogram("fastprefill_prompt_tokens", "prompt length in tokens",
+                                       m, buckets=_TOKENS, registry=r)
+        self.token_layers = Counter("fastprefill_prompt_token_layers_computed",
+                                    "prompt (token, layer) pairs the prefills computed", m, registry=r)
+        self.token_layers_full = Counter("fastprefill_prompt_token_layers",
+                                         "prompt tokens x layers of the same prefills (what full prefill computes)",
+                                         m, registry=r)
+        self.completion_tokens = Counter("fastprefill_completion_tokens",
+                                         "tokens generated (stopped generations included)", m, registry=r)
+        self.requests = Counter("fastprefill_requests", "requests by outcome: ok, bad_request, queue_full, "
+                                "timeout, cancelled (client gone), error", [*m, "outcome"], registry=r)
+        self.waiting = Gauge("fastprefill_queue_waiting", "requests waiting for the worker", registry=r)
+        self.busy = Gauge("fastprefill_busy", "1 while the worker generates", registry=r)
+
+    def watch(self, waiting: Callable[[], float], busy: Callable[[], float]) -> None:
+        """Read the two gauges from the worker at scrape time."""
+        self.waiting.set_function(waiting)
+        self.busy.set_function(busy)
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,286 @@
+"""The OpenAI-compatible wire format: request schemas, greedy-only parameter checks, response bodies.
+
+Requests are parsed from the raw body here (not by FastAPI) so that every refusal is a 400 in
+OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) and so that prompt
+text carries any byte that is not UTF-8 through to :func:`fastprefill.engine.prepare_prompt`,
+which refuses it with its own message (see :func:`prompt_bytes`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fastprefill.engine import Timing
+
+__all__ = [
+    "APIError",
+    "ChatRequest",
+    "CompletionRequest",
+    "FastprefillOptions",
+    "chunk_body",
+    "completion_body",
+    "parse_request",
+    "prompt_bytes",
+    "sse",
+    "usage_block",
+]
+
+#: HTTP status -> the ``outcome`` label of ``fastprefill_requests_total``.
+OUTCOMES = {400: "bad_request", 404: "bad_request", 429: "queue_full", 504: "timeout", 500: "error"}
+
+
+class APIError(Exception):
+    """A refusal with an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+
+    @property
+    def outcome(self) -> str:
+        return OUTCOMES.get(self.status, "error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def prompt_bytes(text: str) -> bytes:
+    """The UTF-8 bytes of request text, keeping what was not valid UTF-8 invalid.
+
+    The body is decoded with ``surrogateescape``, so a raw byte that is not UTF-8 arrives as a
+    lone surrogate and goes back to that same byte here; a JSON ``\\ud800``-style escape (a
+    lone surrogate, not text) becomes bytes that are not UTF-8 either. Either way
+    :func:`fastprefill.engine.prepare_prompt` refuses them.
+    """
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+
+
+# --- requests ----------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FastprefillOptions(_Strict):
+    """The extra body field ``"fastprefill"``: the prefill method, and ``ignore_eos`` to generate
+    exactly ``max_tokens`` tokens (benchmarks)."""
+
+    method: str | None = None
+    ignore_eos: bool = False
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # name, tool_call_id, ... are not used
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    fastprefill: FastprefillOptions = Field(default_factory=FastprefillOptions)
+    # accepted and ignored: decoding is greedy, so a seed changes nothing
+    seed: int | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+    def budget(self) -> int | None:
+        return self.max_tokens
+
+    def stops(self) -> tuple[str, ...]:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if len(stops) > 4 or any(not s for s in stops):
+            raise APIError(400, "stop: give at most 4 non-empty strings", param="stop")
+        return stops
+
+    def check_greedy(self) -> None:
+        """Refuse settings that ask for anything but one greedy answer."""
+        if self.temperature not in (None, 0):
+            raise APIError(400, f"temperature={self.temperature:g}: this server decodes greedily; "
+                                "give temperature 0 or leave it out", param="temperature")
+        if self.top_p not in (None, 1) and self.temperature != 0:
+            raise APIError(400, f"top_p={self.top_p:g}: this server decodes greedily; give top_p 1 "
+                                "(or temperature 0), or leave it out", param="top_p")
+        if self.n not in (None, 1):
+            raise APIError(400, f"n={self.n}: this server returns one greedy answer per request; give n 1",
+                           param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise APIError(400, f"{name}: not supported (greedy decoding only); give 0 or leave it out",
+                               param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias: not supported (greedy decoding only)", param="logit_bias")
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+
+    def budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check_greedy(self) -> None:
+        super().check_greedy()
+        if self.logprobs:
+            raise APIError(400, "logprobs: not supported", param="logprobs")
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def check_greedy(self) -> None:
+        super().check_greedy()
+        if self.echo:
+            raise APIError(400, "echo: not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix: not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of: this server returns one greedy answer; give 1", param="best_of")
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs: not supported", param="logprobs")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request (a list of several prompts is refused)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)) or not p:
+            return p  # type: ignore[return-value]
+        if len(p) != 1:
+            raise APIError(400, f"prompt: one prompt per request, got a list of {len(p)}", param="prompt")
+        return p[0]  # type: ignore[return-value]
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for err in exc.errors()[:3]:
+        where = ".".join(str(x) for x in err["loc"]) or "body"
+        if err["type"] == "extra_forbidden":
+            problems.append(f"{where}: unsupported field (this server does not implement it)")
+        else:
+            problems.append(f"{where}: {err['msg']}")
+    return "; ".join(problems)
+
+
+def parse_request(raw: bytes, schema: type[_Common]) -> _Common:
+    """Parse a JSON body into ``schema``.
+
+    Raises:
+        APIError: 400 when the body is not a JSON object or does not fit the schema.
+    """
+    try:
+        data = json.loads(raw.decode("utf-8", "surrogateescape"))
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]["loc"]
+        raise APIError(400, _describe(exc), param=str(first[0]) if first else None) from None
+
+
+# --- responses ---------------------------------------------------------------------------------
+def usage_block(timing: Timing, completion_tokens: int, queue_wait_s: float) -> dict[str, Any]:
+    """OpenAI's usage counts plus ``fastprefill``: the method and what its prefill took."""
+    return {
+        "prompt_tokens": timing.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": timing.prompt_tokens + completion_tokens,
+        "fastprefill": {
+            "method": timing.method,
+            "ttft_s": timing.ttft_s,
+            "queue_wait_s": queue_wait_s,
+            "decode_s_per_token": timing.decode_s_per_token,
+            "token_layer_fraction": timing.token_layer_fraction,
+            "prefill_flops": timing.prefill_flops,
+        },
+    }
+
+
+class ResponseIds:
+    """The id, object names and creation time shared by a response and all its chunks."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def head(self, chunk: bool) -> dict[str, Any]:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj + (".chunk" if chunk and self.chat else ""),
+                "created": self.created, "model": self.model}
+
+
+def completion_body(ids: ResponseIds, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+    """A whole (non-streamed) chat or text completion."""
+    if ids.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {**ids.head(chunk=False), "choices": [choice], "usage": usage}
+
+
+def chunk_body(ids: ResponseIds, text: str | None, finish_reason: str | None = None,
+               usage: dict[str, Any] | None = None, role: bool = False) -> dict[str, Any]:
+    """One streamed chunk; ``text=None`` with ``usage`` is the final usage chunk (no choices)."""
+    body = ids.head(chunk=True)
+    if text is None:
+        return {**body, "choices": [], "usage": usage}
+    if ids.chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text}
+        choice = {"index": 0, "delta": delta if finish_reason is None else {}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {**body, "choices": [choice]}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` (or the literal ``[DONE]``)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()

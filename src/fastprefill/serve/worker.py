@@ -1,0 +1,274 @@
+"""One model, one generation at a time: the worker thread, its bounded queue and the jobs.
+
+A :class:`Job` is a validated request (its prompt ids already made by
+:func:`fastprefill.engine.prepare_prompt`). The :class:`Worker` thread takes jobs in arrival
+order and runs :func:`fastprefill.engine.stream` on each; between two tokens it stops a job
+whose client has gone (:meth:`Job.cancel`) or whose deadline has passed. Events go back to the
+request's event loop with ``call_soon_threadsafe``.
+
+Each job ends with exactly one outcome (:meth:`Job.resolve`: the first caller wins, the HTTP
+side for a timeout or a disconnect, the worker otherwise), counted once in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fastprefill.engine import Timing, stream
+from fastprefill.errors import FastprefillError
+from fastprefill.methods.base import Method
+from fastprefill.serve.metrics import ServeMetrics
+from fastprefill.serve.protocol import APIError
+
+__all__ = ["Failed", "Finished", "Job", "StopText", "Token", "Worker"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Token:
+    """Text to stream (already cut before any stop string)."""
+
+    text: str
+
+
+@dataclass
+class Finished:
+    """The whole answer: the text exactly as :func:`fastprefill.engine.generate` decodes it
+    (cut at the first stop string), tokens generated, and the engine's timing."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str
+    timing: Timing
+    queue_wait_s: float
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+class StopText:
+    """Cuts generated text before the first stop string; while streaming, holds back a tail
+    that may be the start of one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.text = ""
+        self.sent = 0
+        self.hit = False
+
+    def matched(self, text: str) -> bool:
+        """Whether ``text`` contains a stop string (the engine's ``stop`` predicate)."""
+        return any(s in text for s in self.stops)
+
+    def cut(self, text: str) -> str:
+        """``text`` up to the first stop string."""
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return text[: min(found)] if found else text
+
+    def feed(self, delta: str) -> str:
+        """Add a streamed delta; return the text now safe to send."""
+        self.text += delta
+        end = len(self.cut(self.text))
+        if end < len(self.text):
+            self.hit = True
+        else:
+            held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+            end -= held
+        out = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+    def flush(self) -> str:
+        """At the end of a generation that hit no stop string: the held-back tail."""
+        out = "" if self.hit else self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
+
+
+@dataclass(eq=False)
+class Job:
+    """A validated request waiting for, or running on, the worker.
+
+    Attributes:
+        input_ids: ``(1, T)`` ids from :func:`~fastprefill.engine.prepare_prompt`.
+        method: the prefill method; ``label`` its registry name (the metrics label).
+        max_tokens: tokens to generate at most (the first included).
+        stops: stop strings (cut from the answer, not included).
+        ignore_eos: generate ``max_tokens`` tokens even past the end-of-sequence token.
+        streaming: send :class:`Token` events as tokens come.
+        arrived: ``time.monotonic()`` when the request arrived.
+        deadline: ``time.monotonic()`` after which the job times out (queue wait included).
+    """
+
+    input_ids: torch.Tensor
+    method: Method
+    label: str
+    max_tokens: int
+    stops: tuple[str, ...]
+    ignore_eos: bool
+    streaming: bool
+    arrived: float
+    deadline: float
+    metrics: ServeMetrics
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Any] = field(init=False, default_factory=asyncio.Queue)
+    outcome: str | None = field(init=False, default=None)
+    _cancelled: threading.Event = field(init=False, default_factory=threading.Event)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+
+    def cancel(self) -> None:
+        """Stop at the next token (or skip the job if it has not started)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def resolve(self, outcome: str) -> bool:
+        """Record the job's outcome; True for the first caller only (who then answers the client)."""
+        with self._lock:
+            if self.outcome is not None:
+                return False
+            self.outcome = outcome
+        self.metrics.requests.labels(self.label, outcome).inc()
+        return True
+
+    def post(self, event: Token | Finished | Failed) -> None:
+        """Hand an event to the request's event loop (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            self.cancel()
+
+
+class Worker:
+    """The thread that owns the model: one generation at a time, ``capacity`` jobs waiting."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, metrics: ServeMetrics,
+                 capacity: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.capacity = capacity
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=capacity)
+        self._thread: threading.Thread | None = None
+        self.current: Job | None = None
+        metrics.watch(lambda: self.waiting, lambda: float(self.current is not None))
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="fastprefill-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what is queued and running, and wait for the thread to end."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        if self.current is not None:
+            self.current.cancel()
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job.
+
+        Raises:
+            APIError: 429 when ``capacity`` jobs are already waiting.
+        """
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise APIError(429, f"the server is busy: its queue of {self.capacity} is full (one request "
+                                "generates at a time); retry later", kind="rate_limit_error") from None
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self.current = job
+            try:
+                self._execute(job)
+            except FastprefillError as exc:  # refused by the engine: the request's fault
+                if job.resolve("bad_request"):
+                    job.post(Failed(APIError(400, str(exc))))
+            except Exception as exc:  # a failed request must not stop the worker
+                log.exception("generation failed")
+                if job.resolve("error"):
+                    job.post(Failed(APIError(500, f"internal error ({type(exc).__name__}); the server log "
+                                                  "has the details", kind="server_error")))
+            finally:
+                self.current = None
+
+    def _execute(self, job: Job) -> None:
+        m, label = self.metrics, job.label
+        started = time.monotonic()
+        queue_wait = started - job.arrived
+        m.queue_wait.labels(label).observe(queue_wait)
+        if job.cancelled:
+            job.resolve("cancelled")
+            return
+        if started > job.deadline:
+            if job.resolve("timeout"):
+                job.post(Failed(timeout_error(job.deadline - job.arrived)))
+            return
+        stop = StopText(job.stops)
+        ids: list[int] = []
+        timing: Timing | None = None
+        events = stream(self.model, self.tokenizer, job.input_ids, job.method, job.max_tokens,
+                        stop_at_eos=not job.ignore_eos, stop=stop.matched if job.stops else None)
+        try:
+            for event in events:
+                ids.append(event.token_id)
+                timing = event.timing
+                delta = stop.feed(event.text)
+                if job.streaming and (delta or len(ids) == 1):  # the first token always: it marks TTFT
+                    job.post(Token(delta))
+                if timing is None and job.cancelled:
+                    break
+                if timing is None and time.monotonic() > job.deadline:
+                    if job.resolve("timeout"):
+                        job.post(Failed(timeout_error(job.deadline - job.arrived)))
+                    break
+        finally:
+            events.close()
+            m.completion_tokens.labels(label).inc(len(ids))
+        if timing is None:  # stopped early: by a timeout (resolved above) or a disconnect
+            job.resolve("cancelled")
+            return
+        tail = stop.flush()
+        if job.streaming and tail:
+            job.post(Token(tail))
+        m.ttft.labels(label).observe(timing.ttft_s)
+        if timing.decode_s_per_token is not None:
+            m.decode.labels(label).observe(timing.decode_s_per_token)
+        m.prompt_tokens.labels(label).observe(timing.prompt_tokens)
+        m.token_layers.labels(label).inc(timing.token_layers)
+        m.token_layers_full.labels(label).inc(timing.total_token_layers)
+        if job.resolve("ok"):
+            text = stop.cut(self.tokenizer.decode(ids, skip_special_tokens=True))
+            reason = "stop" if stop.hit or len(ids) < job.max_tokens else "length"
+            job.post(Finished(text, len(ids), reason, timing, queue_wait))
+
+
+def timeout_error(limit_s: float) -> APIError:
+    return APIError(504, f"the request took longer than the server's timeout of {limit_s:g} s "
+                         "(queue wait included); ask for fewer tokens or retry later", kind="timeout")

@@ -1,0 +1,433 @@
+"""The OpenAI-compatible server, through the official ``openai`` client and raw HTTP.
+
+Every answer is compared with :func:`fastprefill.engine.generate` on the same prompt and method
+(the reference). Servers run in a thread of the test process on 127.0.0.1 (a free port), over
+the session's smollm2-135m; references are computed while the server is idle, never beside it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fastprefill.engine import generate
+from fastprefill.errors import ConfigError
+from fastprefill.methods.registry import make_method
+from fastprefill.serve import ServeConfig, background, create_app
+from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_request, prompt_bytes
+from fastprefill.serve.worker import StopText
+
+MODEL = "smollm2-135m"
+LAZY = "lazyllm:preset=default"
+
+
+# --- helpers -----------------------------------------------------------------------------------
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _http(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict | str]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        ctype = resp.getheader("Content-Type", "")
+        return resp.status, json.loads(raw) if ctype.startswith("application/json") else raw
+    finally:
+        conn.close()
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    _, text = _http(url, "GET", "/metrics")
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def _wait(url: str, cond, timeout: float = 240.0) -> dict:
+    """Poll ``/health`` until ``cond(health)``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, health = _http(url, "GET", "/health")
+        if cond(health):
+            return health
+        assert time.monotonic() < deadline, f"server never reached the state; last /health: {health}"
+        time.sleep(0.05)
+
+
+def _idle(h: dict) -> bool:
+    return not h["busy"] and h["queue"]["waiting"] == 0
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def ref(smollm2):
+    """``ref(prompt, n, spec="full", chat=True)``: the engine's greedy answer (cached)."""
+    model, tok = smollm2
+    cache: dict = {}
+
+    def reference(prompt, n: int, spec: str = "full", chat: bool = True, **kw):
+        key = (json.dumps(prompt), n, spec, chat, json.dumps(kw))
+        if key not in cache:
+            cache[key] = generate(model, tok, prompt, make_method(spec), n, chat=chat, **kw)
+        return cache[key]
+
+    return reference
+
+
+@pytest.fixture(scope="module")
+def served(smollm2) -> Iterator[str]:
+    """The main server: default method full, a queue of 32, a generous timeout."""
+    model, tok = smollm2
+    app = create_app(model, tok, ServeConfig(MODEL, queue_size=32, timeout_s=600))
+    with background(app) as url:
+        yield url
+
+
+@pytest.fixture
+def client(served) -> openai.OpenAI:
+    _wait(served, _idle)
+    return _client(served)
+
+
+# --- unit: no model ----------------------------------------------------------------------------
+def test_stop_text_holds_back_a_possible_stop_and_cuts_at_it():
+    st = StopText(("END", "\n\n"))
+    assert st.feed("Hello E") == "Hello "  # "E" may start "END"
+    assert st.feed("x") == "Ex"
+    assert st.feed(" wor") == " wor"
+    assert st.feed("ld\n") == "ld"
+    assert st.feed("\nrest") == "" and st.hit
+    assert st.cut("Hello Ex world\n\nrest") == "Hello Ex world"
+    tail = StopText(("END",))
+    assert tail.feed("abcEN") == "abc" and tail.flush() == "EN" and not tail.hit
+    assert StopText(()).feed("anything") == "anything"
+
+
+def test_parse_request_refuses_with_400_and_names_the_field():
+    def refused(body: bytes, schema=ChatRequest) -> APIError:
+        with pytest.raises(APIError) as info:
+            parse_request(body, schema).check_greedy()
+        assert info.value.status == 400
+        return info.value
+
+    assert "not valid JSON" in refused(b"{nope").message
+    assert "JSON object" in refused(b"[1, 2]").message
+    assert "unsupported field" in refused(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+                                          b'"tools": []}').message
+    assert refused(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}').param \
+        == "max_tokens"
+    assert "greedily" in refused(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+                                 b'"temperature": 0.7}').message
+    assert refused(b'{"model": "m", "prompt": "x", "n": 3}', CompletionRequest).param == "n"
+    ok = parse_request(b'{"model": "m", "prompt": "x", "temperature": 0, "top_p": 0.5, "seed": 1}',
+                       CompletionRequest)
+    ok.check_greedy()  # temperature 0 is greedy whatever top_p says
+    assert ok.single_prompt() == "x"
+
+
+def test_prompt_bytes_keeps_invalid_input_invalid():
+    assert prompt_bytes("héllo") == "héllo".encode()
+    assert prompt_bytes(b"a\xffb".decode("utf-8", "surrogateescape")) == b"a\xffb"
+    with pytest.raises(UnicodeDecodeError):
+        prompt_bytes("\ud800").decode("utf-8")
+
+
+def test_serve_config_refuses_bad_limits():
+    for bad in ({"queue_size": 0}, {"timeout_s": 0}, {"max_tokens": True}):
+        with pytest.raises(ConfigError):
+            ServeConfig(MODEL, **bad)
+
+
+def test_a_multi_rank_default_method_is_refused_at_start(tiny_llama):
+    from fastprefill.serve.app import MethodTable
+
+    for spec in ("runahead:procs=2", "tsp:procs=2"):
+        with pytest.raises(ConfigError, match="several ranks"):
+            MethodTable(tiny_llama, spec, ())
+    assert MethodTable(tiny_llama, "gemfilter:keep=0.5,select_layer=1", ()).get(None)[0] == "gemfilter"
+
+
+# --- integration -------------------------------------------------------------------------------
+@pytest.mark.integration
+def test_chat_whole_and_streamed_equal_the_engine(client, ref):
+    prompt = "What is the capital of France?"
+    want = ref(prompt, 6)
+    r = client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=6)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == ("length" if len(want.token_ids) == 6 else "stop")
+    assert r.usage.prompt_tokens == want.timing.prompt_tokens
+    assert r.usage.completion_tokens == len(want.token_ids)
+    fp = r.usage.fastprefill
+    assert fp["method"] == "full" and fp["ttft_s"] > 0 and fp["token_layer_fraction"] == 1.0
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user(prompt), max_completion_tokens=6,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert chunks[-1].usage.fastprefill["method"] == "full"
+
+
+@pytest.mark.integration
+def test_per_request_method_in_the_fastprefill_field(client, ref):
+    prompt = "The three primary colours are"
+    want = ref(prompt, 5, LAZY, chat=False)
+    body = {"fastprefill": {"method": LAZY}}
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body=body)
+    assert r.choices[0].text == want.text
+    fp = r.usage.fastprefill
+    assert fp["method"] == make_method(LAZY).describe() == want.timing.method
+    assert fp["token_layer_fraction"] == pytest.approx(want.timing.token_layer_fraction)
+    assert fp["token_layer_fraction"] < 1.0
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body=body, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want.text
+    # the server's default is untouched by the request before
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5)
+    assert plain.choices[0].text == ref(prompt, 5, chat=False).text
+    assert plain.usage.fastprefill["method"] == "full"
+
+
+@pytest.mark.integration
+def test_conversation_with_a_system_message_uses_the_chat_template(client, ref, smollm2):
+    _, tok = smollm2
+    turns = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Sky colour?"}]
+    ids = tok(tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    want = ref(ids, 4)
+    r = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=4)
+    assert r.choices[0].message.content == want.text
+    assert r.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.integration
+def test_stop_strings_cut_the_answer_whole_and_streamed(client, ref):
+    prompt = "Tell me a long story."
+    full = ref(prompt, 12).text
+    stop = full[len(full) // 2: len(full) // 2 + 3]  # straddles streamed tokens, most likely
+    want = full[: full.find(stop)]
+    assert stop and len(want) < len(full) // 2 + 1, full
+    r = client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=12, stop=[stop])
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=12, stop=stop,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+BAD = [  # (create kwargs, status, words in the message)
+    ({"temperature": 0.7}, 400, "greedily"),
+    ({"top_p": 0.5}, 400, "greedily"),
+    ({"n": 2}, 400, "one greedy answer"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": 10**6}, 400, "context"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+    ({"extra_body": {"frobnicate": 1}}, 400, "unsupported field"),
+    ({"extra_body": {"fastprefill": {"method": "nosuch"}}}, 400, "unknown method"),
+    ({"extra_body": {"fastprefill": {"method": "lazyllm:preset=nosuch"}}}, 400, "preset"),
+    ({"extra_body": {"fastprefill": {"method": "kvp:predictor=/tmp"}}}, 400, "--allow-method"),
+    ({"extra_body": {"fastprefill": {"speed": "max"}}}, 400, "unsupported field"),
+    ({"messages": _user("")}, 400, "empty"),
+    ({"messages": _user("nul \x00 inside")}, 400, "NUL"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({"model": "gpt-4o"}, 404, "not served"),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_requests_are_refused_with_a_message_and_leave_no_trace(client, served, ref, stream):
+    prompt = "Name a fruit."
+    before = _metric(served, "fastprefill_requests_total", outcome="bad_request")
+    for overrides, status, words in BAD:
+        kwargs = {"model": MODEL, "messages": _user(prompt), "max_tokens": 3, "stream": stream, **overrides}
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(**kwargs)
+        err = info.value
+        assert err.status_code == status, (overrides, err)
+        assert words in err.body["message"], (overrides, err.body)
+    assert _metric(served, "fastprefill_requests_total", outcome="bad_request") - before == len(BAD)
+    r = client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=3)
+    assert r.choices[0].message.content == ref(prompt, 3).text
+
+
+@pytest.mark.integration
+def test_invalid_utf8_and_broken_bodies_get_400_never_500(served, client, ref):
+    cases = [
+        (b'{"model": "smollm2-135m", "prompt": "caf\xe9 au lait"}', "/v1/completions", "UTF-8"),
+        (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff\xfe\x80\x81"}]}',
+         "/v1/chat/completions", "UTF-8"),
+        (b'{"model": "smollm2-135m", "prompt": "raw \x00 in a string"}', "/v1/completions", "not valid JSON"),
+        ((b'{"model": "smollm2-135m", "messages": [{"role": "system", "content": "ok"}, '
+          b'{"role": "user", "content": "bad \xc3\x28"}]}'), "/v1/chat/completions", "UTF-8"),
+        (b'{"model": "smollm2-135m", "prompt": "lone \\ud800 surrogate"}', "/v1/completions", "UTF-8"),
+        (b'\x89PNG\r\n\x1a\n\x00\x00', "/v1/completions", "JSON"),
+        (b'', "/v1/chat/completions", "JSON"),
+        (b'{"model": "smollm2-135m", "prompt": [1, 2, 99999999]}', "/v1/completions", "prompt ids"),
+        (b'{"model": "smollm2-135m", "prompt": ["a", "b"]}', "/v1/completions", "one prompt"),
+    ]
+    for body, path, words in cases:
+        status, answer = _http(served, "POST", path, body)
+        assert status == 400, (body, answer)
+        assert words in answer["error"]["message"], (body, answer)
+    r = client.completions.create(model=MODEL, prompt="café au lait is", max_tokens=3)
+    assert r.choices[0].text == ref("café au lait is", 3, chat=False).text
+
+
+@pytest.mark.integration
+def test_models_health_and_metrics(client, served):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    status, health = _http(served, "GET", "/health")
+    assert status == 200 and health["model"] == MODEL and health["method"] == "full"
+    assert health["queue"]["capacity"] == 32
+    client.chat.completions.create(model=MODEL, messages=_user("Hi"), max_tokens=2)
+    for name in ("fastprefill_ttft_seconds_count", "fastprefill_decode_seconds_per_token_count",
+                 "fastprefill_queue_wait_seconds_count", "fastprefill_prompt_tokens_sum",
+                 "fastprefill_prompt_token_layers_computed_total", "fastprefill_completion_tokens_total"):
+        assert _metric(served, name, method="full") > 0, name
+    assert _metric(served, "fastprefill_prompt_token_layers_computed_total", method="full") == \
+        _metric(served, "fastprefill_prompt_token_layers_total", method="full")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_sixteen_clients_four_requests_each_all_equal_the_sequential_answers(served, client, ref):
+    prompts = ["The sky is", "Dogs are", "Hello, my name", "One plus one is"]
+    specs = ["full", LAZY]
+    jobs = [(c, k) for c in range(16) for k in range(4)]
+
+    def case(c: int, k: int) -> tuple[str, str]:
+        return prompts[(c + k) % 4], specs[(c * 4 + k) % 2]
+
+    want = {case(c, k): ref(case(c, k)[0], 2, case(c, k)[1], chat=False).text for c, k in jobs}
+    assert len(set(want.values())) > 1  # the answers differ, so a mix-up would show
+    ok_before = _metric(served, "fastprefill_requests_total", outcome="ok")
+
+    def one_client(c: int) -> list[tuple[tuple[str, str], str]]:
+        cl = _client(served)
+        out = []
+        for k in range(4):
+            prompt, spec = case(c, k)
+            r = cl.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                      extra_body={"fastprefill": {"method": spec}})
+            out.append(((prompt, spec), r.choices[0].text))
+        return out
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = [a for res in pool.map(one_client, range(16)) for a in res]
+    assert len(answers) == 64
+    assert all(text == want[key] for key, text in answers), [(k, t, want[k]) for k, t in answers if t != want[k]]
+    assert _metric(served, "fastprefill_requests_total", outcome="ok") - ok_before == 64
+
+
+@pytest.mark.integration
+def test_a_client_that_disconnects_stops_its_generation(served, client, ref):
+    tokens = "fastprefill_completion_tokens_total"
+    before = _metric(served, tokens)
+    cancelled = _metric(served, "fastprefill_requests_total", outcome="cancelled")
+    stream = client.chat.completions.create(model=MODEL, messages=_user("Tell me a long story."), max_tokens=400,
+                                            stream=True, extra_body={"fastprefill": {"ignore_eos": True}})
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got == 2:
+            break
+    stream.close()
+    _wait(served, _idle)
+    generated = _metric(served, tokens) - before
+    assert 2 <= generated < 100, generated  # 400 if the generation had run on
+    assert _metric(served, "fastprefill_requests_total", outcome="cancelled") - cancelled == 1
+    r = client.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=3)
+    assert r.choices[0].message.content == ref("Say hello.", 3).text
+
+
+@pytest.mark.integration
+def test_a_full_queue_answers_429_and_the_queued_request_still_completes(smollm2, ref):
+    model, tok = smollm2
+    with background(create_app(model, tok, ServeConfig(MODEL, queue_size=1, timeout_s=600))) as url:
+        cl = _client(url)
+        long = cl.chat.completions.create(model=MODEL, messages=_user("Tell me a long story."), max_tokens=400,
+                                          stream=True, extra_body={"fastprefill": {"ignore_eos": True}})
+        next(c for c in long if c.choices and c.choices[0].delta.content)  # generating now
+        waiting: list = []
+        t = threading.Thread(target=lambda: waiting.append(
+            cl.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=3)))
+        t.start()
+        _wait(url, lambda h: h["queue"]["waiting"] == 1)
+        with pytest.raises(openai.RateLimitError) as info:
+            cl.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=3)
+        assert "queue of 1 is full" in info.value.body["message"]
+        long.close()
+        t.join(300)
+        assert waiting and waiting[0].choices[0].message.content == ref("Say hello.", 3).text
+        assert _metric(url, "fastprefill_requests_total", outcome="queue_full") == 1
+        after = cl.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=3)
+        assert after.choices[0].message.content == ref("Say hello.", 3).text
+
+
+@pytest.mark.integration
+def test_a_request_over_its_timeout_gets_504_and_the_generation_stops(smollm2):
+    model, tok = smollm2
+    with background(create_app(model, tok, ServeConfig(MODEL, timeout_s=2.0))) as url:
+        cl = _client(url)
+        kwargs = {"model": MODEL, "messages": _user("Tell me a long story."), "max_tokens": 500,
+                  "extra_body": {"fastprefill": {"ignore_eos": True}}}
+        with pytest.raises(openai.APIStatusError) as info:
+            cl.chat.completions.create(**kwargs)
+        assert info.value.status_code == 504 and "timeout of 2 s" in info.value.body["message"]
+        with pytest.raises(openai.APIError, match="timeout of 2 s"):
+            for _ in cl.chat.completions.create(stream=True, **kwargs):
+                pass
+        _wait(url, _idle)
+        assert _metric(url, "fastprefill_requests_total", outcome="timeout") == 2
+        assert _metric(url, "fastprefill_completion_tokens_total") < 1000
+
+
+def test_load_benchmark_summary_counts_overhead_and_throughput(load_bench):
+    bench = load_bench("serve_load")
+    rec = bench.LoadRecord
+
+    def server(sid, conc, ttft, wall=None):
+        return rec("m", 512, "full", "server", conc, sid, 500, ttft, ttft + 1.0, 4, ttft * 0.9, 0.01, "a",
+                   {"wall_s": wall} if wall else {})
+
+    records = [
+        rec("m", 512, "full", "inproc", 1, "s1", 500, 1.0, 2.0, 4, text="a"),
+        rec("m", 512, "full", "inproc", 1, "s2", 500, 2.0, 3.0, 4, text="a"),
+        server("s1", 1, 1.1), server("s2", 1, 2.0),
+        server("s1", 2, 3.0, wall=5.0), server("s2", 2, 4.0, wall=5.0),
+    ]
+    one, two = bench.summarize(records)
+    assert (one["concurrency"], two["concurrency"]) == (1, 2)
+    assert one["inproc_ttft_p50_s"] == pytest.approx(1.5)
+    assert one["overhead"] == pytest.approx(1.55 / 1.5)
+    assert one["overhead_paired_median"] == pytest.approx((1.1 + 1.0) / 2)
+    assert one["same_text"] is True
+    assert one["transport_overhead"] == pytest.approx(1 / 0.9)
+    assert one["requests_per_s"] == pytest.approx(2 / (2.1 + 3.0))  # one client: summed request times
+    assert two["requests_per_s"] == pytest.approx(2 / 5.0) and two["tokens_per_s"] == pytest.approx(8 / 5.0)
+    assert two["ttft_p50_s"] == pytest.approx(3.5) and "overhead" not in two
+    table = bench.markdown([one, two], {"started": "t", "command": "c", "cpu": "x", "threads": 2, "torch": "t",
+                                        "transformers": "t", "git_commit": "g", "requests": 2, "max_tokens": 4})
+    assert "| m | 512 | full | 1 | 2 |" in table and "1.033 (1.050) | 1.111 |" in table
