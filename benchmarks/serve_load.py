@@ -37,7 +37,7 @@ Smoke run (a minute)::
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import signal
 import statistics
 import subprocess
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import openai
 
-from fastprefill.bench.runner import environment, save_jsonl
+from fastprefill.bench.records import environment, write_json, write_rows
 from fastprefill.data.tasks import Sample, get_task
 from fastprefill.distributed.runtime import free_port, set_threads
 from fastprefill.engine import generate
@@ -329,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     stem = args.name or "serve_load_" + "_".join(args.models)
-    save_jsonl(out / f"{stem}.jsonl", header, records)
+    write_rows(out / f"{stem}.jsonl", header, [dataclasses.asdict(r) for r in records])
     rows = summarize(records)
-    (out / f"{stem}.summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+    write_json(out / f"{stem}.summary.json", rows)
     (out / f"{stem}.md").write_text(markdown(rows, header))
     print(markdown(rows, header))
     return 0
