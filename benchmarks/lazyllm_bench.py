@@ -12,10 +12,14 @@ Subcommands (run on a quiet machine; the commands that made the committed result
   CI, realised speedup (median TTFT ratio) vs ideal (1 / token-layer fraction), first-token
   agreement, identical answers and first-token KL against full prefill.
 - ``needle``: passkey retrieval at 1k-4k tokens, depths 10-90%, the default preset vs full.
-- ``decode``: exactly ``--new-tokens`` (64) new tokens, EOS ignored: total time vs full prefill
-  plus plain decoding, revivals per step.
-- ``sweep``: the dev-split schedule sweep that picks the default preset
+- ``decode``: exactly ``--new-tokens`` (64) new tokens, EOS ignored (``--eos``: at most that
+  many, stopping at EOS): total time vs full prefill plus plain decoding, revivals per step;
+  each preset under each ``--revivals`` policy.
+- ``sweep``: the dev-split schedule sweep that picked the default preset
   (:func:`fastprefill.bench.selection.choose_default`).
+- ``fidelity-sweep``: the later-cut candidates (:data:`fastprefill.bench.selection.FIDELITY_CANDIDATES`)
+  on the dev split, chosen by the fidelity rule fixed before the sweep
+  (:func:`fastprefill.bench.selection.choose_by_fidelity`).
 - ``speed``: realised vs ideal speedup on a handful of random-token prompts (no scoring).
 
 The runs, records, summaries and files come from :mod:`fastprefill.bench` (threads fixed,
@@ -31,7 +35,13 @@ from pathlib import Path
 from fastprefill.bench.records import FULL, environment, write_rows
 from fastprefill.bench.report import markdown_table, write_paired_rows
 from fastprefill.bench.runner import Unscored, random_samples, run_benchmark, run_samples
-from fastprefill.bench.selection import choose_default
+from fastprefill.bench.selection import (
+    FIDELITY_CANDIDATES,
+    choose_by_fidelity,
+    choose_default,
+    describe_choice,
+    fidelity_methods,
+)
 from fastprefill.bench.summary import needle_by_depth, summarize
 from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
@@ -39,14 +49,15 @@ from fastprefill.errors import FastprefillError
 from fastprefill.methods.base import Method
 from fastprefill.methods.baselines import matched_baselines
 from fastprefill.methods.full import FullPrefill
-from fastprefill.methods.lazyllm import DEFAULT_PRESET, PRESETS, LazyLLM
+from fastprefill.methods.lazyllm import LATE_SCHEDULES, PRESETS, LazyLLM
 from fastprefill.models.shape import ModelShape
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-#: Candidate schedules of the dev sweep, as (relative depth, keep) pairs.
+#: Candidate schedules of the first dev sweep (``sweep``), as (relative depth, keep) pairs: the
+#: presets it chose among (not the later-cut family, which ``fidelity-sweep`` runs).
 SWEEP: dict[str, tuple[tuple[float, float], ...]] = {
-    **{k: v for k, v in PRESETS.items() if k not in ("keep-all", "default")},
+    **{k: v for k, v in PRESETS.items() if k not in ("keep-all", "default", "paper", *LATE_SCHEDULES)},
     "mid-two": ((0.33, 0.6), (0.66, 0.35)),
     "early-half": ((0.1, 0.5),),
 }
@@ -74,11 +85,23 @@ def matched_methods(presets: list[str], num_layers: int, length: int, static_dep
     return out
 
 
+def revival_methods(presets: Sequence[str], revivals: Sequence[str]) -> dict[str, Method]:
+    """Each preset under each revival policy: ``lazyllm-<preset>`` for ``all`` (the paper),
+    ``lazyllm-<preset>/<policy>`` otherwise."""
+    out: dict[str, Method] = {}
+    for preset in presets:
+        for policy in revivals:
+            lazy = LazyLLM.preset(preset, revival=policy)
+            out[f"lazyllm-{lazy.preset_name}" + ("" if lazy.revival == "all" else f"/{lazy.revival}")] = lazy
+    return out
+
+
 def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: str,
              max_new_tokens: int | None = None, stop_at_eos: bool = True,
-             select_default: bool = False) -> None:
+             choose=None) -> None:
     """Run ``task`` through :func:`run_benchmark` (``<name>.{jsonl,md,png}``), then write the
-    paired rows (``<name>.summary.jsonl``)."""
+    paired rows (``<name>.summary.jsonl``); ``choose`` (a rule of
+    :mod:`fastprefill.bench.selection`) picks among the methods, recorded in the header."""
     name = args.name or name
     model, tok = _load(args.model)
     methods = methods_fn(ModelShape.from_config(model.config).num_layers)
@@ -95,9 +118,9 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
         for row in header["retrieved_by_depth"]:
             print(f"{row['length']:>6} depth={row['depth']:.1f} {row['method']:<20} n={row['n']:<3} "
                   f"retrieved={row['retrieved']:.0%}")
-    if select_default:
-        header["selection"] = choose_default(summaries)
-        print(f"sweep choice: {header['selection']}")
+    if choose is not None:
+        header["selection"] = choose(summaries)
+        print(describe_choice(header["selection"]))
     write_paired_rows(Path(args.out) / f"{name}.summary.jsonl", header, summaries)
     print(markdown_table(summaries))
 
@@ -147,14 +170,19 @@ def cmd_speed(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["equivalence", "curve", "needle", "decode", "sweep", "speed"])
+    ap.add_argument("command", choices=["equivalence", "curve", "needle", "decode", "sweep", "fidelity-sweep", "speed"])
     ap.add_argument("--model", default=None, help="zoo name (default depends on the command)")
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--n", type=int, default=None, help="samples per length")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--presets", nargs="+", default=["gentle", "default", "aggressive"],
-                    help="LazyLLM presets (curve/decode/speed); 'default' is DEFAULT_PRESET")
+    ap.add_argument("--presets", nargs="+", default=None,
+                    help="LazyLLM presets, '<schedule>' or '<schedule>+<selection>' (curve/decode/speed: default "
+                         "gentle default aggressive; needle: default); 'default' is DEFAULT_PRESET")
+    ap.add_argument("--revivals", nargs="+", default=["all"],
+                    help="decode: the revival policies each preset runs under (all, budget:R, none, catch-up)")
+    ap.add_argument("--eos", action="store_true",
+                    help="decode: stop at EOS (at most --new-tokens) instead of forcing --new-tokens")
     ap.add_argument("--no-baselines", action="store_true",
                     help="curve: LazyLLM presets against full prefill only (no matched baselines)")
     ap.add_argument("--baselines", nargs="+", default=["random", "static"], choices=["random", "static", "gemfilter"],
@@ -166,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="curve/needle/decode/sweep: continue an interrupted run's <name>.jsonl")
     ap.add_argument("--schedules", nargs="+", default=sorted(SWEEP), choices=sorted(SWEEP),
                     help="sweep candidates (names in SWEEP)")
+    ap.add_argument("--candidates", nargs="+", default=list(FIDELITY_CANDIDATES), choices=list(FIDELITY_CANDIDATES),
+                    metavar="CANDIDATE", help="fidelity-sweep candidates (default: all of FIDELITY_CANDIDATES)")
     ap.add_argument("--static-depth", type=float, default=0.25,
                     help="StaticPruning selects at layer floor(depth * L)")
     ap.add_argument("--new-tokens", type=int, default=None,
@@ -181,8 +211,10 @@ def main(argv: list[str] | None = None) -> None:
         "needle": ("qwen2.5-coder-0.5b", [1024, 2048, 3072, 4096], 10),
         "decode": ("qwen2.5-coder-0.5b", [2048], 20),
         "sweep": ("qwen2.5-coder-0.5b", [2048], 30),
+        "fidelity-sweep": ("qwen2.5-coder-0.5b", [2048], 40),
         "speed": ("smollm2-135m", [2048], 4),
     }[args.command]
+    args.presets = args.presets or (["default"] if args.command == "needle" else ["gentle", "default", "aggressive"])
     args.model = args.model or defaults[0]
     args.new_tokens = args.new_tokens or (64 if args.command == "decode" else 16)
     args.lengths = args.lengths or defaults[1]
@@ -200,15 +232,18 @@ def main(argv: list[str] | None = None) -> None:
                      "test", "multidoc-qa")
         elif args.command == "needle":
             cmd_task(args, f"lazyllm_needle_{tag}",
-                     lambda L: {f"lazyllm-{DEFAULT_PRESET}": LazyLLM.preset("default")}, "test", "needle")
-        elif args.command == "decode":
-            cmd_task(args, f"lazyllm_decode_{tag}",
                      lambda L: {f"lazyllm-{m.preset_name}": m for m in map(LazyLLM.preset, args.presets)},
-                     "test", "multidoc-qa", max_new_tokens=args.new_tokens, stop_at_eos=False)
+                     "test", "needle")
+        elif args.command == "decode":
+            cmd_task(args, f"lazyllm_decode_{tag}", lambda L: revival_methods(args.presets, args.revivals),
+                     "test", "multidoc-qa", max_new_tokens=args.new_tokens, stop_at_eos=args.eos)
         elif args.command == "sweep":
             cmd_task(args, f"lazyllm_sweep_{tag}",
                      lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=SWEEP[k], preset_name=k) for k in args.schedules},
-                     "dev", "multidoc-qa", select_default=True)
+                     "dev", "multidoc-qa", choose=choose_default)
+        elif args.command == "fidelity-sweep":
+            cmd_task(args, f"lazyllm_fidelity_sweep_{tag}", lambda L: fidelity_methods(args.candidates),
+                     "dev", "multidoc-qa", choose=choose_by_fidelity)
     except FastprefillError as exc:
         raise SystemExit(f"error: {exc}") from None
 

@@ -344,3 +344,46 @@ def test_cli_bench_config_files_parse():
     for path in sorted((ROOT / "benchmarks" / "configs").glob("*.toml")):
         cfg = _bench_config(build_parser().parse_args(["bench", "--config", str(path)]))
         assert cfg["name"] == path.stem and cfg["out"] == "benchmarks/results"
+
+
+# --------------------------------------------------------------------------- gold-token share
+def test_run_samples_records_the_share_of_gold_tokens_kept_per_stage(tiny_llama):
+    """Known answers: a cut keeping exactly its protected tokens {0, 1, 2, 39} keeps half of the
+    gold tokens {0, 1, 10, 20}; random drop keeps the gold tokens its seeded choice holds; full
+    prefill records no share; no tensor reaches a record."""
+    from fastprefill.methods.baselines import RandomDrop
+    from fastprefill.methods.lazyllm import LazyLLM
+
+    gold = [0, 1, 10, 20]
+    task = SimpleNamespace(score=lambda s, text: {"score": 0.0},
+                           gold_token_positions=lambda s, tok: torch.tensor(gold))
+    samples = [SimpleNamespace(id="a", input_ids=list(range(1, 41)))]
+    drop = RandomDrop(keep=0.5, seed=0)
+    methods = {"cut": LazyLLM(schedule=((1, 0.1),), sinks=3),
+               "two": LazyLLM(schedule=((1, 0.5), (2, 0.1)), sinks=3), "random": drop}
+    recs = {r.method: r for r in run_samples(tiny_llama, None, task, samples, methods, length=None,
+                                             max_new_tokens=2, warmup=0, progress=False)}
+    assert recs["cut"].extra["gold_kept_share_per_stage"] == [0.5]
+    two = recs["two"].extra["gold_kept_share_per_stage"]
+    assert len(two) == 2 and two[0] >= 0.5 and two[1] == 0.5  # the last stage keeps exactly {0, 1, 2, 39}
+    kept = set(drop.choose(40).tolist())
+    assert recs["random"].extra["gold_kept_share_per_stage"] == [sum(p in kept for p in gold) / 4]
+    assert "gold_kept_share_per_stage" not in recs["full"].extra
+    for rec in recs.values():
+        assert "kept_positions" not in rec.extra
+        json.dumps(rec.extra)
+    # outside the runner a prefill keeps its timings serialisable: no kept positions reported
+    res = generate(tiny_llama, None, samples[0].input_ids, methods["cut"], max_new_tokens=2)
+    assert "kept_positions" not in res.timing.extra
+    json.dumps(res.timing.to_dict())
+
+
+def test_summary_averages_the_gold_share_per_stage():
+    recs = [_rec("full", "a", 2.0, 1.0), _rec("lazy", "a", 1.0, 1.0, gold_kept_share_per_stage=[0.5, 0.25]),
+            _rec("full", "b", 2.0, 1.0), _rec("lazy", "b", 1.0, 1.0, gold_kept_share_per_stage=[1.0, 0.75]),
+            _rec("full", "c", 2.0, 1.0), _rec("lazy", "c", 1.0, 1.0)]  # a run that did not record it
+    full, lazy = summarize(recs)
+    assert lazy.gold_kept_share_per_stage == pytest.approx([0.75, 0.5])
+    assert full.gold_kept_share_per_stage is None
+    assert "gold_kept_share_per_stage" not in lazy.counters
+    assert paired_row(lazy)["gold_kept_share_per_stage"] == pytest.approx([0.75, 0.5])

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from fastprefill.data import sources
@@ -378,3 +379,38 @@ def test_humaneval_completion_is_the_raw_prompt_cut_at_the_next_statement(tokeni
     assert task.score(sample, body + "\nprint(1/0)\n")["passed"] == 1.0
     assert task.score(sample, "    return None\n")["passed"] == 0.0
     assert cut_completion("    x = 1\n# note\n") == "    x = 1"
+
+
+# --------------------------------------------------------------------------- gold token positions
+
+
+def _runs(positions: list[int]) -> list[list[int]]:
+    """Maximal runs of consecutive positions."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and runs[-1][-1] == p - 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def test_gold_token_positions_decode_to_the_gold_passages_and_the_needle(tokenizer) -> None:
+    task = TASKS["multidoc-qa"]
+    records = {r.id: r for r in sources.hotpotqa()}
+    for s in build_samples("multidoc-qa", tokenizer, 1024, 3, seed=0):
+        gold = task.gold_token_positions(s, tokenizer)
+        assert gold.dtype == torch.long and bool((gold[1:] > gold[:-1]).all())
+        texts = [tokenizer.decode([s.input_ids[i] for i in run]).strip() for run in _runs(gold.tolist())]
+        assert texts == [f"{title}\n{text}" for title, text in sorted(
+            records[s.id].gold, key=lambda g: s.prompt.index(f"\n{g[0]}\n{g[1]}"))]
+    needle = TASKS["needle"]
+    for s in build_samples("needle", tokenizer, 512, 2, seed=0):
+        gold = needle.gold_token_positions(s, tokenizer)
+        key = s.answers[0]
+        assert tokenizer.decode([s.input_ids[i] for i in gold.tolist()]).strip() == (
+            f"The pass key is {key}. Remember it. {key} is the pass key.")
+    other = build_samples("needle", tokenizer, 512, 1, seed=0)[0]
+    broken = dataclasses.replace(other, input_ids=other.input_ids[1:])
+    with pytest.raises(ConfigError, match="does not give back the sample's ids"):
+        needle.gold_token_positions(broken, tokenizer)

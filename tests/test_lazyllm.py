@@ -57,57 +57,7 @@ def test_keep_all_equals_full_prefill_smollm2(smollm2):
     assert res.timing.token_layers < res.timing.total_token_layers and len(res.token_ids) == 10
 
 
-# --- the at-most-once invariant ---------------------------------------------------------------
-def test_each_token_layer_computed_at_most_once(tiny_model):
-    method = LazyLLM(schedule=((0, 0.5), (1, 0.25), (2, 0.1)))
-    n, steps = 40, 12
-    out, _ = _decode_n(method, tiny_model, _ids(n, 4), steps)
-    st = out.state
-    counts = st.counter.counts  # (L, n + steps)
-    assert counts.shape == (4, n + steps)
-    assert int(counts.max()) == 1
-    assert bool((counts[0] == 1).all())  # layer 0 (before any pruning) computes everyone once
-    assert bool((counts[:, n:] == 1).all())  # every generated token through every layer once
-    assert sum(st.revived_tokens_per_step) > 0  # revivals did happen, so the invariant was exercised
-    # counted total = prefill + a full column per decoded token + revived rows
-    assert int(counts.sum()) == out.stats.token_layers + 4 * steps + sum(st.revived_token_layers_per_step)
-    # the caches agree: no position stored twice at a layer
-    for layer in range(4):
-        pos = st.cache.positions(layer)
-        assert pos.unique().numel() == pos.numel() == int(counts[layer].sum())
-
-
-def test_revival_counters_agree_with_the_compute_counter(tiny_model):
-    """Per decode step, from the counter's growth over earlier positions: distinct tokens, (token,
-    stage) pairs and token-layers equal the three revival counters; revivals list each token once."""
-    sched = ((0, 0.5), (1, 0.25), (2, 0.1))
-    method = LazyLLM(schedule=sched)
-    n, steps = 40, 12
-    stage_of = torch.tensor([sum(layer > p for p, _ in sched) for layer in range(4)])  # (L,) stage of each layer
-    with torch.inference_mode():
-        out = method.prefill(tiny_model, _ids(n, 4))
-        st, tok = out.state, int(out.logits.argmax())
-        for step in range(steps):
-            t = n + step
-            before = st.counter.counts[:, :t].clone()  # (L, t)
-            tok = int(method.decode(st, tok).argmax())
-            delta = st.counter.counts[:, :t] - before  # (L, t) layers computed this step, earlier positions
-            assert bool((st.counter.counts[:, t] == 1).all())  # the new token: every layer once
-            assert int(delta.min()) >= 0
-            touched = delta.sum(0) > 0  # (t,)
-            assert int(touched.sum()) == st.revived_tokens_per_step[step]
-            assert int(delta.sum()) == st.revived_token_layers_per_step[step]
-            per_stage = torch.zeros(int(stage_of.max()) + 1, t, dtype=torch.int32).index_add_(0, stage_of, delta)
-            assert int((per_stage > 0).sum()) == st.revived_token_stages_per_step[step]
-            # each revived token once, resuming at the first layer it was computed at
-            first = {p: int(delta[:, p].nonzero()[0]) for p in touched.nonzero().flatten().tolist()}
-            assert {(p, layer) for s, p, layer in st.revivals if s == step} == set(first.items())
-    stats = method.decode_stats(st)
-    assert stats["revived_tokens_total"] == sum(st.revived_tokens_per_step) > 0
-    assert stats["revived_token_layers_total"] == int(st.counter.counts.sum()) - out.stats.token_layers - 4 * steps
-    # a revived token went on through a later stage at some step: the two counts really differ
-    assert sum(st.revived_token_stages_per_step) > sum(st.revived_tokens_per_step)
-    assert int(st.counter.counts.max()) == 1
+# --- the at-most-once invariant: tests/test_lazyllm_revival.py (every revival policy) -------------
 
 
 # --- revival from the Aux Cache ----------------------------------------------------------------

@@ -12,6 +12,8 @@ Protocol (what every figure in ``benchmarks/results/`` follows):
 - Each record holds the sample's score, TTFT, decode time, token-layer fraction, FLOPs, peak
   memory, the first token and, for a run that is not its own reference, the KL divergence of
   the reference's first-token distribution from the method's (computed in-process).
+- When the task knows its gold tokens (``gold_token_positions(sample, tokenizer)``), a pruning
+  method's record also holds the share of them still computed after each cut.
 - Records are appended to the result file as they come; an interrupted run resumes.
 """
 
@@ -34,9 +36,10 @@ from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.pruning import recording_kept_positions
 
-__all__ = ["RESUME_MATCH", "PromptSample", "Unscored", "first_token_kl", "random_samples", "run_benchmark",
-           "run_samples"]
+__all__ = ["RESUME_MATCH", "PromptSample", "Unscored", "first_token_kl", "gold_kept_shares", "random_samples",
+           "run_benchmark", "run_samples"]
 
 #: Header keys a resumed :func:`run_benchmark` file must share with the new run.
 RESUME_MATCH = ("task", "split", "seed", "n", "lengths", "max_new_tokens", "stop_at_eos", "methods")
@@ -47,6 +50,12 @@ def first_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> floa
     ref = reference_logits.float().log_softmax(-1)
     logp = logits.float().log_softmax(-1)
     return float((ref.exp() * (ref - logp)).sum())
+
+
+def gold_kept_shares(gold: torch.Tensor, kept_positions: Sequence[torch.Tensor]) -> list[float]:
+    """Share of the ``gold`` positions ``(G,)`` present in each kept set ``(K_s,)`` (1.0 without gold)."""
+    gold = gold.cpu()
+    return [float(torch.isin(gold, kept.cpu()).float().mean()) if gold.numel() else 1.0 for kept in kept_positions]
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,11 @@ def run_samples(
     reference is another method also gets ``extra["first_token_kl"]``, KL(reference || run) of
     the first-token distributions, when the reference ran on the same sample in this call and
     both distributions have the same vocabulary size; a record waits (is not yet handed to
-    ``on_record``) until its reference has run on the sample.
+    ``on_record``) until its reference has run on the sample. When ``task`` has
+    ``gold_token_positions(sample, tokenizer)``, a run whose prefill kept a subset of the prompt
+    (pruning methods, inside :func:`~fastprefill.methods.pruning.recording_kept_positions`) gets
+    ``extra["gold_kept_share_per_stage"]``: the share of the gold tokens present after each cut
+    (:func:`gold_kept_shares`); the kept positions themselves are not recorded.
 
     Raises:
         ConfigError: a reference that is not one of the methods.
@@ -149,10 +162,12 @@ def run_samples(
         if on_record is not None:
             on_record(record)
 
+    gold_of = getattr(task, "gold_token_positions", None)
     bar = tqdm(total=len(todo), desc=desc or "bench", disable=not progress, unit="run")
     for i, sample in enumerate(samples):
         order = names[i % len(names):] + names[: i % len(names)]
         stop = task.stop(sample) if hasattr(task, "stop") else None
+        gold = gold_of(sample, tokenizer) if gold_of is not None else None
         logits_of: dict[str, torch.Tensor] = {}  # this sample's reference distributions
         waiting: list[tuple[Record, torch.Tensor]] = []
         for name in order:
@@ -160,10 +175,14 @@ def run_samples(
                 continue
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            res = generate(runs_on[name], tokenizer, sample.input_ids, methods[name],
-                           max_new_tokens=max_new_tokens, stop=stop, stop_at_eos=stop_at_eos)
+            with recording_kept_positions():
+                res = generate(runs_on[name], tokenizer, sample.input_ids, methods[name],
+                               max_new_tokens=max_new_tokens, stop=stop, stop_at_eos=stop_at_eos)
             metrics = task.score(sample, res.text)
             t = res.timing
+            extra = {k: v for k, v in t.extra.items() if k != "kept_positions" and isinstance(v, (int, float, str, list))}
+            if gold is not None and t.extra.get("kept_positions"):
+                extra["gold_kept_share_per_stage"] = gold_kept_shares(gold, t.extra["kept_positions"])
             record = Record(
                 method=name,
                 length=length,
@@ -179,8 +198,7 @@ def run_samples(
                 score=float(metrics["score"]),
                 metrics={k: float(v) for k, v in metrics.items()},
                 output=res.text,
-                extra={**{k: v for k, v in t.extra.items() if isinstance(v, (int, float, str, list))},
-                       "first_token": res.token_ids[0]},
+                extra={**extra, "first_token": res.token_ids[0]},
             )
             if name in needed:
                 logits_of[name] = res.first_logits

@@ -12,6 +12,8 @@ in the same process (full prefill unless a mapping says otherwise):
 - Fidelity: first-token agreement with the reference, the share of answers identical to the
   reference's (``output.strip()`` equal), and the median first-token KL(reference || method)
   where the runs recorded it.
+- Gold tokens: where the runs recorded it, the mean share of the task's gold tokens still
+  computed after each cut (per stage).
 
 Statistics of the method alone use all its records in the cell; everything compared with the
 reference uses the paired samples only.
@@ -34,7 +36,7 @@ __all__ = ["Summary", "bootstrap_ci", "method_entry", "needle_by_depth", "paired
            "summarize"]
 
 #: Extras that are per-run facts, not counters to average.
-_NOT_COUNTERS = ("first_token", "first_token_kl")
+_NOT_COUNTERS = ("first_token", "first_token_kl", "gold_kept_share_per_stage")
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Summary:
     first_token_kl_median: float | None
     first_token_kl_n: int
     counters: dict[str, float] = field(default_factory=dict)
+    gold_kept_share_per_stage: list[float] | None = None
 
     @property
     def is_reference(self) -> bool:
@@ -118,6 +121,17 @@ def _counters(records: Sequence[Record]) -> dict[str, float]:
         values = [_counter_value(r.extra.get(key)) for r in records]
         out[key] = float(statistics.mean(v if v is not None else 0.0 for v in values))
     return out
+
+
+def _gold_shares(records: Sequence[Record]) -> list[float] | None:
+    """Mean share of gold tokens kept per stage over the records that have it (``None``: none has).
+
+    Stage ``s``'s mean is over the records with at least ``s + 1`` stages.
+    """
+    rows = [r.extra["gold_kept_share_per_stage"] for r in records if r.extra.get("gold_kept_share_per_stage")]
+    if not rows:
+        return None
+    return [_mean([row[s] for row in rows if len(row) > s]) for s in range(max(map(len, rows)))]
 
 
 def _reference_of(reference: str | Mapping[str, str], method: str) -> str:
@@ -174,6 +188,7 @@ def _cell(length: int | None, method: str, ref: str, rs: list[Record], refs: Map
         first_token_kl_median=_median(kls) if kls else None,
         first_token_kl_n=len(kls),
         counters=_counters(rs),
+        gold_kept_share_per_stage=_gold_shares(rs),
     )
 
 
@@ -233,6 +248,7 @@ def paired_row(s: Summary) -> dict[str, Any]:
         "token_layer_fraction": s.token_layer_fraction, "ideal_speedup": s.ideal_speedup,
         # distinct tokens revived per decode step (records before the counters were split: the old key)
         "revived_per_step_mean": s.counters.get("revived_tokens_per_step", s.counters.get("revived_per_step", 0.0)),
+        "gold_kept_share_per_stage": s.gold_kept_share_per_stage,
     }
 
 

@@ -21,6 +21,13 @@ generation (counted by :class:`~fastprefill.methods.pruning.ComputeCounter`, alw
 *Choose* (decode attention set and keep count): see :mod:`fastprefill.methods.pruning.loop`. The
 keep-all schedule reproduces full prefill and decoding to float rounding (tested).
 
+Beyond the paper (each off by default, so the presets run the paper's rule): a window of the
+last ``score_window`` queries instead of the last one, average pooling of the scores over
+positions, attention sinks and the prompt's last tokens kept at every cut, scores summed over
+a stage's layers, generated tokens protected while decoding, and the ``revival`` policies
+(``all`` as the paper, ``budget:R``, ``none``, ``catch-up``). Named bundles of these options
+are in :data:`SELECTIONS`; a preset ``"<schedule>+<selection>"`` combines one with a schedule.
+
 This module is the *policy*: the schedule, its presets and the top-``k`` choice
 (:meth:`LazyLLM.select`). The layer loop, the Aux Cache deferral and revival, the decode step
 and the compute counter are the mechanism in :mod:`fastprefill.methods.pruning`.
@@ -28,6 +35,7 @@ and the compute counter are the mechanism in :mod:`fastprefill.methods.pruning`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -38,6 +46,7 @@ from fastprefill.errors import ConfigError
 from fastprefill.methods.base import Method, PrefillOutput
 from fastprefill.methods.pruning import (
     DepthSchedule,
+    PruneOptions,
     Schedule,
     check_depth_schedule,
     check_layers,
@@ -50,7 +59,7 @@ from fastprefill.methods.pruning import (
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.shape import ModelShape
 
-__all__ = ["DEFAULT_PRESET", "PRESETS", "LazyLLM"]
+__all__ = ["DEFAULT_PRESET", "LATE_SCHEDULES", "OPTION_FIELDS", "PRESETS", "SELECTIONS", "LazyLLM"]
 
 #: Named schedules as ``(relative depth in [0, 1), keep fraction)``; resolved against the
 #: model's layer count at prefill by :func:`resolve_depth_schedule` (layer ``floor(d * L)``).
@@ -58,6 +67,13 @@ __all__ = ["DEFAULT_PRESET", "PRESETS", "LazyLLM"]
 #: sweep (``benchmarks/lazyllm_bench.py sweep``; ``benchmarks/results/lazyllm_sweep_*``): on
 #: Qwen2.5-Coder-0.5B at 2k tokens, the fewest token-layers (62% on 24 layers) among the
 #: schedules whose mean dev F1 was within 1 point of full prefill (n = 24, a noisy criterion).
+#: ``"paper"`` is the same four-stage schedule under an explicit name for the faithful path.
+#:
+#: The ``cutDDkFF`` family cuts later with small keep fractions (a cut at ``DD``% of the depth
+#: keeping ``FF``% of the prompt; two cuts joined by ``-``): each computes at most 47% of the
+#: prompt token-layers on 24, 28 and 30 layers (Qwen2.5-Coder-0.5B, -1.5B, SmolLM2-135M), so
+#: it can reach 2x. Which one becomes ``default`` is decided by
+#: :func:`fastprefill.bench.selection.choose_by_fidelity` on the dev split.
 _NAMED: dict[str, DepthSchedule] = {
     "keep-all": (),
     "late-quarter": ((0.75, 0.25),),
@@ -65,10 +81,55 @@ _NAMED: dict[str, DepthSchedule] = {
     "late-half": ((0.5, 0.5),),
     "balanced": ((0.25, 0.7), (0.5, 0.5), (0.75, 0.3)),
     "four-stage": ((0.2, 0.8), (0.4, 0.6), (0.6, 0.4), (0.8, 0.2)),
+    "paper": ((0.2, 0.8), (0.4, 0.6), (0.6, 0.4), (0.8, 0.2)),
     "aggressive": ((0.15, 0.5), (0.4, 0.3), (0.7, 0.15)),
+    "cut20k30": ((0.2, 0.3),),
+    "cut25k25": ((0.25, 0.25),),
+    "cut30k20": ((0.3, 0.2),),
+    "cut35k15": ((0.35, 0.15),),
+    "cut40k06": ((0.4, 0.06),),
+    "cut20k50-cut50k15": ((0.2, 0.5), (0.5, 0.15)),
+    "cut25k40-cut55k12": ((0.25, 0.4), (0.55, 0.12)),
+    "cut30k35-cut60k08": ((0.3, 0.35), (0.6, 0.08)),
 }
 DEFAULT_PRESET = "four-stage"
 PRESETS: dict[str, DepthSchedule] = {**_NAMED, "default": _NAMED[DEFAULT_PRESET]}
+#: The depth schedules that go beyond the paper's (later cuts, small keeps), for sweeps.
+LATE_SCHEDULES: tuple[str, ...] = tuple(name for name in _NAMED if name.startswith("cut"))
+
+#: Named bundles of selection options (fields of :class:`LazyLLM`); a preset combines a schedule
+#: with one as ``"<schedule>+<selection>"`` (``"paper"``, the paper's rule, when none is named).
+#: ``snap`` scores as SnapKV / FastKV select (a window of the last 16 queries, pooled over 7
+#: positions) and protects 4 attention sinks and the last 16 prompt tokens; ``snap-protect``
+#: also keeps every generated token in every stage while decoding.
+SELECTIONS: dict[str, dict[str, Any]] = {
+    "paper": {},
+    "snap": {"score_window": 16, "pool_kernel": 7, "sinks": 4, "keep_recent": 16},
+    "snap-protect": {"score_window": 16, "pool_kernel": 7, "sinks": 4, "keep_recent": 16, "decode_protect": True},
+}
+#: The option fields of :class:`LazyLLM` (settable by spec string) and their types.
+OPTION_FIELDS: dict[str, type] = {
+    "score_window": int, "pool_kernel": int, "sinks": int, "keep_recent": int,
+    "accumulate": bool, "decode_protect": bool, "revival": str,
+}
+
+
+def _spec_value(key: str, value: Any) -> Any:
+    """A spec string's value for the option field ``key`` (non-strings pass through)."""
+    kind = OPTION_FIELDS[key]
+    if not isinstance(value, str) or kind is str:
+        return value
+    text = value.strip().lower()
+    if kind is bool:
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"lazyllm option {key}={value!r} must be true or false")
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"lazyllm option {key}={value!r} must be an integer") from None
 
 
 @dataclass
@@ -76,7 +137,9 @@ class LazyLLM(Method):
     """LazyLLM progressive token pruning with an Aux Cache (arXiv 2407.14057).
 
     Give either an absolute ``schedule`` or a relative ``depth_schedule`` (as the presets do);
-    both empty means keep-all, which reproduces full prefill.
+    both empty means keep-all, which reproduces full prefill. The option fields default to the
+    paper's rule; each one goes beyond the paper where it is silent (see
+    :class:`~fastprefill.methods.pruning.PruneOptions` for the exact definitions).
 
     Args:
         schedule: ``((layer, keep), ...)``: after pruning layer ``layer`` only
@@ -86,9 +149,21 @@ class LazyLLM(Method):
         depth_schedule: the same with relative depths in ``[0, 1)`` instead of layers, resolved
             by :func:`resolve_depth_schedule` for the model at hand.
         preset_name: informational label set by :meth:`preset`.
+        score_window: score a prefill cut by the attention of the last ``W`` queries (``1..64``;
+            1 = the paper's last token), averaged over every query head and the ``W`` queries.
+        pool_kernel: average-pool the scores over this many positions (odd, ``1..15``; 1 = none).
+        sinks: keep the first ``S`` prompt positions at every cut, prefill and decode (``>= 0``).
+        keep_recent: keep the last ``R`` prompt positions at every cut (``>= 0``).
+        accumulate: score a cut by the sum of the scores of every layer since the previous cut.
+        decode_protect: while decoding, every stage also keeps every generated token.
+        revival: the decoding policy: ``all`` (the paper), ``budget:R`` (at most ``R >= 0``
+            revived tokens per stage per step), ``none`` (no reselection or revival) or
+            ``catch-up`` (every deferred token-layer computed at the first decode step, then
+            plain decoding).
 
     Raises:
-        ConfigError: a bad schedule (see above), or both schedules given.
+        ConfigError: a bad schedule (see above), both schedules given, or an option outside its
+            range (the message names the field).
     """
 
     name: ClassVar[str] = "lazyllm"
@@ -97,33 +172,79 @@ class LazyLLM(Method):
     schedule: Schedule = ()
     depth_schedule: DepthSchedule = ()
     preset_name: str | None = None
+    score_window: int = 1
+    pool_kernel: int = 1
+    sinks: int = 0
+    keep_recent: int = 0
+    accumulate: bool = False
+    decode_protect: bool = False
+    revival: str = "all"
 
     def __post_init__(self) -> None:
         self.schedule = check_schedule(self.schedule)
         self.depth_schedule = check_depth_schedule(self.depth_schedule)
         if self.schedule and self.depth_schedule:
             raise ConfigError("give either schedule or depth_schedule, not both")
+        self.revival = str(self.options.revival)  # validates every option field
+
+    @property
+    def options(self) -> PruneOptions:
+        """The option fields as the pruning mechanism's :class:`PruneOptions`."""
+        return PruneOptions(**{key: getattr(self, key) for key in OPTION_FIELDS})
 
     # --- construction --------------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str) -> LazyLLM:
-        """A named schedule from :data:`PRESETS`; ``default`` is :data:`DEFAULT_PRESET`."""
-        if name not in PRESETS:
-            raise ConfigError(f"unknown LazyLLM preset {name!r}; choose one of {sorted(PRESETS)}")
-        named = DEFAULT_PRESET if name == "default" else name
-        return cls(depth_schedule=PRESETS[named], preset_name=named)
+    def preset(cls, name: str, selection: str | None = None, **options: Any) -> LazyLLM:
+        """A named schedule from :data:`PRESETS` with a selection bundle from :data:`SELECTIONS`.
 
-    @classmethod
-    def from_spec(cls, preset: str | None = None, schedule: str | None = None) -> LazyLLM:
-        """Build from CLI strings: ``preset=default`` or ``schedule=8:0.7+16:0.5`` (``layer:keep``).
+        Args:
+            name: ``"<schedule>"`` or ``"<schedule>+<selection>"``; ``default`` is
+                :data:`DEFAULT_PRESET`.
+            selection: the bundle when ``name`` names none (default ``"paper"``).
+            options: option fields that override the bundle's.
 
         Raises:
-            ConfigError: both or a malformed schedule string.
+            ConfigError: an unknown schedule, bundle or option, or two different bundles named.
+        """
+        sched, plus, named_selection = name.partition("+")
+        if sched not in PRESETS:
+            raise ConfigError(f"unknown LazyLLM preset {sched!r}; choose one of {sorted(PRESETS)}")
+        if plus and selection is not None and selection != named_selection:
+            raise ConfigError(f"lazyllm: preset {name!r} names selection {named_selection!r}, "
+                              f"selection={selection!r} another; give one")
+        chosen = named_selection if plus else (selection or "paper")
+        if chosen not in SELECTIONS:
+            raise ConfigError(f"unknown LazyLLM selection {chosen!r}; choose one of {sorted(SELECTIONS)}")
+        unknown = set(options) - set(OPTION_FIELDS)
+        if unknown:
+            raise ConfigError(f"lazyllm has no option(s) {sorted(unknown)}; options: {sorted(OPTION_FIELDS)}")
+        named = DEFAULT_PRESET if sched == "default" else sched
+        label = named if chosen == "paper" else f"{named}+{chosen}"
+        return cls(depth_schedule=PRESETS[named], preset_name=label, **{**SELECTIONS[chosen], **options})
+
+    @classmethod
+    def from_spec(
+        cls, preset: str | None = None, schedule: str | None = None, selection: str | None = None, **options: Any
+    ) -> LazyLLM:
+        """Build from CLI strings: ``preset=NAME`` or ``schedule=8:0.7+16:0.5`` (``layer:keep``), an
+        optional ``selection=NAME`` bundle and any option field, e.g.
+        ``preset=paper,revival=catch-up`` or ``schedule=6:0.3,score_window=16,sinks=4``.
+
+        Raises:
+            ConfigError: both preset and schedule, a malformed schedule string, an unknown
+                option or a value outside its range.
         """
         if preset is not None and schedule is not None:
             raise ConfigError("lazyllm: give preset or schedule, not both")
+        unknown = set(options) - set(OPTION_FIELDS)
+        if unknown:
+            known = sorted({"preset", "schedule", "selection", *OPTION_FIELDS})
+            raise ConfigError(f"lazyllm has no option(s) {sorted(unknown)}; options: {known}")
+        fields = {key: _spec_value(key, value) for key, value in options.items()}
         if schedule is None:
-            return cls.preset(preset or "default")
+            return cls.preset(preset or "default", selection, **fields)
+        if selection is not None and selection not in SELECTIONS:
+            raise ConfigError(f"unknown LazyLLM selection {selection!r}; choose one of {sorted(SELECTIONS)}")
         pairs = []
         for item in schedule.replace(";", "+").replace(" ", "+").split("+"):
             if not item:
@@ -135,7 +256,7 @@ class LazyLLM(Method):
                 raise ConfigError(f"lazyllm schedule item {item!r} must look like layer:keep (e.g. 8:0.7)") from None
             if not sep:
                 raise ConfigError(f"lazyllm schedule item {item!r} must look like layer:keep (e.g. 8:0.7)")
-        return cls(schedule=tuple(pairs))
+        return cls(schedule=tuple(pairs), **{**SELECTIONS[selection or "paper"], **fields})
 
     def resolved(self, num_layers: int) -> Schedule:
         """The absolute schedule for an ``L``-layer model (validated against ``L``)."""
@@ -146,7 +267,8 @@ class LazyLLM(Method):
     def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         """Indices (ascending) of the tokens kept from ``scores`` ``(N,)``: top-``k``.
 
-        Non-candidates are ``-inf`` and the token that must stay (the last) is ``+inf``.
+        Non-candidates are ``-inf`` and the tokens that must stay (the last, protected ones)
+        are ``+inf``.
         """
         return top_k_keep(scores, k)
 
@@ -166,10 +288,10 @@ class LazyLLM(Method):
             ConfigError: a pruning layer outside ``[0, L - 2]``.
         """
         ad = DecoderAdapter(model, method="LazyLLM")
-        return progressive_prefill(ad, input_ids, self.resolved(ad.num_layers), self.select)
+        return progressive_prefill(ad, input_ids, self.resolved(ad.num_layers), self.select, self.options)
 
     def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        """Feed one token: reselect stage by stage, revive from the Aux Cache, return ``(V,)`` logits."""
+        """Feed one token under the ``revival`` policy; return ``(V,)`` logits."""
         return decode_step(state, token_id, self.select)
 
     def decode_stats(self, state: Any) -> dict[str, Any]:
@@ -177,10 +299,17 @@ class LazyLLM(Method):
         return state.revival_stats()
 
     def describe(self) -> str:
+        """``lazyllm[<preset or schedule>]``, then the options that differ from the preset's bundle
+        (the paper's rule without one)."""
         if self.preset_name:
-            return f"lazyllm[{self.preset_name}]"
-        if self.depth_schedule:
-            return "lazyllm[depth " + " ".join(f"{d:g}:{f:g}" for d, f in self.depth_schedule) + "]"
-        if not self.schedule:
-            return "lazyllm[keep-all]"
-        return "lazyllm[" + " ".join(f"{layer}:{f:g}" for layer, f in self.schedule) + "]"
+            where = self.preset_name
+        elif self.depth_schedule:
+            where = "depth " + " ".join(f"{d:g}:{f:g}" for d, f in self.depth_schedule)
+        elif not self.schedule:
+            where = "keep-all"
+        else:
+            where = " ".join(f"{layer}:{f:g}" for layer, f in self.schedule)
+        paper = {f.name: f.default for f in dataclasses.fields(self) if f.name in OPTION_FIELDS}
+        expected = {**paper, **SELECTIONS.get((self.preset_name or "").partition("+")[2], {})}
+        differ = [f"{key}={getattr(self, key)}" for key in OPTION_FIELDS if getattr(self, key) != expected[key]]
+        return f"lazyllm[{where}{' ' + ','.join(differ) if differ else ''}]"

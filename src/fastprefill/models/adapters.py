@@ -22,6 +22,7 @@ Supported families for the layer-loop methods: ``llama`` (SmolLM2) and ``qwen2``
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -172,6 +173,51 @@ def last_query_attention(
     return probs.mean(dim=(1, 2))  # (B, N)
 
 
+def window_attention(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
+    window: int,
+) -> torch.Tensor:
+    """Attention probabilities of the last ``window`` queries, averaged over every query head and those queries.
+
+    Each of the last ``W = min(window, T)`` query rows is causally masked on its own: with
+    ``attention_mask=None`` the ``T`` queries are aligned to the last ``T`` keys (row ``i`` sees
+    keys ``0..N - T + i``, as SDPA's causal kernel); otherwise row ``i`` sees
+    ``attention_mask[:, 0, i]``. Under GQA each key is read once per KV group (no ``repeat_kv``).
+    ``window=1`` is :func:`last_query_attention`.
+
+    Args:
+        query: ``(B, H_q, T, d)``; key: ``(B, H_kv, N, d)`` with ``H_q % H_kv == 0``.
+        attention_mask: ``None`` or boolean ``(B, 1, T, N)``.
+        scaling: the softmax scale (``d ** -0.5`` when ``None``).
+        window: ``W >= 1``.
+
+    Returns:
+        ``(B, N)`` float32, each row summing to 1.
+    """
+    b, h_q, t, d = query.shape
+    h_kv, n = key.shape[1], key.shape[2]
+    w = min(window, t)
+    scale = scaling if scaling is not None else d**-0.5
+    q_win = query[:, :, t - w:, :].float().reshape(b, h_kv, h_q // h_kv, w, d)  # (B, H_kv, G, W, d)
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q_win, key.float()) * scale  # (B, H_kv, G, W, N)
+    if attention_mask is None:
+        last_key = torch.arange(n - w, n, device=key.device)  # (W,) the last key each row may see
+        allowed = torch.arange(n, device=key.device)[None, :] <= last_key[:, None]  # (W, N)
+        allowed = allowed[None, None, None]
+    else:
+        allowed = attention_mask[:, :, t - w:, :].unsqueeze(2)  # (B, 1, 1, W, N)
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    return probs.mean(dim=(1, 2, 3))  # (B, N)
+
+
+def window_scorer(window: int) -> ScoreFn:
+    """The :data:`ScoreFn` of :func:`window_attention` over the last ``window`` queries
+    (:func:`last_query_attention` itself for ``window=1``)."""
+    if window == 1:
+        return last_query_attention
+    return functools.partial(window_attention, window=window)
+
+
 def last_query_logits(
     query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None
 ) -> torch.Tensor:
@@ -319,8 +365,8 @@ class DecoderAdapter:
                 ``None`` means plain causal attention with queries aligned to the last ``T`` keys.
             rotary: precomputed :meth:`rotary` output for ``positions`` (shared across layers).
             scores: if given, receives ``scores[idx] = (B, N)``, the last query's scores.
-            scorer: what the scores are (:func:`last_query_attention`, the default, or
-                :func:`last_query_logits`).
+            scorer: what the scores are (:func:`last_query_attention`, the default,
+                :func:`window_scorer`'s window of last queries, or :func:`last_query_logits`).
 
         Returns:
             ``(B, T, D)`` hidden states after the layer. Must be called inside

@@ -12,11 +12,14 @@ import random
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
+
+import torch
 
 from fastprefill.data import metrics, sources
 from fastprefill.data.tasks.base import DEV_FRACTION, Sample, Split, Task
 from fastprefill.data.tasks.sizing import Encoder, Overhead, Unit, fit_prompt
+from fastprefill.data.tasks.spans import span_of, token_positions_in_spans
 from fastprefill.errors import ConfigError
 
 __all__ = ["NeedleTask"]
@@ -124,3 +127,12 @@ class NeedleTask(Task):
     def score(self, sample: Sample, output_text: str) -> dict[str, float]:
         hit = metrics.needle_score(output_text, sample.answers[0])
         return {"score": hit, "retrieved": hit}
+
+    def gold_token_positions(self, sample: Sample, tokenizer: Any) -> torch.Tensor:
+        """Ascending positions ``(G,)`` of the needle sentence's tokens.
+
+        Args:
+            tokenizer: the tokenizer ``sample`` was built with (a fast one: offsets are used).
+        """
+        span = span_of(sample, _NEEDLE.format(key=sample.answers[0]))
+        return token_positions_in_spans(sample, tokenizer, [span])

@@ -15,11 +15,14 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
+
+import torch
 
 from fastprefill.data import metrics, sources
 from fastprefill.data.tasks.base import RecordTask, Sample
 from fastprefill.data.tasks.sizing import Encoder, Overhead, Unit, fit_prompt
+from fastprefill.data.tasks.spans import span_of, token_positions_in_spans
 
 __all__ = ["MultiDocQATask", "SingleDocQATask"]
 
@@ -107,6 +110,17 @@ class MultiDocQATask(RecordTask):
 
     def score(self, sample: Sample, output_text: str) -> dict[str, float]:
         return _qa_scores(sample, output_text)
+
+    def gold_token_positions(self, sample: Sample, tokenizer: Any) -> torch.Tensor:
+        """Ascending positions ``(G,)`` of the gold passages' tokens, each passage's title line
+        included (``"<title>\\n<text>"``, not its ``Passage i:`` header).
+
+        Args:
+            tokenizer: the tokenizer ``sample`` was built with (a fast one: offsets are used).
+        """
+        record = {r.id: r for r in sources.hotpotqa()}[sample.id]
+        spans = [span_of(sample, f"\n{title}\n{text}") for title, text in record.gold]
+        return token_positions_in_spans(sample, tokenizer, [(start + 1, end) for start, end in spans])
 
 
 # --------------------------------------------------------------------------- singledoc-qa

@@ -4,16 +4,20 @@ The mechanism (:mod:`~fastprefill.methods.pruning.loop`) runs the model layer by
 gathered rows, defers pruned tokens to the Aux Cache, revives them while decoding and counts
 every (layer, position) it computes. A policy supplies only the choice of tokens: a ``select``
 callable over a score row (:mod:`~fastprefill.methods.pruning.select`), a schedule
-(:mod:`~fastprefill.methods.pruning.schedule`), or a fixed subset.
+(:mod:`~fastprefill.methods.pruning.schedule`) and its scoring, protection and revival options
+(:mod:`~fastprefill.methods.pruning.options`), or a fixed subset.
 """
 
 from fastprefill.methods.pruning.loop import (
+    catch_up,
     decode_step,
     probe_scores,
     progressive_prefill,
+    recording_kept_positions,
     run_rows,
     subset_prefill,
 )
+from fastprefill.methods.pruning.options import REVIVAL_POLICIES, PruneOptions, Revival
 from fastprefill.methods.pruning.schedule import (
     DepthSchedule,
     Schedule,
@@ -25,16 +29,20 @@ from fastprefill.methods.pruning.schedule import (
     resolve_depth_schedule,
     schedule_token_layers,
 )
-from fastprefill.methods.pruning.select import SelectFn, avg_pool_scores, top_k_keep
+from fastprefill.methods.pruning.select import SelectFn, avg_pool_scores, pool_in_position_order, top_k_keep
 from fastprefill.methods.pruning.state import ComputeCounter, LazyState, new_state
 
 __all__ = [
+    "REVIVAL_POLICIES",
     "ComputeCounter",
     "DepthSchedule",
     "LazyState",
+    "PruneOptions",
+    "Revival",
     "Schedule",
     "SelectFn",
     "avg_pool_scores",
+    "catch_up",
     "check_depth_schedule",
     "check_keep",
     "check_layers",
@@ -42,8 +50,10 @@ __all__ = [
     "decode_step",
     "keep_count",
     "new_state",
+    "pool_in_position_order",
     "probe_scores",
     "progressive_prefill",
+    "recording_kept_positions",
     "resolve_depth_schedule",
     "run_rows",
     "schedule_token_layers",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["SelectFn", "avg_pool_scores", "top_k_keep"]
+__all__ = ["SelectFn", "avg_pool_scores", "pool_in_position_order", "top_k_keep"]
 
 SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -21,13 +21,36 @@ def top_k_keep(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, sorted=False).indices.sort().values
 
 
-def avg_pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+def avg_pool_scores(scores: torch.Tensor, kernel: int, count_pad: bool = True) -> torch.Tensor:
     """Average ``scores`` ``(N,)`` over a centred window of ``kernel`` (odd) positions; ``(N,)`` out.
 
-    Zero padding at both ends counts in the average (``avg_pool1d``'s default, as GemFilter and
-    SnapKV pool), so edge tokens are averaged with zeros. ``kernel=1`` returns ``scores``.
+    With ``count_pad`` (``avg_pool1d``'s default, as GemFilter and SnapKV pool) the zero padding
+    at both ends counts in the average, so edge tokens are averaged with zeros; without it an edge
+    token's average is over the entries that exist. ``kernel=1`` returns ``scores``.
     """
     if kernel == 1:
         return scores
-    pooled = torch.nn.functional.avg_pool1d(scores[None, None], kernel, stride=1, padding=kernel // 2)
+    pooled = torch.nn.functional.avg_pool1d(scores[None, None], kernel, stride=1, padding=kernel // 2,
+                                            count_include_pad=count_pad)
     return pooled[0, 0]
+
+
+def pool_in_position_order(scores: torch.Tensor, positions: torch.Tensor, among: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Average-pool the entries ``among`` of ``scores`` over their neighbours in position order.
+
+    Args:
+        scores: ``(N,)`` one score per key, in storage order.
+        positions: ``(N,)`` the keys' original positions.
+        among: ``(N,)`` bool, the keys pooled together (the others are neither pooled nor used).
+        kernel: odd window width over the ``among`` keys sorted by position; padding not counted.
+
+    Returns:
+        ``(N,)``: the pooled values at ``among``, ``scores`` elsewhere.
+    """
+    if kernel == 1 or not bool(among.any()):
+        return scores
+    idx = among.nonzero().flatten()  # (M,)
+    idx = idx[positions[idx].argsort()]
+    out = scores.clone()
+    out[idx] = avg_pool_scores(scores[idx], kernel, count_pad=False)
+    return out

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fastprefill.cache import AuxCache, PositionKVCache
+from fastprefill.methods.pruning.options import PruneOptions
 from fastprefill.methods.pruning.schedule import Schedule
 from fastprefill.models.adapters import DecoderAdapter
 
@@ -57,6 +58,10 @@ class LazyState:
         aux: the Aux Cache of deferred tokens (empty when nothing is deferred).
         schedule: resolved ``(layer, keep)`` pairs (empty: plain decoding over the cache).
         next_pos: position of the next token fed to :func:`~fastprefill.methods.pruning.decode_step`.
+        prompt_len: positions ``0..prompt_len-1`` are the prompt (as run: the kept count when
+            renumbered); later positions are generated tokens.
+        options: the scoring, protection and revival options decoding applies (those of the
+            prefill).
         counter: computations per (layer, position), prefill and decode.
         revived_tokens_per_step: distinct earlier tokens computed at each decode step (each
             resumed from the Aux Cache).
@@ -74,6 +79,8 @@ class LazyState:
     schedule: Schedule
     next_pos: int
     counter: ComputeCounter
+    prompt_len: int = 0
+    options: PruneOptions = field(default_factory=PruneOptions)
     revived_tokens_per_step: list[int] = field(default_factory=list)
     revived_token_stages_per_step: list[int] = field(default_factory=list)
     revived_token_layers_per_step: list[int] = field(default_factory=list)
@@ -92,9 +99,12 @@ class LazyState:
         }
 
 
-def new_state(adapter: DecoderAdapter, schedule: Schedule, n_prompt: int) -> LazyState:
+def new_state(
+    adapter: DecoderAdapter, schedule: Schedule, n_prompt: int, options: PruneOptions | None = None
+) -> LazyState:
     """An empty :class:`LazyState` for an ``n_prompt``-token prompt."""
     return LazyState(
         adapter=adapter, cache=PositionKVCache(adapter.num_layers), aux=AuxCache(), schedule=schedule,
         next_pos=n_prompt, counter=ComputeCounter(adapter.num_layers, n_prompt + 64, adapter.device),
+        prompt_len=n_prompt, options=options or PruneOptions(),
     )
