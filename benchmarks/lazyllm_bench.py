@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="CANDIDATE", help="fidelity-sweep candidates (default: all of FIDELITY_CANDIDATES)")
     ap.add_argument("--static-depth", type=float, default=0.25,
                     help="StaticPruning selects at layer floor(depth * L)")
+    ap.add_argument("--answer-tokens", type=int, default=None,
+                    help="fidelity-sweep: tokens per answer (default: the task's); 1 screens the first token only")
     ap.add_argument("--new-tokens", type=int, default=None,
                     help="tokens generated per run, EOS ignored (default: 16 for equivalence, 64 for decode)")
     return ap
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                      "dev", "multidoc-qa", choose=choose_default)
         elif args.command == "fidelity-sweep":
             cmd_task(args, f"lazyllm_fidelity_sweep_{tag}", lambda L: fidelity_methods(args.candidates),
-                     "dev", "multidoc-qa", choose=choose_by_fidelity)
+                     "dev", "multidoc-qa", max_new_tokens=args.answer_tokens, choose=choose_by_fidelity)
     except FastprefillError as exc:
         raise SystemExit(f"error: {exc}") from None
 

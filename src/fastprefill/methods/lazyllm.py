@@ -63,16 +63,15 @@ __all__ = ["DEFAULT_PRESET", "LATE_SCHEDULES", "OPTION_FIELDS", "PRESETS", "SELE
 
 #: Named schedules as ``(relative depth in [0, 1), keep fraction)``; resolved against the
 #: model's layer count at prefill by :func:`resolve_depth_schedule` (layer ``floor(d * L)``).
-#: ``"default"`` is an alias of :data:`DEFAULT_PRESET`, the schedule chosen by the dev-split
-#: sweep (``benchmarks/lazyllm_bench.py sweep``; ``benchmarks/results/lazyllm_sweep_*``): on
-#: Qwen2.5-Coder-0.5B at 2k tokens, the fewest token-layers (62% on 24 layers) among the
-#: schedules whose mean dev F1 was within 1 point of full prefill (n = 24, a noisy criterion).
-#: ``"paper"`` is the same four-stage schedule under an explicit name for the faithful path.
+#: ``"default"`` is an alias of :data:`DEFAULT_PRESET`, the schedule a dev-split sweep chose by
+#: a rule fixed in code (:mod:`fastprefill.bench.selection`); the README gives the run, its
+#: figures and its command. ``"paper"`` is the four-stage schedule under the paper's selection
+#: rule, an explicit name for the faithful path.
 #:
 #: The ``cutDDkFF`` family cuts later with small keep fractions (a cut at ``DD``% of the depth
-#: keeping ``FF``% of the prompt; two cuts joined by ``-``): each computes at most 47% of the
-#: prompt token-layers on 24, 28 and 30 layers (Qwen2.5-Coder-0.5B, -1.5B, SmolLM2-135M), so
-#: it can reach 2x. Which one becomes ``default`` is decided by
+#: keeping ``FF``% of the prompt; two cuts joined by ``-``): each computes at most
+#: :data:`fastprefill.bench.selection.FIDELITY_BUDGET` of the prompt token-layers on 24, 28 and
+#: 30 layers (a test checks it), so it can reach 2x. Which one becomes ``default`` is decided by
 #: :func:`fastprefill.bench.selection.choose_by_fidelity` on the dev split.
 _NAMED: dict[str, DepthSchedule] = {
     "keep-all": (),
