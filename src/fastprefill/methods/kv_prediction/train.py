@@ -28,11 +28,10 @@ for ~140B tokens. Two CPU cores allow far less, so (as METHODS.md suggests):
    local context alone while the predicted prefix was unusable: predictors trained that way made
    the base emit the same first token for every prompt.)
 
-**Data** (:func:`training_corpus`), disjoint from every reported evaluation: Wikipedia paragraphs
-(SQuAD paragraphs of the data module's ``dev`` split, i.e. never the gold paragraph of a ``test``
-question, plus HotpotQA paragraphs whose titles appear in no ``test`` record) and real Python code
-(the standard library's own ``.py`` files, ``sysconfig.get_paths()["stdlib"]``), interleaved
-half and half, cut into ``seq_len``-token sequences.
+**Data** (:func:`~fastprefill.methods.kv_prediction.corpus.training_corpus`), disjoint from every
+reported evaluation: dev-split task prompts in the tasks' chat template (``task_share``, at least
+a quarter of the tokens by default), Wikipedia paragraphs outside the ``test`` split and
+standard-library Python code (see :mod:`.corpus`).
 
 **Checkpoints**: every ``checkpoint_every`` steps and at the end, atomically
 (:mod:`.checkpoint`); ``resume=True`` continues from the last one (the least-squares phase is
@@ -45,7 +44,6 @@ import json
 import math
 import os
 import random
-import sysconfig
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -71,6 +69,7 @@ from fastprefill.methods.kv_prediction.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from fastprefill.methods.kv_prediction.corpus import training_corpus
 from fastprefill.methods.kv_prediction.method import KVPrediction
 from fastprefill.methods.kv_prediction.predictor import KVPredictor
 from fastprefill.models.adapters import DecoderAdapter
@@ -78,73 +77,6 @@ from fastprefill.models.kv import prefix_kv, rotate_keys
 from fastprefill.models.shape import ModelShape
 
 __all__ = ["TrainConfig", "base_logits_on_kv", "fit_least_squares", "kv_relative_errors", "train_kvp", "training_corpus"]
-
-
-# ----------------------------------------------------------------------------------- data
-def _wikipedia_paragraphs() -> list[str]:
-    """Wikipedia paragraphs outside every ``test`` split (see the module docstring)."""
-    from fastprefill.data import sources
-    from fastprefill.data.tasks import split_of
-
-    texts = [text for key, text in sources.squad_paragraphs() if split_of(key) == "dev"]
-    test_titles = {title for r in sources.hotpotqa() if split_of(r.id) == "test" for title, _ in r.paragraphs}
-    texts += [text for title, text in sources.hotpotqa_paragraphs() if title not in test_titles]
-    return texts
-
-
-def _stdlib_sources(limit_chars: int, seed: int) -> list[str]:
-    """Python standard-library sources (tests and site-packages excluded), shuffled by ``seed``."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
-                   and "tests" not in p.parts)
-    random.Random(seed).shuffle(files)
-    out, total = [], 0
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        out.append(text)
-        total += len(text)
-        if total >= limit_chars:
-            break
-    return out
-
-
-def training_corpus(
-    tokenizer: PreTrainedTokenizerBase, n_tokens: int, seq_len: int, seed: int = 0, code_fraction: float = 0.5
-) -> list[torch.Tensor]:
-    """About ``n_tokens`` of training text as ``(1, seq_len)`` int64 sequences, shuffled.
-
-    Args:
-        tokenizer: the base (= aux) tokenizer.
-        n_tokens: total tokens wanted (rounded up to whole sequences).
-        seq_len: tokens per sequence.
-        code_fraction: share of sequences cut from standard-library code; the rest is Wikipedia.
-    """
-    if seq_len < 2 or n_tokens < seq_len:
-        raise ConfigError(f"need seq_len >= 2 and n_tokens >= seq_len, got seq_len={seq_len}, n_tokens={n_tokens}")
-    n_seq = math.ceil(n_tokens / seq_len)
-    n_code = round(n_seq * code_fraction)
-    rng = random.Random(seed)
-
-    def cut(texts: Sequence[str], count: int) -> list[torch.Tensor]:
-        seqs: list[torch.Tensor] = []
-        buf: list[int] = []
-        for text in texts:
-            buf += tokenizer.encode(text + "\n\n", add_special_tokens=False)
-            while len(buf) >= seq_len and len(seqs) < count:
-                seqs.append(torch.tensor(buf[:seq_len])[None])
-                buf = buf[seq_len:]
-            if len(seqs) >= count:
-                break
-        return seqs
-
-    wiki = _wikipedia_paragraphs()
-    rng.shuffle(wiki)
-    seqs = cut(wiki, n_seq - n_code) + cut(_stdlib_sources(8 * seq_len * n_code + 1, seed), n_code)
-    rng.shuffle(seqs)
-    return seqs
 
 
 # ----------------------------------------------------------------------------------- least squares
