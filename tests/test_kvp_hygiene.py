@@ -174,3 +174,18 @@ def test_demo_shows_kv_prediction(tiny_qwen2):
 
     methods = [m for _, m in demo_methods(tiny_qwen2, 64)]
     assert KVPrefix(layer=3) in methods
+
+
+def test_train_kvp_prefix_command(tmp_path, capsys):
+    out = tmp_path / "p28"
+    args = ["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--layer", "28", "--out", str(out),
+            "--lsq-tokens", "1024", "--threads", "1"]
+    assert main(args) == 0
+    from fastprefill.methods.kv_prediction.prefix import KVPrefix
+
+    method = KVPrefix(predictor=str(out))
+    assert method.layer == 28
+    config = json.loads((out / "config.json").read_text())
+    assert config["complete"] and config["calibration"]["task_share"] == 0.25 and config["task_ids"]
+    assert main(["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--out", str(tmp_path / "x")]) == 2
+    assert "--layer" in capsys.readouterr().err

@@ -3,6 +3,7 @@ decoding, checkpoints, resumable calibration and refused inputs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -123,7 +124,7 @@ def test_prefill_and_decode_agree_with_reference(tiny_model, layer):
     ref = _reference(tiny_model, ids, PrefixPredictor.zero_shot(tiny_model, layer), steps=6)
     out = method.prefill(tiny_model, ids)
     torch.testing.assert_close(out.logits, ref[0].float(), atol=1e-5, rtol=0)
-    for fed, want in zip(ref, ref[1:]):  # the reference's own greedy tokens fed to both
+    for fed, want in itertools.pairwise(ref):  # the reference's own greedy tokens fed to both
         got = method.decode(out.state, int(fed.argmax()))
         torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0)
 
