@@ -22,6 +22,17 @@ Subcommands:
   method's reference and per-layer relative K/V error on the same prompts; plots accuracy vs
   TTFT and accuracy vs TTFT FLOPs.
 - ``layers``: redraw the per-layer K/V error plot from a committed ``.summary.json``.
+- ``prefix``: calibrate kvp-prefix maps (:func:`calibrate_prefix`, least squares) for ``--model``
+  at ``--layer``; the checkpoint's ``config.json`` holds the held-out errors (relative, R²) of the
+  zero-shot and the fitted maps.
+- ``l-sweep``: kvp-prefix at several ``l`` beside full prefill on dev prompts
+  (:func:`fastprefill.bench.kvp.l_sweep`): first-token agreement, median first-token KL and TTFT
+  FLOPs fraction per ``l``, zero-shot or from ``--predictor L=DIR`` checkpoints.
+- ``gate``: the dev gate of a KV predictor (:func:`fastprefill.bench.kvp.dev_gate`): mean held-out
+  V error <= 0.5 and median first-token KL <= 1.0 on 16 dev prompts; writes pass/fail with the numbers.
+
+``eval`` specs: ``full``, ``kvp:<dir>``, ``drop:<stride>`` or any registry spec
+(``kvp-prefix:predictor=<dir>``, ``kvp-prefix:layer=<l>``, ``lazyllm:preset=<name>``).
 
 Records, summaries, tables and plots come from :mod:`fastprefill.bench`; this script holds the
 model pairs and method specs.
@@ -42,7 +53,8 @@ import torch
 from tqdm.auto import tqdm
 
 from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ablation
-from fastprefill.bench.records import FULL, RecordLog, environment, write_json
+from fastprefill.bench.kvp import dev_gate, exclude_calibration, l_sweep
+from fastprefill.bench.records import FULL, RecordLog, environment, write_json, write_rows
 from fastprefill.bench.report import plot_layer_errors, plot_score_vs_cost, redraw_layer_plot, reference_table
 from fastprefill.bench.runner import run_samples
 from fastprefill.bench.summary import method_entry, references_by_model, summarize
@@ -52,13 +64,16 @@ from fastprefill.errors import FastprefillError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
 from fastprefill.methods.kv_prediction.aux import check_tokenizers
+from fastprefill.methods.kv_prediction.prefix import KVPrefix, PrefixCalibration, calibrate_prefix
 from fastprefill.methods.kv_prediction.train import (
     TrainConfig,
+    error_summary,
     fit_least_squares,
     kv_relative_errors,
     train_kvp,
     training_corpus,
 )
+from fastprefill.methods.registry import make_method
 from fastprefill.models import zoo
 from fastprefill.models.kv import prefix_kv, rotate_keys
 from fastprefill.models.shape import ModelShape
@@ -87,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     base, tok, aux, aux_tok, aux_spec = _load_pair(args.pair, args.stride)
     cfg = TrainConfig(lsq_tokens=args.lsq_tokens, steps=args.steps, seq_len=args.seq_len,
                       lr=args.lr, l1_weight=args.l1_weight, ridge=args.ridge,
-                      checkpoint_every=args.checkpoint_every)
+                      checkpoint_every=args.checkpoint_every, source=args.source, task_share=args.task_share)
     t0 = time.perf_counter()
     method = train_kvp(base, aux if aux_spec.kind == "model" else aux_spec, args.out, tokenizer=tok,
                        aux_tokenizer=aux_tok, base_name=spec["base"], aux_name=spec["aux"], config=cfg,
@@ -96,12 +111,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     held = training_corpus(tok, args.seq_len * 4, args.seq_len, seed=12345)  # other seed: other text
     aux_model = aux if aux_spec.kind == "model" else aux_spec.build(base)
     errors = kv_relative_errors(base, aux_model, method.predictor, held)
+    phases = json.loads(Path(args.out, "config.json").read_text()).get("heldout_errors", {})
     meta = {"command": " ".join(shlex.quote(a) for a in sys.argv), "wall_seconds_this_run": seconds,
             "train_config": vars(cfg), "predictor_parameters": method.predictor.num_parameters(),
-            "heldout_rel_error": errors, **environment(args.threads)}
+            "heldout_rel_error": errors, "heldout_by_phase": phases, **environment(args.threads)}
     write_json(Path(args.out, "train_meta.json"), meta)
-    print(json.dumps({"wall_seconds": seconds, "mean_rel_err_k": statistics.mean(errors["k"]),
-                      "mean_rel_err_v": statistics.mean(errors["v"])}, indent=2))
+    print(json.dumps({"wall_seconds": seconds, "final": error_summary(errors),
+                      **{phase: error_summary(errs) for phase, errs in phases.items()}}, indent=2))
 
 
 # ----------------------------------------------------------------------------------- rope ablation
@@ -152,17 +168,114 @@ def cmd_ablate(args: argparse.Namespace) -> None:
     task = get_task(args.task)
     samples = task.build(tok, args.length if task.sized else None, args.n, split=args.split, seed=args.seed)
     prompts = [torch.as_tensor(s.input_ids, dtype=torch.long).reshape(1, -1) for s in samples]
-    rows = run_ablation(base, lambda ids: method.predictor(prefix_kv(aux, ids)[0], dtype=base.dtype), prompts,
+    predictor = method.predictor
+    rows = run_ablation(base, lambda ids: predictor(predictor.features(aux, ids)[0], dtype=base.dtype), prompts,
                         ablation_variants(args.sink))
+    errors = kv_relative_errors(base, aux, predictor, [ids[:, :-1] for ids in prompts])
     header = {"bench": "kvp-ablation", "predictor": args.predictor, "base": cfg["base"]["name"],
               "aux": cfg["aux"].get("name") or cfg["aux"]["spec"], "task": args.task, "split": args.split,
               "length": args.length, "n": len(samples), "sink": args.sink,
               "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
     stem = str(Path(args.out) / (args.name or f"kvp_ablation_{Path(args.predictor).name}"))  # names hold dots
-    write_json(stem + ".json", {"header": header, "rows": rows})
+    write_json(stem + ".json", {"header": header, "rows": rows, "kv_errors": {**errors, **error_summary(errors)},
+                                "heldout_by_phase": cfg.get("heldout_errors", {})})
     md = Path(stem + ".md")
-    md.write_text(ablation_table(header, rows, f"KV Prediction ablation: {Path(args.predictor).name}"))
+    md.write_text(ablation_table(header, rows, f"KV Prediction ablation: {Path(args.predictor).name}")
+                  + _error_table(errors, cfg.get("heldout_errors", {})))
     print(md.read_text())
+
+
+def _error_table(errors: dict[str, list[float]], phases: dict[str, dict[str, list[float]]]) -> str:
+    """Markdown: per-layer relative error and centred R² of K and V on the prompts, then the means
+    on held-out text after least squares and after the gradient phase (from the checkpoint)."""
+    lines = ["", "Per-layer error of the predicted cache on these prompts (relative error, centred R²):", "",
+             "| layer | rel. error K | R² K | rel. error V | R² V |", "|---|---|---|---|---|"]
+    lines += [f"| {l} | {errors['k'][l]:.3f} | {errors['r2_k'][l]:.3f} | {errors['v'][l]:.3f} | {errors['r2_v'][l]:.3f} |"
+              for l in range(len(errors["k"]))]
+    if phases:
+        lines += ["", "Held-out text, means over layers:", "",
+                  "| after | rel. error K | R² K | rel. error V | R² V |", "|---|---|---|---|---|"]
+        for phase, errs in phases.items():
+            m = error_summary(errs)
+            lines.append(f"| {phase.replace('_', ' ')} | {m['mean_k']:.3f} | {m.get('mean_r2_k', float('nan')):.3f} | "
+                         f"{m['mean_v']:.3f} | {m.get('mean_r2_v', float('nan')):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------- kvp-prefix
+def cmd_prefix(args: argparse.Namespace) -> None:
+    """Calibrate kvp-prefix maps at ``--layer`` (resumable)."""
+    set_threads(args.threads)
+    model, tok = zoo.load(args.model)
+    cfg = PrefixCalibration(layer=args.layer, lsq_tokens=args.lsq_tokens, seq_len=args.seq_len, ridge=args.ridge,
+                            rank=args.rank, max_mb=args.max_mb, task_share=args.task_share)
+    t0 = time.perf_counter()
+    calibrate_prefix(model, args.out, cfg, tokenizer=tok, model_name=args.model, resume=args.resume)
+    config = json.loads(Path(args.out, "config.json").read_text())
+    report = {phase: error_summary({k: v for k, v in errs.items() if k != "layers"})
+              for phase, errs in config.get("heldout_errors", {}).items() if isinstance(errs, dict)}
+    write_json(Path(args.out, "calibrate_meta.json"),
+               {"command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+                "wall_seconds_this_run": time.perf_counter() - t0, "heldout_means": report,
+                **environment(args.threads)})
+    print(json.dumps({"wall_seconds": time.perf_counter() - t0, "storage": config["maps"]["storage"], **report},
+                     indent=2))
+
+
+def _dev_prompts(tok, args: argparse.Namespace, meta: dict[str, Any] | None = None) -> tuple[list[Any], list[torch.Tensor]]:
+    task = get_task(args.task)
+    samples = task.build(tok, args.length if task.sized else None, args.n, split="dev", seed=args.seed)
+    samples = exclude_calibration(samples, meta or {})
+    return samples, [torch.as_tensor(s.input_ids, dtype=torch.long).reshape(1, -1) for s in samples]
+
+
+def cmd_lsweep(args: argparse.Namespace) -> None:
+    """kvp-prefix per l beside full prefill on dev prompts; rows via the bench records module."""
+    set_threads(args.threads)
+    model, tok = zoo.load(args.model)
+    predictors = dict(item.split("=", 1) for item in args.predictor)
+    metas = [json.loads(Path(d, "config.json").read_text()) for d in predictors.values()]
+    used = {"task_ids": [i for m in metas for i in m.get("task_ids", [])]}
+    samples, prompts = _dev_prompts(tok, args, used)
+
+    def make(l: int):
+        return KVPrefix(predictor=predictors[str(l)]) if str(l) in predictors else KVPrefix(layer=l)
+
+    rows = l_sweep(model, prompts, args.layers, make)
+    header = {"bench": "kvp-prefix-l-sweep", "model": args.model, "task": args.task, "split": "dev",
+              "length": args.length, "n": len(samples), "seed": args.seed, "layers": args.layers,
+              "predictors": predictors, "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+              **environment(args.threads)}
+    stem = Path(args.out) / (args.name or f"kvp_lsweep_{args.model}_{args.task}_{args.length}")
+    write_rows(stem.with_suffix(".jsonl"), header, rows)
+    lines = [f"# kvp-prefix l-sweep, {args.model}, {args.task} (dev), n={len(samples)}", "",
+             f"Command: `{header['command']}`", "",
+             "| l | maps | first-token agreement | median KL (nats) | TTFT FLOPs fraction | token-layers |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['layer']} | {r['method']} | {100 * r['first_token_agreement']:.0f}% | {r['median_kl_nats']:.3f} | "
+              f"{r['ttft_flops_fraction']:.3f} | {100 * r['token_layer_fraction']:.0f}% |" for r in rows]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(stem.with_suffix(".md").read_text())
+
+
+def cmd_gate(args: argparse.Namespace) -> None:
+    """The dev gate of a KV predictor (mean held-out V error, median first-token KL)."""
+    set_threads(args.threads)
+    cfg = json.loads(Path(args.predictor, "config.json").read_text())
+    base, tok = zoo.load(cfg["base"]["name"])
+    method = KVPrediction.load(args.predictor, base_tokenizer=tok)
+    samples, prompts = _dev_prompts(tok, args, cfg)
+    held = training_corpus(tok, args.seq_len * args.heldout_seqs, args.seq_len, seed=12345, task_share=0.0)
+    result = dev_gate(base, method, prompts, held)
+    header = {"bench": "kvp-gate", "predictor": args.predictor, "base": cfg["base"]["name"],
+              "source": cfg.get("source", "kv"), "task": args.task, "split": "dev", "length": args.length,
+              "n": len(samples), "heldout_tokens": args.seq_len * args.heldout_seqs,
+              "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
+    stem = str(Path(args.out) / (args.name or f"kvp_gate_{Path(args.predictor).name}"))
+    write_json(stem + ".json", {"header": header, "gate": result.to_json()})
+    Path(stem + ".md").write_text(f"# KV Prediction dev gate: {Path(args.predictor).name}\n\n"
+                                  f"Command: `{header['command']}`\n\n{result.describe()}\n")
+    print(result.describe())
 
 
 # ----------------------------------------------------------------------------------- eval
@@ -170,12 +283,13 @@ FULL_SPEC = "full"
 
 
 def _parse_method(text: str) -> tuple[str, str, str]:
-    """``NAME=MODEL:SPEC`` -> (name, zoo model, spec); SPEC is ``full``, ``kvp:<dir>`` or ``drop:<stride>``."""
+    """``NAME=MODEL:SPEC`` -> (name, zoo model, spec); SPEC is ``full``, ``kvp:<dir>``, ``drop:<stride>``
+    or a registry spec (``kvp-prefix:predictor=<dir>``, ``lazyllm:preset=<name>``, ...)."""
     name, eq, rest = text.partition("=")
     model, colon, spec = rest.partition(":")
-    if not (eq and colon and name and model) or not (spec == FULL_SPEC or spec.startswith(("kvp:", "drop:"))):
-        raise SystemExit(f"--method {text!r}: expected NAME=MODEL:full, NAME=MODEL:kvp:<checkpoint dir> "
-                         "or NAME=MODEL:drop:<stride>")
+    if not (eq and colon and name and model and spec):
+        raise SystemExit(f"--method {text!r}: expected NAME=MODEL:full, NAME=MODEL:kvp:<checkpoint dir>, "
+                         "NAME=MODEL:drop:<stride> or NAME=MODEL:<registry spec>")
     return name, model, spec
 
 
@@ -203,6 +317,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
             methods[name] = FullPrefill()
         elif spec.startswith("drop:"):
             methods[name] = AuxAlone(AuxSpec.layer_drop(int(spec.split(":")[1])))
+        elif not spec.startswith("kvp:"):
+            methods[name] = make_method(spec)
+            if isinstance(methods[name], KVPrefix):
+                methods[name].bind(models[model_name])  # checks and maps outside the timed region
         else:
             ckpt = spec.split(":", 1)[1]
             cfg = json.loads(Path(ckpt, "config.json").read_text())
@@ -295,9 +413,38 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--errors-n", type=int, default=8, help="prompts for the per-layer K/V error")
     e.add_argument("--name", default=None, help="result file stem (default kvp_<task>[_<length>])")
     e.add_argument("--resume", action="store_true", help="continue an interrupted run")
+    t.add_argument("--source", choices=["kv", "hidden", "hidden2"], default="kv",
+                   help="what the maps read: the aux KV (paper), its normalised attention input, or two layers'")
+    t.add_argument("--task-share", type=float, default=0.25, help="dev task prompts in the training text")
+    pf = sub.add_parser("prefix", help="calibrate kvp-prefix maps (least squares, resumable)")
+    pf.add_argument("--model", required=True)
+    pf.add_argument("--layer", type=int, required=True)
+    pf.add_argument("--out", required=True, help="checkpoint directory")
+    pf.add_argument("--lsq-tokens", type=int, default=32_768)
+    pf.add_argument("--seq-len", type=int, default=512)
+    pf.add_argument("--ridge", type=float, default=1e-3)
+    pf.add_argument("--rank", type=int, default=None)
+    pf.add_argument("--max-mb", type=float, default=20.0)
+    pf.add_argument("--task-share", type=float, default=0.25)
+    pf.add_argument("--resume", action="store_true")
+    sw = sub.add_parser("l-sweep", help="kvp-prefix per l beside full prefill on dev prompts")
+    sw.add_argument("--model", required=True)
+    sw.add_argument("--layers", type=int, nargs="+", required=True)
+    sw.add_argument("--predictor", action="append", default=[], metavar="L=DIR",
+                    help="a calibrated checkpoint for one l (others run zero-shot)")
+    g = sub.add_parser("gate", help="dev gate of a KV predictor: held-out V error and first-token KL")
+    g.add_argument("--predictor", required=True)
+    g.add_argument("--seq-len", type=int, default=512)
+    g.add_argument("--heldout-seqs", type=int, default=8)
+    for s_ in (sw, g):
+        s_.add_argument("--task", default="singledoc-qa")
+        s_.add_argument("--length", type=int, default=1024)
+        s_.add_argument("--n", type=int, default=16)
+        s_.add_argument("--seed", type=int, default=0)
+        s_.add_argument("--name", default=None, help="result file stem")
     lp = sub.add_parser("layers", help="redraw the per-layer K/V error plot from an eval's .summary.json")
     lp.add_argument("summary", help="benchmarks/results/kvp_<task>[_<length>].summary.json")
-    for name in ("rope", "ablate", "eval"):
+    for name in ("rope", "ablate", "eval", "l-sweep", "gate"):
         sub.choices[name].add_argument("--out", default=str(RESULTS), help="results directory (default benchmarks/results)")
     return p
 
@@ -306,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         {"train": cmd_train, "rope": cmd_rope, "ablate": cmd_ablate, "eval": cmd_eval,
-         "layers": cmd_layers}[args.cmd](args)
+         "layers": cmd_layers, "prefix": cmd_prefix, "l-sweep": cmd_lsweep, "gate": cmd_gate}[args.cmd](args)
     except FastprefillError as exc:
         raise SystemExit(f"error: {exc}") from None
 

@@ -16,6 +16,7 @@ from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.baselines import GemFilter, RandomDrop, StaticPruning
 from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.registry import METHODS, make_method
 from fastprefill.methods.runahead import KVRunahead, SequenceParallel
@@ -34,6 +35,7 @@ LOSSLESS = {
     "gemfilter-keep-1-default-depth": GemFilter(keep=1.0),
     "runahead-1-rank": KVRunahead(procs=1),
     "tsp-1-rank": SequenceParallel(procs=1),
+    "kvp-prefix-every-layer-exact": KVPrefix(layer=4),  # the tiny configs have 4 layers
 }
 
 
@@ -70,6 +72,9 @@ INVALID = [
     ("gemfilter:select_layer=1,select_depth=0.5", r"select_layer or select_depth, not both"),
     ("gemfilter:kernel=4", r"kernel.*odd integer >= 1"),
     ("gemfilter:window=8", r"no option"),
+    ("kvp-prefix:layer=-2", r"layer.*>= 0"),
+    ("kvp-prefix:layer=two", r"layer.*not an integer"),
+    ("kvp-prefix:keep=0.5", r"no option"),
 ]
 
 

@@ -8,7 +8,7 @@ Subcommands:
 - ``bench``: run methods beside full prefill over a task (flags or a TOML ``--config``);
   ``bench verify`` re-summarizes committed result files and compares them with their summaries.
 - ``demo``: one multi-document QA prompt, answered by full prefill and every available method.
-- ``train-kvp``: train a KV Prediction predictor.
+- ``train-kvp``: train a KV Prediction predictor (``--variant prefix``: calibrate kvp-prefix maps).
 
 Errors a user can cause exit with status 2 and a one-line message, never a traceback.
 ``models --json`` and ``generate --json`` print JSON for scripts; tables are never cut to the
@@ -245,6 +245,13 @@ def _bench_verify(results: str) -> int:
 
 
 # --- demo --------------------------------------------------------------------------------------
+def demo_prefix_layer(num_layers: int) -> int:
+    """The demo's kvp-prefix depth: two thirds of the layers run exactly, rounded up. The demo's
+    choice, so that it runs with no file; not a measured optimum (``benchmarks/kvp_bench.py
+    l-sweep`` measures the trade-off)."""
+    return -(-2 * num_layers // 3)
+
+
 def demo_methods(model: Any, prompt_len: int) -> list[tuple[str, Any]]:
     """(label, method) pairs the demo runs beside full prefill, the baselines at LazyLLM's budget."""
     from fastprefill.methods.baselines import matched_baselines
@@ -253,7 +260,12 @@ def demo_methods(model: Any, prompt_len: int) -> list[tuple[str, Any]]:
 
     lazy = LazyLLM.preset("default")
     baselines = matched_baselines(lazy, ModelShape.from_config(model.config).num_layers, prompt_len)
+    from fastprefill.methods.kv_prediction.prefix import KVPrefix
+
+    layers = ModelShape.from_config(model.config).num_layers
     return [
+        (f"KV Prediction, kvp-prefix zero-shot, l={demo_prefix_layer(layers)} of {layers}",
+         KVPrefix(layer=demo_prefix_layer(layers))),
         ("LazyLLM (default preset)", lazy),
         ("static pruning, same budget", baselines["static"]),
         ("random drop, same budget", baselines["random"]),
@@ -303,8 +315,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                       f"{ra.ttft_s:.3f}", f"{base_ttft / ra.ttft_s:.2f}x", "100%")
         notes.append("KV-Runahead's TTFT is the driver's clock: dispatch and all communication included.")
     console.print(table)
-    notes.append("KV Prediction needs a trained predictor for the model: see `fastprefill train-kvp --help`, "
-                 "then `fastprefill generate --method kvp:predictor=DIR`.")
+    notes.append("KV Prediction here is kvp-prefix with zero-shot maps at the demo's choice of l (not a measured "
+                 "optimum); calibrated maps: `fastprefill train-kvp --variant prefix --model NAME --layer L --out DIR`, "
+                 "the aux-model variant: `fastprefill train-kvp --help`, then --method kvp:predictor=DIR.")
     for note in notes:
         console.print(f"[dim]{note}[/dim]")
     console.print("[dim]One prompt, one run each: medians over many prompts are in benchmarks/results/.[/dim]")
@@ -319,13 +332,19 @@ def cmd_train_kvp(args: argparse.Namespace) -> int:
     from fastprefill.methods.kv_prediction import AuxSpec
     from fastprefill.methods.kv_prediction.train import TrainConfig, train_kvp
 
+    if args.variant == "prefix":
+        args.lsq_tokens = args.lsq_tokens or 32_768
+        args.ridge = 1e-3 if args.ridge is None else args.ridge
+        return _train_prefix(args)
+    args.lsq_tokens = args.lsq_tokens or 100_000
+    args.ridge = 1e-4 if args.ridge is None else args.ridge
     if (args.aux is None) == (args.drop_stride is None):
         raise FastprefillError("give exactly one of --aux NAME (KVP-C) or --drop-stride N (KVP-LP)")
     set_threads(args.threads)
     cfg = TrainConfig(
         lsq_tokens=args.lsq_tokens, steps=args.steps, seq_len=args.seq_len,
         lr=args.lr, l1_weight=args.l1_weight, ridge=args.ridge, checkpoint_every=args.checkpoint_every,
-        train_aux=args.train_aux,
+        train_aux=args.train_aux, task_share=args.task_share, source=args.source,
     )
     base, tok = _load(args.base, args.device, args.dtype)
     if args.aux is not None:
@@ -338,6 +357,28 @@ def cmd_train_kvp(args: argparse.Namespace) -> int:
               aux_name=args.aux, config=cfg, resume=args.resume)
     console.print(f"[green]trained[/green] predictor in {time.perf_counter() - t0:.0f} s -> {args.out} "
                   f"(use: --method kvp:predictor={args.out})")
+    return 0
+
+
+def _train_prefix(args: argparse.Namespace) -> int:
+    """``train-kvp --variant prefix``: least-squares maps of kvp-prefix at ``--layer``."""
+    import time
+
+    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.methods.kv_prediction.prefix import PrefixCalibration, calibrate_prefix
+
+    if args.layer is None:
+        raise FastprefillError("--variant prefix needs --layer L (the layers the base runs exactly)")
+    if args.aux is not None or args.drop_stride is not None:
+        raise FastprefillError("--variant prefix uses no aux model: drop --aux / --drop-stride")
+    set_threads(args.threads)
+    cfg = PrefixCalibration(layer=args.layer, lsq_tokens=args.lsq_tokens, seq_len=args.seq_len, ridge=args.ridge,
+                            rank=args.rank, max_mb=args.max_mb, task_share=args.task_share)
+    model, tok = _load(args.base, args.device, args.dtype)
+    t0 = time.perf_counter()
+    calibrate_prefix(model, args.out, cfg, tokenizer=tok, model_name=args.base, resume=args.resume)
+    console.print(f"[green]calibrated[/green] kvp-prefix l={args.layer} in {time.perf_counter() - t0:.0f} s -> "
+                  f"{args.out} (use: --method kvp-prefix:predictor={args.out})")
     return 0
 
 
@@ -362,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer a prompt and print its TTFT")
     p.add_argument("prompt", nargs="?", help="the prompt text ('-' or omitted: stdin)")
     p.add_argument("--file", help="read the prompt from this file")
-    p.add_argument("--method", default="full", help="full, lazyllm[:preset=NAME], static, random, kvp:predictor=DIR, runahead, tsp")
+    p.add_argument("--method", default="full", help="full, lazyllm[:preset=NAME], static, random, kvp:predictor=DIR, kvp-prefix:layer=L, "
+                   "kvp-prefix:predictor=DIR, runahead, tsp")
     p.add_argument("--max-new-tokens", type=_positive, default=64)
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--procs", type=_positive, default=2, help="ranks for --method runahead / tsp")
@@ -419,17 +461,32 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("train-kvp", help="train a KV Prediction predictor (least squares, then gradient steps)")
-    p.add_argument("--base", default="qwen2.5-coder-1.5b", help="base model (zoo name, HF id or dir)")
+    p = sub.add_parser("train-kvp", help="train a KV Prediction predictor (least squares, then gradient steps), "
+                       "or calibrate kvp-prefix maps (--variant prefix)")
+    p.add_argument("--variant", choices=["aux", "prefix"], default="aux",
+                   help="aux: maps from an aux model's KV (kvp); prefix: maps from the base's own layer-L hidden "
+                        "state (kvp-prefix, least squares only)")
+    p.add_argument("--base", "--model", dest="base", default="qwen2.5-coder-1.5b",
+                   help="base model (zoo name, HF id or dir)")
+    p.add_argument("--layer", type=int, help="--variant prefix: layers the base runs exactly")
+    p.add_argument("--rank", type=_positive, help="--variant prefix: rank of the stored correction "
+                   "(default: full rank if it fits --max-mb, else the largest that fits)")
+    p.add_argument("--max-mb", type=float, default=20.0, help="--variant prefix: bound on the weights file")
+    p.add_argument("--task-share", type=float, default=0.25,
+                   help="share of dev-split task prompts (chat template) in the calibration text")
+    p.add_argument("--source", choices=["kv", "hidden", "hidden2"], default="kv",
+                   help="--variant aux: the maps read the aux layer's KV (the paper), its normalised attention "
+                        "input (hidden) or two aux layers' (hidden2)")
     p.add_argument("--aux", help="KVP-C: the smaller auxiliary model (same tokenizer)")
     p.add_argument("--drop-stride", type=_positive, help="KVP-LP: aux = the base keeping every N-th layer")
     p.add_argument("--out", required=True, help="checkpoint directory")
-    p.add_argument("--lsq-tokens", type=_positive, default=100_000)
+    p.add_argument("--lsq-tokens", type=_positive, default=None,
+                   help="calibration tokens (default 100000; --variant prefix: 32768)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seq-len", type=_positive, default=512)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--l1-weight", type=float, default=0.1)
-    p.add_argument("--ridge", type=float, default=1e-4)
+    p.add_argument("--ridge", type=float, default=None, help="ridge (default 1e-4; --variant prefix: 1e-3)")
     p.add_argument("--checkpoint-every", type=_positive, default=25)
     p.add_argument("--train-aux", action="store_true", help="also train the aux model (KVP-C only)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")

@@ -1,7 +1,8 @@
 """Method names for the CLI and benchmark configs: ``"name"`` or ``"name:key=value,key=value"``.
 
 Examples: ``full``, ``lazyllm:preset=default``, ``static:keep=0.5,select_layer=8``,
-``random:keep=0.5,seed=0``, ``kvp:predictor=ckpt/``, ``runahead:procs=2,partition=searched``,
+``random:keep=0.5,seed=0``, ``kvp:predictor=ckpt/``, ``kvp-prefix:layer=8``,
+``kvp-prefix:predictor=ckpt/``, ``runahead:procs=2,partition=searched``,
 ``runahead:procs=2,partition=600/424``, ``tsp:procs=2,timeout_s=60``.
 
 ``runahead`` and ``tsp`` build :class:`~fastprefill.methods.base.DistributedMethod` instances:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +32,8 @@ METHODS: dict[str, tuple[str, str]] = {
     "static": ("fastprefill.methods.baselines:StaticPruning", "static pruning at original positions (baseline)"),
     "gemfilter": ("fastprefill.methods.baselines:GemFilter", "GemFilter static pruning, renumbered positions (baseline)"),
     "kvp": ("fastprefill.methods.kv_prediction:KVPrediction.from_spec", "KV Prediction (needs a trained predictor)"),
+    "kvp-prefix": ("fastprefill.methods.kv_prediction.prefix:KVPrefix",
+                   "KV Prediction keeping the first layers exact (options: layer, predictor)"),
     "runahead": ("fastprefill.methods.runahead.method:KVRunahead",
                  "KV-Runahead over procs ranks (options: procs, partition, table, timeout_s)"),
     "tsp": ("fastprefill.methods.runahead.method:SequenceParallel",
@@ -46,7 +50,10 @@ def _resolve(target: str) -> Callable[..., Method]:
 
 
 def _convert(value: str, annotation: Any) -> Any:
-    """Convert a CLI string to a dataclass field's annotated type (int, float, bool, str)."""
+    """Convert a CLI string to a dataclass field's annotated type (int, float, bool, str; an
+    optional ``X | None`` converts to ``X``)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), str)
     text = str(annotation)
     if annotation in (bool, "bool") or text == "bool":
         if value.lower() in ("1", "true", "yes", "on"):

@@ -389,6 +389,47 @@ class DecoderAdapter:
         """Final norm and LM head: ``(B, T, D)`` -> float32 logits ``(B, T, V)``."""
         return self.model.lm_head(self.inner.norm(hidden)).float()
 
+    # --- a layer's attention input and K/V projections (KV Prediction) -----------------------
+    def unit_rms(self, idx: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer ``idx``'s input RMSNorm *without* its gain: ``(B, T, D)`` -> ``(B, T, D)``.
+
+        Computed as the llama / qwen2 ``RMSNorm`` computes it (float32 statistics, then back to
+        the input dtype), so ``input_norm_gain(idx) * unit_rms(idx, h)`` is bit for bit the
+        layer's own ``input_layernorm(h)``.
+        """
+        norm = self.layers[idx].input_layernorm
+        x = hidden.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return x.to(hidden.dtype)
+
+    def input_norm_gain(self, idx: int) -> torch.Tensor:
+        """``(D,)``: the gain (weight) of layer ``idx``'s input RMSNorm (the model's own tensor)."""
+        return self.layers[idx].input_layernorm.weight
+
+    def attention_input(self, idx: int, hidden: torch.Tensor) -> torch.Tensor:
+        """What layer ``idx``'s q/k/v projections read: its input norm of ``hidden`` ``(B, T, D)``."""
+        return self.layers[idx].input_layernorm(hidden)
+
+    def kv_projections(self, idx: int) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+        """Layer ``idx``'s ``(k_proj, v_proj)``: ``nn.Linear(D, H_kv * d)`` each (bias on qwen2, none on llama)."""
+        attn = self.layers[idx].self_attn
+        return attn.k_proj, attn.v_proj
+
+    def project_kv(self, idx: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``idx``'s own keys (before rotation) and values for the rows of ``hidden``.
+
+        ``k_proj(input_layernorm(h))`` and ``v_proj(input_layernorm(h))`` as the attention
+        computes them, reshaped to heads: ``(B, T, D)`` -> two ``(B, H_kv, T, d)``.
+        """
+        x = self.attention_input(idx, hidden)
+        k_proj, v_proj = self.kv_projections(idx)
+        return self.split_heads(k_proj(x)), self.split_heads(v_proj(x))
+
+    def split_heads(self, merged: torch.Tensor) -> torch.Tensor:
+        """``(B, T, H_kv * d)`` -> ``(B, H_kv, T, d)``."""
+        b, t, _ = merged.shape
+        return merged.view(b, t, self.shape.num_kv_heads, self.shape.head_dim).transpose(1, 2)
+
     @contextlib.contextmanager
     def attention_scope(self) -> Iterator[None]:
         """Select the fastprefill attention function on this model, restoring the old one after."""

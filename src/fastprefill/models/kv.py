@@ -14,10 +14,12 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from fastprefill.models.adapters import require_layer_loop
+from fastprefill.models.adapters import DecoderAdapter, require_layer_loop
 from fastprefill.models.shape import ModelShape
 
-__all__ = ["cache_from_kv", "drop_layers", "prefix_kv", "rotate_half", "rotate_keys", "unrotate_keys"]
+__all__ = [
+    "attention_inputs", "cache_from_kv", "drop_layers", "prefix_kv", "rotate_half", "rotate_keys", "unrotate_keys",
+]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,31 @@ def prefix_kv(
     kv = [(unrotate_keys(layer.keys, cos, sin), layer.values) for layer in cache.layers]
     logits = model.lm_head(out.last_hidden_state).float() if with_logits else None
     return kv, logits
+
+
+def attention_inputs(
+    model: PreTrainedModel, input_ids: torch.Tensor, with_logits: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Every layer's normalised attention input (what its q/k/v projections read) over ``input_ids``.
+
+    The model runs its own fused forward with ``output_hidden_states``; layer ``i``'s input
+    ``hidden_states[i]`` goes through layer ``i``'s input norm
+    (:meth:`~fastprefill.models.adapters.DecoderAdapter.attention_input`). Gradients flow
+    outside ``no_grad``.
+
+    Args:
+        model: a llama / qwen2 causal LM.
+        input_ids: ``(1, N)`` int64.
+        with_logits: also return the ``(1, N, V)`` float32 logits.
+
+    Returns:
+        ``([X_i for each layer], logits or None)`` with ``X_i`` ``(1, N, D)``.
+    """
+    ad = DecoderAdapter(model, "KV Prediction")
+    out = model.model(input_ids=input_ids, output_hidden_states=True)
+    inputs = [ad.attention_input(i, out.hidden_states[i]) for i in range(ad.num_layers)]
+    logits = model.lm_head(out.last_hidden_state).float() if with_logits else None
+    return inputs, logits
 
 
 def cache_from_kv(

@@ -26,16 +26,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from fastprefill.errors import FastprefillError
+from fastprefill.errors import ConfigError
 
-__all__ = ["FORMAT", "CheckpointError", "atomic_write_bytes", "read_checkpoint", "write_checkpoint"]
+__all__ = ["FORMAT", "CheckpointError", "atomic_torch_save", "atomic_write_bytes", "read_checkpoint", "write_checkpoint"]
 
 FORMAT = "fastprefill-kv-prediction"
 VERSION = 1
 
 
-class CheckpointError(FastprefillError, ValueError):
-    """A predictor checkpoint is missing, corrupted, or made for other models."""
+class CheckpointError(ConfigError):
+    """A predictor checkpoint is missing, corrupted, or made for other models (a configuration
+    error: the predictor named is not one this model can use)."""
 
 
 def _sha256(path: Path) -> str:
@@ -64,19 +65,28 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     _atomic(Path(path), lambda tmp: Path(tmp).write_bytes(data))
 
 
+def atomic_torch_save(path: str | os.PathLike[str], obj: Any) -> None:
+    """``torch.save(obj)`` to ``path`` atomically (tmp file + ``os.replace``)."""
+    _atomic(Path(path), lambda tmp: torch.save(obj, tmp))
+
+
 def write_checkpoint(
     out_dir: str | os.PathLike[str],
     state_dict: dict[str, torch.Tensor],
     meta: dict[str, Any],
     step: int,
     train_state: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = torch.float32,
 ) -> Path:
-    """Write a checkpoint atomically (see the module docstring). Returns the directory."""
+    """Write a checkpoint atomically (see the module docstring). Returns the directory.
+
+    ``dtype``: the weights' storage dtype (``None`` keeps each tensor's own).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     old = _read_config(out) if (out / "config.json").exists() else None
     weights = out / f"predictor-{step:06d}.safetensors"
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state_dict.items()}
+    tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state_dict.items()}
     _atomic(weights, lambda tmp: save_file(tensors, tmp))
     train_name = None
     if train_state is not None:

@@ -3,7 +3,8 @@
 Prefill (everything inside TTFT):
 
 1. the aux model runs ``prompt[:-1]`` (its own fused forward, no LM head);
-2. the predictor maps its per-layer KV to every base layer's KV (keys before rotation; the base's
+2. the predictor maps its per-layer KV (or, with ``source="hidden"``, its layers' normalised
+   attention inputs) to every base layer's KV (keys before rotation; the base's
    rotary is applied at the original positions) and fills a transformers ``DynamicCache``;
 3. the base runs only the last prompt token against that cache and emits the first token.
 
@@ -38,7 +39,7 @@ from fastprefill.methods.kv_prediction.aux import (
 from fastprefill.methods.kv_prediction.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from fastprefill.methods.kv_prediction.predictor import KVPredictor
 from fastprefill.models.adapters import require_layer_loop
-from fastprefill.models.kv import cache_from_kv, prefix_kv
+from fastprefill.models.kv import cache_from_kv
 from fastprefill.models.shape import ModelShape
 
 __all__ = ["AuxAlone", "KVPrediction"]
@@ -123,8 +124,8 @@ class KVPrediction(Method):
         with torch.no_grad():
             if n == 1:  # nothing to predict: the base reads its only token
                 return FullPrefill().prefill(model, input_ids)
-            aux_kv, _ = prefix_kv(aux, input_ids[:, :-1])  # aux prefill, pre-rotation keys
-            predicted = self.predictor(aux_kv, dtype=model.dtype)  # L_base x (1, H, T-1, d)
+            features, _ = self.predictor.features(aux, input_ids[:, :-1])  # aux prefill: KV or attention inputs
+            predicted = self.predictor(features, dtype=model.dtype)  # L_base x (1, H, T-1, d)
             cache = cache_from_kv(model, predicted, pre_rotation=True)
             out = model(input_ids=input_ids[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1].float()
@@ -161,6 +162,7 @@ class KVPrediction(Method):
         meta.setdefault("aux", {})
         meta["aux"] = {**meta["aux"], "spec": self.aux_spec.to_json(), "shape": self.predictor.aux_shape.to_json()}
         meta["layer_map"] = list(self.predictor.layer_map)
+        meta["source"] = self.predictor.source
         write_checkpoint(path, self.predictor.state_dict(), meta, step=int(meta.get("step", 0)))
 
     @classmethod
@@ -186,11 +188,14 @@ class KVPrediction(Method):
             TokenizerMismatchError: the aux and base tokenizers differ.
         """
         config, state, _ = read_checkpoint(path)
+        if config.get("variant") == "prefix":
+            raise CheckpointError(f"{path} is a kvp-prefix checkpoint: use --method kvp-prefix:predictor={path}")
         try:
             base_shape = ModelShape.from_json(config["base"]["shape"])
             aux_shape = ModelShape.from_json(config["aux"]["shape"])
             spec = AuxSpec.from_json(config["aux"]["spec"])
-            predictor = KVPredictor(aux_shape, base_shape, layer_map=config["layer_map"])
+            predictor = KVPredictor(aux_shape, base_shape, layer_map=config["layer_map"],
+                                    source=config.get("source", "kv"))
             predictor.load_state_dict(state, strict=True)
         except (KeyError, TypeError, RuntimeError, ConfigError) as exc:
             raise CheckpointError(f"corrupted checkpoint {path}: {exc}") from None
@@ -225,8 +230,19 @@ class KVPrediction(Method):
         return cls(predictor=predictor, aux_spec=spec, aux=aux, base_fingerprint=config["base"].get("fingerprint"), meta=meta)
 
     @classmethod
-    def from_spec(cls, predictor: str) -> KVPrediction:
-        """CLI / registry factory: ``kvp:predictor=<checkpoint dir>``."""
+    def from_spec(cls, predictor: str | None = None) -> KVPrediction:
+        """CLI / registry factory: ``kvp:predictor=<checkpoint dir>``.
+
+        Raises:
+            ConfigError: no ``predictor`` (the message gives the spec and the training command).
+        """
+        if not predictor:
+            raise ConfigError(
+                "kvp needs a trained predictor: pass --method kvp:predictor=DIR, where DIR was written by "
+                "`fastprefill train-kvp --base qwen2.5-coder-1.5b --aux qwen2.5-coder-0.5b --out DIR` "
+                "(or --drop-stride 2 instead of --aux for a layer-drop aux). No file needed: "
+                "--method kvp-prefix:layer=L runs the first L layers exactly with zero-shot maps"
+            )
         return cls.load(predictor)
 
 

@@ -21,6 +21,14 @@ keeps a large held-out error; ``benchmarks/kvp_bench.py rope`` measures both on 
 (held-out text; ``benchmarks/results/kvp_rope_lp.json``: 0.380 vs 0.399 mean relative K error).
 Values carry no rotation and are mapped directly.
 
+**Source** (``source``, a choice beyond the paper, recorded in checkpoints). ``"kv"`` (the
+paper's, the default): base layer ``l``'s K map reads aux layer ``a(l)``'s keys and its V map
+the values, heads merged (``H_aux * d_aux`` features). ``"hidden"``: both maps read aux layer
+``a(l)``'s normalised attention input ``(1, N, D_aux)`` (what its own k/v projections read,
+:func:`fastprefill.models.kv.attention_inputs`), so nothing the aux's projections drop is lost.
+``"hidden2"``: the attention inputs of two aux layers concatenated (``2 * D_aux`` features):
+``a(l)`` and ``a(l) + 1``, or ``a(l) - 1`` and ``a(l)`` for the last aux layer.
+
 **Layer map.** Monotone (non-decreasing), length ``L_base``, values in ``[0, L_aux)``. Default
 proportional ``a(l) = floor(l * L_aux / L_base)`` (for equal depths, the identity).
 """
@@ -28,14 +36,19 @@ proportional ``a(l) = floor(l * L_aux / L_base)`` (for equal depths, the identit
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from fastprefill.errors import ConfigError
+from fastprefill.models.kv import attention_inputs, prefix_kv
 from fastprefill.models.shape import ModelShape
 
-__all__ = ["KVPredictor", "default_layer_map", "validate_layer_map"]
+__all__ = ["SOURCES", "KVPredictor", "default_layer_map", "validate_layer_map"]
+
+#: What the maps read from the aux model (see the module docstring).
+SOURCES: tuple[str, ...] = ("kv", "hidden", "hidden2")
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -75,26 +88,37 @@ def validate_layer_map(layer_map: Sequence[int], num_aux: int, num_base: int) ->
 
 
 class KVPredictor(nn.Module):
-    """Per-base-layer linear maps from aux KV to base KV (keys before rotation).
+    """Per-base-layer linear maps from aux features to base KV (keys before rotation).
 
     Args:
-        aux_shape: shape of the aux model (``L_aux``, ``H_kv``, ``d``).
+        aux_shape: shape of the aux model (``L_aux``, ``H_kv``, ``d``, ``D``).
         base_shape: shape of the base model.
         layer_map: ``a(l)`` for each base layer; ``None`` = :func:`default_layer_map`.
+        source: ``"kv"`` (default), ``"hidden"`` or ``"hidden2"`` (see the module docstring).
 
     Attributes:
-        k_maps, v_maps: ``ModuleList`` of ``L_base`` ``nn.Linear(H_aux*d_aux, H_base*d_base)``.
+        k_maps, v_maps: ``ModuleList`` of ``L_base`` ``nn.Linear(in_features, H_base*d_base)``.
         layer_map: the validated tuple.
     """
 
-    def __init__(self, aux_shape: ModelShape, base_shape: ModelShape, layer_map: Sequence[int] | None = None) -> None:
+    def __init__(self, aux_shape: ModelShape, base_shape: ModelShape, layer_map: Sequence[int] | None = None,
+                 source: str = "kv") -> None:
         super().__init__()
+        if source not in SOURCES:
+            raise ConfigError(f"KVPredictor.source must be one of {SOURCES}, got {source!r}")
+        if source == "hidden2" and aux_shape.num_layers < 2:
+            raise ConfigError("KVPredictor.source='hidden2' needs an aux model with at least 2 layers")
         self.aux_shape = aux_shape
         self.base_shape = base_shape
+        self.source = source
         if layer_map is None:
             layer_map = default_layer_map(aux_shape.num_layers, base_shape.num_layers)
         self.layer_map = validate_layer_map(layer_map, aux_shape.num_layers, base_shape.num_layers)
-        self.in_features = aux_shape.num_kv_heads * aux_shape.head_dim
+        self.in_features = {
+            "kv": aux_shape.num_kv_heads * aux_shape.head_dim,
+            "hidden": aux_shape.hidden_size,
+            "hidden2": 2 * aux_shape.hidden_size,
+        }[source]
         self.out_features = base_shape.num_kv_heads * base_shape.head_dim
         n = base_shape.num_layers
         self.k_maps = nn.ModuleList(nn.Linear(self.in_features, self.out_features) for _ in range(n))
@@ -117,29 +141,59 @@ class KVPredictor(nn.Module):
         """Multiply-add FLOPs of predicting ``n_tokens`` positions for every base layer (K and V)."""
         return 2.0 * 2 * self.base_shape.num_layers * n_tokens * self.in_features * self.out_features
 
+    # --- what the maps read -------------------------------------------------------------------
+    def features(self, aux: nn.Module, input_ids: torch.Tensor, with_logits: bool = False) -> tuple[list[Any], Any]:
+        """The aux model's features for :meth:`forward` over ``input_ids`` ``(1, N)``: per aux
+        layer ``(K, V)`` ``(1, H_aux, N, d_aux)`` (source ``"kv"``) or the attention input
+        ``(1, N, D_aux)``; and the aux logits if ``with_logits``."""
+        if self.source == "kv":
+            return prefix_kv(aux, input_ids, with_logits=with_logits)
+        return attention_inputs(aux, input_ids, with_logits=with_logits)
+
+    def input_keys(self, l: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Which features base layer ``l``'s K and V maps read: ``(a, 0)`` / ``(a, 1)`` (aux keys /
+        values, source ``"kv"``) or the aux layers whose attention inputs are concatenated."""
+        a = self.layer_map[l]
+        if self.source == "kv":
+            return (a, 0), (a, 1)
+        if self.source == "hidden":
+            return (a,), (a,)
+        pair = (a, a + 1) if a + 1 < self.aux_shape.num_layers else (a - 1, a)
+        return pair, pair
+
+    def input_rows(self, features: Sequence[Any], key: tuple[int, ...]) -> torch.Tensor:
+        """The ``(B, N, in_features)`` input named by an :meth:`input_keys` key."""
+        if self.source == "kv":
+            t = features[key[0]][key[1]]  # (B, H_aux, N, d_aux)
+            b, _, n, _ = t.shape
+            return t.transpose(1, 2).reshape(b, n, self.in_features)
+        return torch.cat([features[a] for a in key], dim=-1)
+
     def _map(self, lin: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        b, _, n, _ = x.shape
-        merged = x.transpose(1, 2).reshape(b, n, self.in_features).to(lin.weight.dtype)  # (B, N, H_aux*d_aux)
-        out = lin(merged).to(dtype)  # (B, N, H_base*d_base)
+        b, n, _ = x.shape
+        out = lin(x.to(lin.weight.dtype)).to(dtype)  # (B, N, H_base*d_base)
         return out.view(b, n, self.base_shape.num_kv_heads, self.base_shape.head_dim).transpose(1, 2)
 
-    def forward(self, aux_kv: Sequence[KV], dtype: torch.dtype | None = None) -> list[KV]:
+    def forward(self, features: Sequence[Any], dtype: torch.dtype | None = None) -> list[KV]:
         """Predict the base KV.
 
         Args:
-            aux_kv: ``L_aux`` pairs ``(K, V)``, each ``(B, H_aux, N, d_aux)``, keys *before* rotation.
-            dtype: output dtype (default: the aux KV's dtype).
+            features: ``L_aux`` entries from :meth:`features`: pairs ``(K, V)`` each
+                ``(B, H_aux, N, d_aux)``, keys *before* rotation (source ``"kv"``), or attention
+                inputs ``(B, N, D_aux)``.
+            dtype: output dtype (default: the features' dtype).
 
         Returns:
             ``L_base`` pairs ``(K_hat, V_hat)``, each ``(B, H_base, N, d_base)``, keys before rotation.
         """
-        if len(aux_kv) != self.aux_shape.num_layers:
-            raise ValueError(f"expected KV of {self.aux_shape.num_layers} aux layers, got {len(aux_kv)}")
+        if len(features) != self.aux_shape.num_layers:
+            raise ValueError(f"expected features of {self.aux_shape.num_layers} aux layers, got {len(features)}")
         out: list[KV] = []
-        for l, a in enumerate(self.layer_map):
-            k, v = aux_kv[a]
-            dt = dtype or k.dtype
-            out.append((self._map(self.k_maps[l], k, dt), self._map(self.v_maps[l], v, dt)))
+        for l in range(len(self.layer_map)):
+            key_k, key_v = self.input_keys(l)
+            xk, xv = self.input_rows(features, key_k), self.input_rows(features, key_v)
+            dt = dtype or xk.dtype
+            out.append((self._map(self.k_maps[l], xk, dt), self._map(self.v_maps[l], xv, dt)))
         return out
 
     def describe_map(self) -> str:

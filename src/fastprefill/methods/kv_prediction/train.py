@@ -28,11 +28,10 @@ for ~140B tokens. Two CPU cores allow far less, so (as METHODS.md suggests):
    local context alone while the predicted prefix was unusable: predictors trained that way made
    the base emit the same first token for every prompt.)
 
-**Data** (:func:`training_corpus`), disjoint from every reported evaluation: Wikipedia paragraphs
-(SQuAD paragraphs of the data module's ``dev`` split, i.e. never the gold paragraph of a ``test``
-question, plus HotpotQA paragraphs whose titles appear in no ``test`` record) and real Python code
-(the standard library's own ``.py`` files, ``sysconfig.get_paths()["stdlib"]``), interleaved
-half and half, cut into ``seq_len``-token sequences.
+**Data** (:func:`~fastprefill.methods.kv_prediction.corpus.training_corpus`), disjoint from every
+reported evaluation: dev-split task prompts in the tasks' chat template (``task_share``, at least
+a quarter of the tokens by default), Wikipedia paragraphs outside the ``test`` split and
+standard-library Python code (see :mod:`.corpus`).
 
 **Checkpoints**: every ``checkpoint_every`` steps and at the end, atomically
 (:mod:`.checkpoint`); ``resume=True`` continues from the last one (the least-squares phase is
@@ -45,7 +44,6 @@ import json
 import math
 import os
 import random
-import sysconfig
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -71,124 +69,68 @@ from fastprefill.methods.kv_prediction.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from fastprefill.methods.kv_prediction.corpus import calibration_corpus, training_corpus
 from fastprefill.methods.kv_prediction.method import KVPrediction
-from fastprefill.methods.kv_prediction.predictor import KVPredictor
+from fastprefill.methods.kv_prediction.predictor import SOURCES, KVPredictor
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.kv import prefix_kv, rotate_keys
 from fastprefill.models.shape import ModelShape
 
-__all__ = ["TrainConfig", "base_logits_on_kv", "fit_least_squares", "kv_relative_errors", "train_kvp", "training_corpus"]
-
-
-# ----------------------------------------------------------------------------------- data
-def _wikipedia_paragraphs() -> list[str]:
-    """Wikipedia paragraphs outside every ``test`` split (see the module docstring)."""
-    from fastprefill.data import sources
-    from fastprefill.data.tasks import split_of
-
-    texts = [text for key, text in sources.squad_paragraphs() if split_of(key) == "dev"]
-    test_titles = {title for r in sources.hotpotqa() if split_of(r.id) == "test" for title, _ in r.paragraphs}
-    texts += [text for title, text in sources.hotpotqa_paragraphs() if title not in test_titles]
-    return texts
-
-
-def _stdlib_sources(limit_chars: int, seed: int) -> list[str]:
-    """Python standard-library sources (tests and site-packages excluded), shuffled by ``seed``."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
-                   and "tests" not in p.parts)
-    random.Random(seed).shuffle(files)
-    out, total = [], 0
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        out.append(text)
-        total += len(text)
-        if total >= limit_chars:
-            break
-    return out
-
-
-def training_corpus(
-    tokenizer: PreTrainedTokenizerBase, n_tokens: int, seq_len: int, seed: int = 0, code_fraction: float = 0.5
-) -> list[torch.Tensor]:
-    """About ``n_tokens`` of training text as ``(1, seq_len)`` int64 sequences, shuffled.
-
-    Args:
-        tokenizer: the base (= aux) tokenizer.
-        n_tokens: total tokens wanted (rounded up to whole sequences).
-        seq_len: tokens per sequence.
-        code_fraction: share of sequences cut from standard-library code; the rest is Wikipedia.
-    """
-    if seq_len < 2 or n_tokens < seq_len:
-        raise ConfigError(f"need seq_len >= 2 and n_tokens >= seq_len, got seq_len={seq_len}, n_tokens={n_tokens}")
-    n_seq = math.ceil(n_tokens / seq_len)
-    n_code = round(n_seq * code_fraction)
-    rng = random.Random(seed)
-
-    def cut(texts: Sequence[str], count: int) -> list[torch.Tensor]:
-        seqs: list[torch.Tensor] = []
-        buf: list[int] = []
-        for text in texts:
-            buf += tokenizer.encode(text + "\n\n", add_special_tokens=False)
-            while len(buf) >= seq_len and len(seqs) < count:
-                seqs.append(torch.tensor(buf[:seq_len])[None])
-                buf = buf[seq_len:]
-            if len(seqs) >= count:
-                break
-        return seqs
-
-    wiki = _wikipedia_paragraphs()
-    rng.shuffle(wiki)
-    seqs = cut(wiki, n_seq - n_code) + cut(_stdlib_sources(8 * seq_len * n_code + 1, seed), n_code)
-    rng.shuffle(seqs)
-    return seqs
+__all__ = [
+    "TrainConfig", "base_logits_on_kv", "error_summary", "fit_least_squares", "kv_relative_errors", "train_kvp",
+    "training_corpus",
+]
 
 
 # ----------------------------------------------------------------------------------- least squares
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``(1, N, F)`` -> float64 ``(N, F + 1)`` with a ones column."""
+    x = t[0].to("cpu", torch.float64)
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
+
+
+def _merged(t: torch.Tensor) -> torch.Tensor:
+    """``(1, H, N, d)`` -> float64 ``(N, H*d)``."""
+    return t[0].transpose(0, 1).reshape(t.shape[2], -1).to("cpu", torch.float64)
+
+
 @torch.no_grad()
 def fit_least_squares(
     predictor: KVPredictor,
-    pairs: Iterator[tuple[Sequence[tuple[torch.Tensor, torch.Tensor]], Sequence[tuple[torch.Tensor, torch.Tensor]]]],
+    pairs: Iterator[tuple[Sequence[Any], Sequence[tuple[torch.Tensor, torch.Tensor]]]],
     ridge: float = 1e-4,
 ) -> int:
-    """Fit every map of ``predictor`` in closed form on streamed ``(aux KV, base KV)`` pairs.
+    """Fit every map of ``predictor`` in closed form on streamed ``(aux features, base KV)`` pairs.
 
     Args:
         predictor: its ``k_maps`` / ``v_maps`` are overwritten.
-        pairs: yields ``(aux_kv, base_kv)``: ``L_aux`` and ``L_base`` pairs ``(K, V)`` of shape
-            ``(1, H, N, d)`` for the same ``N`` tokens (keys before rotation).
+        pairs: yields ``(features, base_kv)``: the aux features of :meth:`KVPredictor.features`
+            (``L_aux`` pairs ``(K, V)`` ``(1, H, N, d)``, or attention inputs ``(1, N, D_aux)``)
+            and ``L_base`` pairs ``(K, V)`` ``(1, H, N, d)`` for the same ``N`` tokens (keys
+            before rotation).
         ridge: ρ, relative to the mean diagonal of the Gram matrix (bias not penalised).
 
     Returns:
         The number of token rows fitted.
     """
     din, dout = predictor.in_features, predictor.out_features
-    aux_layers = sorted(set(predictor.layer_map))
-    gram = {(a, w): torch.zeros(din + 1, din + 1, dtype=torch.float64) for a in aux_layers for w in (0, 1)}
-    cross = [[torch.zeros(din + 1, dout, dtype=torch.float64) for _ in (0, 1)] for _ in predictor.layer_map]
+    keys = [predictor.input_keys(l) for l in range(len(predictor.layer_map))]  # per base layer: (K key, V key)
+    gram = {key: torch.zeros(din + 1, din + 1, dtype=torch.float64) for pair in keys for key in pair}
+    cross = [[torch.zeros(din + 1, dout, dtype=torch.float64) for _ in (0, 1)] for _ in keys]
     rows = 0
-
-    def merged(t: torch.Tensor) -> torch.Tensor:  # (1, H, N, d) -> (N, H*d + 1) with a ones column
-        x = t[0].transpose(0, 1).reshape(t.shape[2], -1).to("cpu", torch.float64)
-        return torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
-
-    for aux_kv, base_kv in pairs:
-        xs = {(a, w): merged(aux_kv[a][w]) for a in aux_layers for w in (0, 1)}
+    for features, base_kv in pairs:
+        xs = {key: _rows(predictor.input_rows(features, key)) for key in gram}
         for key, x in xs.items():
             gram[key] += x.T @ x
-        for l, a in enumerate(predictor.layer_map):
+        for l, pair in enumerate(keys):
             for w in (0, 1):
-                y = merged(base_kv[l][w])[:, :-1]
-                cross[l][w] += xs[(a, w)].T @ y
-        rows += int(aux_kv[0][0].shape[2])
+                cross[l][w] += xs[pair[w]].T @ _merged(base_kv[l][w])
+        rows += int(next(iter(xs.values())).shape[0])
     if rows == 0:
         raise ConfigError("fit_least_squares got no data")
-    for l, a in enumerate(predictor.layer_map):
+    for l, pair in enumerate(keys):
         for w, maps in ((0, predictor.k_maps), (1, predictor.v_maps)):
-            g = gram[(a, w)].clone()
+            g = gram[pair[w]].clone()
             scale = g.diagonal()[:-1].mean().clamp_min(1e-12)
             g.diagonal()[:-1] += ridge * scale
             sol = torch.linalg.solve(g, cross[l][w])  # (din + 1, dout)
@@ -201,24 +143,46 @@ def fit_least_squares(
 def kv_relative_errors(
     base: PreTrainedModel, aux: PreTrainedModel, predictor: KVPredictor, sequences: Sequence[torch.Tensor]
 ) -> dict[str, list[float]]:
-    """Per-base-layer relative error ``||K̂ - K||_F / ||K||_F`` (and for V), pooled over sequences.
+    """Per base layer, pooled over ``sequences``: relative error ``||K̂ - K||_F / ||K||_F`` (and V)
+    and the centred ``R² = 1 - SSE / Σ||K - mean K||²`` (mean over tokens per feature).
 
-    Keys are compared *after* the base's rotation (what attention sees; RoPE is orthogonal, so
-    the norms equal the pre-rotation ones).
+    The relative error divides by the raw energy, which a constant offset (a bias any linear map
+    fits) can dominate; R² divides by the energy around the mean, so it says how much of the
+    varying part is predicted (0: no better than the mean, 1: exact). Keys are compared before
+    rotation (RoPE is orthogonal per position, so the rotated error is the same).
+
+    Returns:
+        ``{"k": [...], "v": [...], "r2_k": [...], "r2_v": [...]}``, one value per base layer.
     """
     n = predictor.base_shape.num_layers
-    num = {"k": [0.0] * n, "v": [0.0] * n}
-    den = {"k": [0.0] * n, "v": [0.0] * n}
+    sse = {"k": [0.0] * n, "v": [0.0] * n}
+    energy = {"k": [0.0] * n, "v": [0.0] * n}
+    count = [0] * n
+    total: dict[str, list[torch.Tensor | None]] = {"k": [None] * n, "v": [None] * n}
     for ids in sequences:
         ids = ids.to(base.device)
         true, _ = prefix_kv(base, ids)
-        aux_kv, _ = prefix_kv(aux, ids)
-        pred = predictor(aux_kv, dtype=torch.float32)
+        pred = predictor(predictor.features(aux, ids)[0], dtype=torch.float32)
         for l in range(n):
+            count[l] += int(ids.shape[1])
             for w, name in ((0, "k"), (1, "v")):
-                num[name][l] += float((pred[l][w] - true[l][w].float()).pow(2).sum())
-                den[name][l] += float(true[l][w].float().pow(2).sum())
-    return {name: [math.sqrt(a / max(b, 1e-30)) for a, b in zip(num[name], den[name])] for name in num}
+                y, yh = _merged(true[l][w]), _merged(pred[l][w])
+                sse[name][l] += float((yh - y).pow(2).sum())
+                energy[name][l] += float(y.pow(2).sum())
+                s = y.sum(0)
+                total[name][l] = s if total[name][l] is None else total[name][l] + s
+    out: dict[str, list[float]] = {}
+    for name in ("k", "v"):
+        out[name] = [math.sqrt(a / max(b, 1e-30)) for a, b in zip(sse[name], energy[name])]
+        centred = [e - float((t**2).sum()) / max(c, 1) if t is not None else 0.0
+                   for e, t, c in zip(energy[name], total[name], count)]
+        out[f"r2_{name}"] = [1.0 - a / max(c, 1e-30) for a, c in zip(sse[name], centred)]
+    return out
+
+
+def error_summary(errors: dict[str, list[float]]) -> dict[str, float]:
+    """Means over layers of :func:`kv_relative_errors`' lists (``mean_k``, ``mean_v``, ``mean_r2_k``, ...)."""
+    return {f"mean_{key}": sum(vals) / len(vals) for key, vals in errors.items() if vals}
 
 
 # ----------------------------------------------------------------------------------- training
@@ -235,6 +199,11 @@ class TrainConfig:
         ridge: least-squares ridge ρ (relative).
         checkpoint_every: gradient steps between checkpoints.
         train_aux: also train the aux model (adds its own CE); default: maps only.
+        task_share: share of dev-split task prompts in the training text (:mod:`.corpus`).
+        source: what the maps read from the aux (:data:`~.predictor.SOURCES`): its KV (the
+            paper's), its normalised attention input, or two aux layers' inputs.
+        heldout_seqs: held-out sequences (other seed, no task prompts) on which the per-layer
+            errors are measured after least squares and again after the gradient phase.
         seed: data order.
     """
 
@@ -246,6 +215,9 @@ class TrainConfig:
     ridge: float = 1e-4
     checkpoint_every: int = 25
     train_aux: bool = False
+    task_share: float = 0.25
+    source: str = "kv"
+    heldout_seqs: int = 4
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -257,6 +229,9 @@ class TrainConfig:
             ("l1_weight", self.l1_weight >= 0, ">= 0"),
             ("ridge", self.ridge >= 0, ">= 0"),
             ("checkpoint_every", self.checkpoint_every >= 1, ">= 1"),
+            ("task_share", 0.0 <= self.task_share <= 1.0, "in [0, 1]"),
+            ("source", self.source in SOURCES, f"one of {SOURCES}"),
+            ("heldout_seqs", self.heldout_seqs >= 0, ">= 0"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -316,8 +291,8 @@ def _step_loss(
     with torch.no_grad():
         true_kv, _ = prefix_kv(base, ids)
     with torch.set_grad_enabled(cfg.train_aux):
-        aux_kv, aux_logits = prefix_kv(aux, ids, with_logits=cfg.train_aux)
-    pred = predictor(aux_kv, dtype=base.dtype)
+        features, aux_logits = predictor.features(aux, ids, with_logits=cfg.train_aux)
+    pred = predictor(features, dtype=base.dtype)
     logits = base_logits_on_kv(base, ids, pred)[0, :-1]
     ce = F.cross_entropy(logits, ids[0, 1:])
     l1 = sum(F.l1_loss(pk.float(), tk.float()) + F.l1_loss(pv.float(), tv.float())
@@ -344,6 +319,7 @@ def train_kvp(
     layer_map: Sequence[int] | None = None,
     config: TrainConfig | None = None,
     corpus: Sequence[torch.Tensor] | None = None,
+    heldout: Sequence[torch.Tensor] | None = None,
     resume: bool = False,
     progress: bool = True,
 ) -> KVPrediction:
@@ -359,7 +335,11 @@ def train_kvp(
             :meth:`KVPrediction.load` load the aux model by itself).
         layer_map: ``a(l)``; default proportional.
         config: :class:`TrainConfig`.
-        corpus: training sequences ``(1, seq_len)``; default :func:`training_corpus`.
+        corpus: training sequences ``(1, N)``; default :func:`training_corpus`.
+        heldout: sequences for the per-layer error report (relative error and centred R²,
+            :func:`kv_relative_errors`) after least squares (``heldout_errors.least_squares`` in
+            ``config.json``) and after the gradient phase (``heldout_errors.after_gradient``);
+            default ``heldout_seqs`` sequences of other-seed text.
         resume: continue from the checkpoint in ``out_dir`` (must exist).
         progress: tqdm bars.
 
@@ -384,13 +364,15 @@ def train_kvp(
         check_tokenizers(tokenizer, aux_tokenizer)
     base_shape = ModelShape.from_config(base.config)
     aux_shape = ModelShape.from_config(aux_model.config)
-    predictor = KVPredictor(aux_shape, base_shape, layer_map).to(base.device)
+    predictor = KVPredictor(aux_shape, base_shape, layer_map, source=cfg.source).to(base.device)
     meta: dict[str, Any] = {
         "base": {"name": base_name, "shape": base_shape.to_json(), "fingerprint": weights_fingerprint(base),
                  "tokenizer": tokenizer_fingerprint(tokenizer)},
         "aux": {"spec": spec.to_json(), "name": aux_name or spec.name, "shape": aux_shape.to_json(),
                 "fingerprint": weights_fingerprint(aux_model) if spec.kind == "model" else None},
         "layer_map": list(predictor.layer_map),
+        "source": cfg.source,
+        "heldout_errors": {},
         "l1_weight": cfg.l1_weight,
         "train_config": vars(cfg).copy(),
     }
@@ -402,6 +384,7 @@ def train_kvp(
         if ckpt["base"].get("fingerprint") != meta["base"]["fingerprint"] or ckpt["aux"].get("shape") != meta["aux"]["shape"]:
             raise CheckpointError(f"cannot resume {out}: it was trained for other base / aux models")
         predictor.load_state_dict(weights)
+        meta["heldout_errors"] = ckpt.get("heldout_errors", {})
         if train_state:
             state = {k: train_state[k] for k in ("phase", "step", "history", "seconds")}
             optim_state = train_state.get("optimizer")
@@ -415,8 +398,17 @@ def train_kvp(
         base.requires_grad_(False)
         aux_model.requires_grad_(cfg.train_aux)
         if corpus is None:
-            corpus = training_corpus(tokenizer, cfg.lsq_tokens, cfg.seq_len, seed=cfg.seed)
+            built = calibration_corpus(tokenizer, cfg.lsq_tokens, cfg.seq_len, seed=cfg.seed, task_share=cfg.task_share)
+            corpus = built.sequences
+            meta["task_ids"], meta["calibration_tokens"] = built.task_ids, built.tokens
         corpus = [ids.to(base.device) for ids in corpus]
+        if heldout is None:
+            heldout = training_corpus(tokenizer, cfg.seq_len * cfg.heldout_seqs, cfg.seq_len, seed=cfg.seed + 12345,
+                                      task_share=0.0) if cfg.heldout_seqs else []
+
+        def report(phase: str) -> None:
+            if heldout:
+                meta["heldout_errors"][phase] = kv_relative_errors(base, aux_model, predictor, heldout)
 
         def save(extra_state: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> None:
             state["seconds"] = time.perf_counter() - start
@@ -433,9 +425,10 @@ def train_kvp(
             def pairs() -> Iterator[tuple[Any, Any]]:
                 for ids in tqdm(lsq_seqs, desc="least squares (sequences)", disable=not progress):
                     with torch.no_grad():
-                        yield prefix_kv(aux_model, ids)[0], prefix_kv(base, ids)[0]
+                        yield predictor.features(aux_model, ids)[0], prefix_kv(base, ids)[0]
 
             rows = fit_least_squares(predictor, pairs(), ridge=cfg.ridge)
+            report("least_squares")
             state["phase"] = "gradient"
             state["lsq_rows"] = rows
             meta["lsq_rows"] = rows
@@ -463,6 +456,9 @@ def train_kvp(
         bar.close()
         if cfg.steps == 0:
             save({}, None)
+        elif "after_gradient" not in meta["heldout_errors"]:
+            report("after_gradient")
+            save({}, optimizer)
     finally:
         for m in trained:
             for p in m.parameters():

@@ -1,0 +1,191 @@
+"""KV Prediction reports and variants beyond the paper: centred R², errors after least squares
+and after the gradient phase, calibration text with dev task prompts, maps from aux hidden
+states, the dev gate, the kvp-prefix l-sweep and the CLI's message for a bare ``kvp``."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from fastprefill.bench.kvp import GATE_V_ERROR, dev_gate, exclude_calibration, l_sweep
+from fastprefill.cli import demo_prefix_layer, main
+from fastprefill.errors import ConfigError
+from fastprefill.methods.kv_prediction import AuxSpec, KVPrediction, KVPredictor
+from fastprefill.methods.kv_prediction.corpus import calibration_corpus
+from fastprefill.methods.kv_prediction.train import (
+    TrainConfig,
+    error_summary,
+    fit_least_squares,
+    kv_relative_errors,
+    train_kvp,
+)
+from fastprefill.methods.registry import make_method
+from fastprefill.models.kv import attention_inputs, prefix_kv
+from fastprefill.models.shape import ModelShape
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _copy_pair(model, source):
+    """aux = a copy of the base, identity layer map, maps fitted by least squares from ``source``."""
+    aux = copy.deepcopy(model)
+    shape = ModelShape.from_config(model.config)
+    pred = KVPredictor(shape, shape, layer_map=tuple(range(shape.num_layers)), source=source)
+    fit_least_squares(pred, ((pred.features(aux, ids)[0], prefix_kv(model, ids)[0])
+                             for ids in [_ids(96, s) for s in range(4)]), ridge=0.0)
+    return aux, pred
+
+
+@pytest.mark.parametrize("source", ["hidden", "hidden2"])
+def test_hidden_state_maps_recover_the_base_kv(tiny_model, source):
+    """K and V are linear in the layer's normalised attention input, so with aux = base the
+    least-squares maps from hidden states are exact (R² = 1) where KV-to-KV maps need not be."""
+    aux, pred = _copy_pair(tiny_model, source)
+    assert pred.in_features == (1 if source == "hidden" else 2) * tiny_model.config.hidden_size
+    errors = kv_relative_errors(tiny_model, aux, pred, [_ids(40, 99)])
+    assert max(errors["k"] + errors["v"]) < 1e-4
+    assert min(errors["r2_k"] + errors["r2_v"]) > 1 - 1e-6
+    method = KVPrediction(pred, AuxSpec.model("copy"), aux)
+    ids = _ids(30, 98)
+    full = make_method("full").prefill(tiny_model, ids).logits
+    torch.testing.assert_close(method.prefill(tiny_model, ids).logits, full, atol=1e-4, rtol=0)
+
+
+def test_attention_inputs_are_what_the_projections_read(tiny_qwen2):
+    ids = _ids(12, 5)
+    inputs, _ = attention_inputs(tiny_qwen2, ids)
+    kv, _ = prefix_kv(tiny_qwen2, ids)
+    for layer, x, (k, _) in zip(tiny_qwen2.model.layers, inputs, kv):
+        got = layer.self_attn.k_proj(x).view(1, 12, 2, -1).transpose(1, 2)
+        torch.testing.assert_close(got, k, atol=1e-5, rtol=1e-5)
+
+
+def test_r2_is_centred(tiny_llama):
+    """R² divides the squared error by the energy around each feature's mean over tokens, the
+    relative error by the raw energy (checked against a direct computation)."""
+    aux, pred = _copy_pair(tiny_llama, "kv")
+    with torch.no_grad():
+        pred.v_maps[0].weight.mul_(0.5)
+    ids = _ids(40, 97)
+    errors = kv_relative_errors(tiny_llama, aux, pred, [ids])
+    with torch.no_grad():
+        y = prefix_kv(tiny_llama, ids)[0][0][1][0].transpose(0, 1).reshape(40, -1).double()  # (N, H*d)
+        yh = pred(pred.features(aux, ids)[0])[0][1][0].transpose(0, 1).reshape(40, -1).double()
+    sse = float((yh - y).pow(2).sum())
+    assert errors["v"][0] == pytest.approx((sse / float(y.pow(2).sum())) ** 0.5, rel=1e-6)
+    assert errors["r2_v"][0] == pytest.approx(1 - sse / float((y - y.mean(0)).pow(2).sum()), rel=1e-6)
+    assert error_summary({"v": [0.2, 0.4], "r2_v": [0.5, 0.7]}) == pytest.approx({"mean_v": 0.3, "mean_r2_v": 0.6})
+
+
+class _ByteTokenizer:
+    def __len__(self) -> int:
+        return 128
+
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(i): i for i in range(128)}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 128 for c in text]
+
+
+def test_train_reports_errors_after_least_squares_and_after_gradient(tiny_llama, tmp_path):
+    cfg = TrainConfig(lsq_tokens=6 * 32, steps=2, seq_len=32, lr=1e-3, checkpoint_every=2, source="hidden")
+    train_kvp(tiny_llama, AuxSpec.layer_drop(2), tmp_path / "ck", tokenizer=_ByteTokenizer(), config=cfg,
+              corpus=[_ids(32, s) for s in range(6)], heldout=[_ids(32, 50), _ids(32, 51)], progress=False)
+    config = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert config["source"] == "hidden"
+    report = config["heldout_errors"]
+    assert set(report) == {"least_squares", "after_gradient"}
+    for phase in report.values():
+        assert set(phase) == {"k", "v", "r2_k", "r2_v"} and len(phase["v"]) == 4
+    loaded = KVPrediction.load(tmp_path / "ck")
+    assert loaded.predictor.source == "hidden"
+    assert error_summary(report["least_squares"])["mean_v"] > 0
+
+
+def test_bad_train_config():
+    with pytest.raises(ConfigError, match="source"):
+        TrainConfig(source="logits")
+    with pytest.raises(ConfigError, match="task_share"):
+        TrainConfig(task_share=1.5)
+
+
+def test_calibration_text_holds_a_quarter_of_dev_task_prompts(smollm2):
+    from fastprefill.data.tasks import get_task
+
+    _, tok = smollm2
+    corpus = calibration_corpus(tok, 4096, 512, seed=0)
+    assert corpus.task_share >= 0.25
+    assert corpus.task_ids and all(isinstance(i, str) for i in corpus.task_ids)
+    assert sum(int(s.shape[1]) for s in corpus.sequences) >= 4096
+    text = tok.decode(torch.cat([s[0] for s in corpus.sequences]).tolist())
+    assert "<|im_start|>user" in text  # the tasks' chat template
+    dev = get_task("singledoc-qa").build(tok, 512, 8, split="dev", seed=1000)
+    assert {s.id for s in dev} & set(corpus.task_ids)  # the dev prompts of the calibration seed
+    assert exclude_calibration(dev, {"task_ids": corpus.task_ids}) == [s for s in dev if s.id not in corpus.task_ids]
+    none = calibration_corpus(tok, 1024, 512, seed=0, task_share=0.0)
+    assert none.task_share == 0.0 and not none.task_ids
+
+
+def test_dev_gate_passes_an_exact_predictor_and_fails_noise(tiny_llama):
+    aux, pred = _copy_pair(tiny_llama, "hidden")
+    prompts = [_ids(24, 60 + i) for i in range(3)]
+    good = dev_gate(tiny_llama, KVPrediction(pred, AuxSpec.model("copy"), aux), prompts, [_ids(32, 70)],
+                    progress=False)
+    assert good.passed and good.mean_v_error < 1e-4 and good.first_token_agreement == 1.0 and good.n_prompts == 3
+    assert "PASS" in good.describe()
+    with torch.no_grad():
+        for lin in pred.v_maps:
+            lin.weight.add_(torch.randn(lin.weight.shape, generator=torch.Generator().manual_seed(1)))
+    bad = dev_gate(tiny_llama, KVPrediction(pred, AuxSpec.model("copy"), aux), prompts, [_ids(32, 70)],
+                   progress=False)
+    assert not bad.passed and bad.mean_v_error > GATE_V_ERROR and "FAIL" in bad.describe()
+    assert json.dumps(bad.to_json())
+
+
+def test_l_sweep_rows(tiny_qwen2):
+    prompts = [_ids(20, 80 + i) for i in range(2)]
+    rows = l_sweep(tiny_qwen2, prompts, [1, 4], progress=False)
+    assert [r["layer"] for r in rows] == [1, 4]
+    exact = rows[1]
+    assert exact["first_token_agreement"] == 1.0 and exact["median_kl_nats"] < 1e-6
+    assert exact["ttft_flops_fraction"] == pytest.approx(1.0)
+    assert rows[0]["ttft_flops_fraction"] < 0.5 and rows[0]["n"] == 2
+
+
+def test_generate_kvp_without_predictor_says_what_to_pass(capsys):
+    assert main(["generate", "hello", "--method", "kvp"]) == 2
+    err = capsys.readouterr().err
+    assert "kvp:predictor=DIR" in err and "fastprefill train-kvp" in err and "from_spec" not in err
+
+
+def test_demo_prefix_layer():
+    assert demo_prefix_layer(30) == 20 and demo_prefix_layer(24) == 16 and demo_prefix_layer(4) == 3
+
+
+def test_demo_shows_kv_prediction(tiny_qwen2):
+    from fastprefill.cli import demo_methods
+    from fastprefill.methods.kv_prediction.prefix import KVPrefix
+
+    methods = [m for _, m in demo_methods(tiny_qwen2, 64)]
+    assert KVPrefix(layer=3) in methods
+
+
+def test_train_kvp_prefix_command(tmp_path, capsys):
+    out = tmp_path / "p28"
+    args = ["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--layer", "28", "--out", str(out),
+            "--lsq-tokens", "1024", "--threads", "1"]
+    assert main(args) == 0
+    from fastprefill.methods.kv_prediction.prefix import KVPrefix
+
+    method = KVPrefix(predictor=str(out))
+    assert method.layer == 28
+    config = json.loads((out / "config.json").read_text())
+    assert config["complete"] and config["calibration"]["task_share"] == 0.25 and config["task_ids"]
+    assert main(["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--out", str(tmp_path / "x")]) == 2
+    assert "--layer" in capsys.readouterr().err
