@@ -27,7 +27,7 @@ from typing import Any
 from fastprefill.bench.ablation import ablation_table
 from fastprefill.bench.records import FULL, Record, load_records, read_rows
 from fastprefill.bench.report import markdown_table, reference_table
-from fastprefill.bench.selection import choose_default
+from fastprefill.bench.selection import choose_by_fidelity, choose_default
 from fastprefill.bench.summary import method_entry, needle_by_depth, paired_row, summarize
 from fastprefill.errors import ConfigError
 
@@ -165,7 +165,9 @@ def _check_summary_jsonl(report: VerifyReport, path: Path, records: Sequence[Rec
         report.mismatches += compare_json(path.name, "header.retrieved_by_depth",
                                           header["retrieved_by_depth"], needle_by_depth(records))
     if "selection" in header:
-        report.mismatches += compare_json(path.name, "header.selection", header["selection"], choose_default(summaries))
+        # The rule that chose is named by its own output: the fidelity rule ranks candidates.
+        rule = choose_by_fidelity if "ranking" in header["selection"] else choose_default
+        report.mismatches += compare_json(path.name, "header.selection", header["selection"], rule(summaries))
 
 
 def _check_records(report: VerifyReport, jsonl: Path) -> None:
