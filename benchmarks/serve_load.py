@@ -26,7 +26,7 @@ discarded. Both processes use ``--threads`` torch threads.
 Measured run (the lead schedules it; on a quiet machine)::
 
     python benchmarks/serve_load.py --models smollm2-135m qwen2.5-coder-0.5b --lengths 1024 2048 \\
-        --methods full lazyllm:preset=default --concurrency 1 2 4 --requests 8 --max-tokens 16 --threads 2
+        --methods full lazyllm:preset=default --concurrency 1 2 4 --requests 4 --max-tokens 16 --threads 2
 
 Smoke run (a minute)::
 
