@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlparse
 
 import openai
@@ -431,3 +432,17 @@ def test_load_benchmark_summary_counts_overhead_and_throughput(load_bench):
     table = bench.markdown([one, two], {"started": "t", "command": "c", "cpu": "x", "threads": 2, "torch": "t",
                                         "transformers": "t", "git_commit": "g", "requests": 2, "max_tokens": 4})
     assert "| m | 512 | full | 1 | 2 |" in table and "1.033 (1.050) | 1.111 |" in table
+
+
+def test_committed_load_figures_reproduce_from_their_records(load_bench):
+    """Every committed ``serve_load_*.summary.json`` equals ``summarize`` over its own records."""
+    from fastprefill.bench.records import read_rows
+
+    bench = load_bench("serve_load")
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    committed = sorted(results.glob("serve_load_*.summary.json"))
+    assert committed, "no committed serve_load summary"
+    for path in committed:
+        _, rows = read_rows(path.with_name(path.name.replace(".summary.json", ".jsonl")))
+        recomputed = bench.summarize([bench.LoadRecord(**row) for row in rows])
+        assert json.loads(json.dumps(recomputed)) == json.loads(path.read_text()), path.name
