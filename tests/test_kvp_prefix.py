@@ -96,21 +96,22 @@ def _hidden_at(model, ids, l):
     return out.hidden_states[l]
 
 
-def _reference(model, ids, predictor, steps):
+def _reference(model, ids, predictor, steps, tail=1):
     """An independent kvp-prefix: the model's own forward builds the exact cache, layers >= l get
-    the predicted KV for tokens 0..T-2, the last token and the decode steps run model(...)."""
+    the predicted KV for tokens 0..T-1-tail, the last ``tail`` tokens and the decode steps run
+    model(...)."""
     ad = DecoderAdapter(model)
-    l, n = predictor.layer, ids.shape[1]
+    l, n = predictor.layer, ids.shape[1] - tail + 1
     with torch.no_grad():
-        true_kv, _ = prefix_kv(model, ids[:, :-1])
-        hidden = _hidden_at(model, ids[:, :-1], l)
+        true_kv, _ = prefix_kv(model, ids[:, :n - 1])
+        hidden = _hidden_at(model, ids[:, :n - 1], l)
         pred = predictor.predict(ad, hidden)
         kv = [pred[j] if j >= l else true_kv[j] for j in range(len(true_kv))]
         cache = DynamicCache(config=model.config)
         cos, sin = model.model.rotary_emb(hidden, position_ids=torch.arange(n - 1)[None])
         for j, (k, v) in enumerate(kv):
             cache.update(rotate_keys(k, cos, sin), v, j)
-        logits = [model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits[0, -1]]
+        logits = [model(input_ids=ids[:, -tail:], past_key_values=cache, use_cache=True).logits[0, -1]]
         for _ in range(steps):
             tok = torch.tensor([[int(logits[-1].argmax())]])
             logits.append(model(input_ids=tok, past_key_values=cache, use_cache=True).logits[0, -1])
@@ -127,6 +128,30 @@ def test_prefill_and_decode_agree_with_reference(tiny_model, layer):
     for fed, want in itertools.pairwise(ref):  # the reference's own greedy tokens fed to both
         got = method.decode(out.state, int(fed.argmax()))
         torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tail", [2, 7])
+def test_exact_tail_agrees_with_reference(tiny_model, tail):
+    """tail = W: the last W prompt tokens run every layer over the predicted rows (the model's own
+    forward on them is the reference); prefill and decode match it, and the counts add up."""
+    ids = _ids(26, 5)
+    method = make_method(f"kvp-prefix:layer=1,tail={tail}")
+    ref = _reference(tiny_model, ids, PrefixPredictor.zero_shot(tiny_model, 1), steps=4, tail=tail)
+    out = method.prefill(tiny_model, ids)
+    torch.testing.assert_close(out.logits, ref[0].float(), atol=1e-5, rtol=0)
+    for fed, want in itertools.pairwise(ref):
+        torch.testing.assert_close(method.decode(out.state, int(fed.argmax())), want.float(), atol=1e-5, rtol=0)
+    L = tiny_model.config.num_hidden_layers
+    assert out.stats.token_layers == 1 * 26 + (L - 1) * tail
+    one = make_method("kvp-prefix:layer=1").prefill(tiny_model, ids).stats
+    assert one.flops < out.stats.flops < FullPrefill().prefill(tiny_model, ids).stats.flops
+
+
+def test_tail_covering_the_prompt_is_full_prefill(tiny_model):
+    ids = _ids(12, 8)
+    got = make_method("kvp-prefix:layer=1,tail=12").prefill(tiny_model, ids)
+    torch.testing.assert_close(got.logits, FullPrefill().prefill(tiny_model, ids).logits, atol=1e-5, rtol=0)
+    assert got.stats.extra["predicted_layers"] == 0
 
 
 def test_engine_generate_and_stats(tiny_llama):
@@ -249,6 +274,11 @@ def test_bad_inputs_are_config_errors(calibrated, tiny_llama, tmp_path):
         make_method("kvp-prefix")
     with pytest.raises(ConfigError, match="layer must be an int >= 0"):
         make_method("kvp-prefix:layer=-1")
+    for bad in ("0", "-3"):
+        with pytest.raises(ConfigError, match="tail must be an int >= 1"):
+            make_method(f"kvp-prefix:layer=1,tail={bad}")
+    with pytest.raises(ConfigError, match="not an integer"):
+        make_method("kvp-prefix:layer=1,tail=lots")
     with pytest.raises(ConfigError, match=r"in \[0, 4\]"):
         make_method("kvp-prefix:layer=5").prefill(tiny_llama, _ids(8, 0))
     with pytest.raises(ConfigError, match="weights differ"):  # same shape, other weights

@@ -362,7 +362,9 @@ class DecoderAdapter:
                 such as :class:`fastprefill.cache.PositionKVCache` or a transformers ``DynamicCache``.
                 ``K, V`` are ``(B, H_kv, N, d)`` and include the rows just written.
             mask: boolean ``(B, 1, T, N)`` (True = attend) over the ``N`` keys the cache returns;
-                ``None`` means plain causal attention with queries aligned to the last ``T`` keys.
+                ``None`` means plain causal attention, exact for ``T = 1`` or an empty cache (with
+                ``T > 1`` rows over a cache that already holds rows SDPA's causal flag aligns the
+                queries to the first keys: pass a mask then).
             rotary: precomputed :meth:`rotary` output for ``positions`` (shared across layers).
             scores: if given, receives ``scores[idx] = (B, N)``, the last query's scores.
             scorer: what the scores are (:func:`last_query_attention`, the default,

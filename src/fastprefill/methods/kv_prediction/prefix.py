@@ -16,6 +16,10 @@ Prefill of a ``T``-token prompt on an ``L``-layer base (everything inside TTFT):
 3. the last prompt token runs through layers ``l..L-1`` attending to those predicted keys and
    values (and to its own, computed), which gives the first-token logits. Decoding then goes on
    plainly from that cache, exactly as after :class:`~fastprefill.methods.full.FullPrefill`.
+   With ``tail = W > 1`` (beyond SwiftKV, which runs only the last token) the last ``W`` prompt
+   tokens run through layers ``l..L-1`` exactly instead (causal among themselves, attending to
+   the predicted rows ``0..T-W-1``), so their later-layer KV is exact: in a chat prompt that is
+   the question and the template tail. Only ``T - W`` rows are predicted.
 
 **Maps.** Zero-shot (``kvp-prefix:layer=L``, no file): ``g_j`` = layer ``j``'s input-norm gain,
 ``W_j, b_j`` = its own ``k_proj`` / ``v_proj``, i.e. ``k_proj_j(norm_j(h_l))``: layer ``j``'s
@@ -34,8 +38,9 @@ only. Calibration is resumable: the Gram statistics are saved every ``checkpoint
 sequences (``calib-stats.pt``) and each layer's fit as soon as it is solved.
 
 **Cost** (:class:`~fastprefill.methods.base.ComputeStats`): ``l`` full layers over ``T``
-tokens, the maps over ``T - 1`` tokens for ``L - l`` layers (``2 (D+1) H_kv d`` multiply-adds
-per token, layer and K/V), ``L - l`` layers for one token over ``T`` keys, one LM-head row.
+tokens, the maps over ``T - W`` tokens for ``L - l`` layers (``2 (D+1) H_kv d`` multiply-adds
+per token, layer and K/V), ``L - l`` layers for the ``W`` tail tokens over their keys, one
+LM-head row.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ from fastprefill.methods.kv_prediction.checkpoint import (
 from fastprefill.methods.kv_prediction.corpus import calibration_corpus
 from fastprefill.models.adapters import DecoderAdapter, require_layer_loop
 from fastprefill.models.kv import rotate_keys
-from fastprefill.models.shape import ModelShape
+from fastprefill.models.shape import ModelShape, causal_pairs
 
 __all__ = [
     "VARIANT",
@@ -206,8 +211,11 @@ class KVPrefix(Method):
             ``l = L`` is full prefill (nothing is predicted).
         predictor: a checkpoint directory written by :func:`calibrate_prefix` (its ``l`` is
             used; a ``layer`` given too must equal it).
+        tail: ``W >= 1``, the last prompt tokens that run through every layer exactly (``1`` is
+            SwiftKV's rule: only the last token). The maps do not depend on it.
 
-    Spec: ``kvp-prefix:layer=8`` (zero-shot) or ``kvp-prefix:predictor=DIR``.
+    Spec: ``kvp-prefix:layer=8`` (zero-shot), ``kvp-prefix:predictor=DIR`` or
+    ``kvp-prefix:predictor=DIR,tail=64``.
 
     Raises:
         ConfigError: neither given, a bad ``layer``, a checkpoint that is missing, corrupted
@@ -220,6 +228,7 @@ class KVPrefix(Method):
 
     layer: int | None = None
     predictor: str | None = None
+    tail: int = 1
     _config: dict[str, Any] | None = field(default=None, init=False, repr=False)
     _state: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _given: PrefixPredictor | None = field(default=None, init=False, repr=False)
@@ -234,6 +243,9 @@ class KVPrefix(Method):
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)
                                        or self.layer < 0):
             raise ConfigError(f"KVPrefix.layer must be an int >= 0 (layers run exactly), got {self.layer!r}")
+        if isinstance(self.tail, bool) or not isinstance(self.tail, int) or self.tail < 1:
+            raise ConfigError(f"KVPrefix.tail must be an int >= 1 (prompt tokens run through every layer; 1 = "
+                              f"only the last, as in SwiftKV), got {self.tail!r}")
         if self.predictor is not None:
             config, state, _ = read_checkpoint(self.predictor)
             if config.get("variant") != VARIANT:
@@ -314,24 +326,28 @@ class KVPrefix(Method):
             cos, sin = ad.rotary(hidden, positions)  # (1, T, d) each
             for i in range(l):  # exact on every prompt token
                 hidden = ad.layer(i, hidden, positions, cache, rotary=(cos, sin))
-            predicted_rows = n - 1 if l < L else 0
-            if predicted_rows:
-                for j, (k, v) in pred.predict(ad, hidden[:, :-1]).items():  # (1, H_kv, T-1, d)
-                    cache.update(rotate_keys(k, cos[:, :-1], sin[:, :-1]), v, j)
-            last, last_pos, last_rot = hidden[:, -1:], positions[:, -1:], (cos[:, -1:], sin[:, -1:])
-            for j in range(l, L):  # the last token through every later layer
-                last = ad.layer(j, last, last_pos, cache, rotary=last_rot)
-            logits = ad.head(last)[0, -1]  # (V,)
+            predicted_rows = max(n - self.tail, 0) if l < L else 0
+            p = predicted_rows
+            if p:
+                for j, (k, v) in pred.predict(ad, hidden[:, :p]).items():  # (1, H_kv, T-W, d)
+                    cache.update(rotate_keys(k, cos[:, :p], sin[:, :p]), v, j)
+            tail, tail_pos, tail_rot = hidden[:, p:], positions[:, p:], (cos[:, p:], sin[:, p:])  # (1, W, D)
+            # tail row i sees keys 0..p+i (an explicit mask: SDPA's own causal flag aligns a short
+            # query block to the first keys, not the last)
+            mask = None if p == 0 else (positions[0, :, None] <= tail_pos[0, None, :]).T[None, None]  # (1, 1, W, T)
+            for j in range(l, L):  # the tail through every later layer (causal, over the predicted rows)
+                tail = ad.layer(j, tail, tail_pos, cache, mask=mask, rotary=tail_rot)
+            logits = ad.head(tail[:, -1:])[0, -1]  # (V,)
         map_flops = pred.flops(predicted_rows)
         exact_flops = l * shape.layer_flops(n)
-        last_flops = (L - l) * shape.layer_flops(1, n) if predicted_rows else (L - l) * shape.layer_flops(n)
-        later_rows = 1 if predicted_rows else n
+        later_rows = n - predicted_rows
+        last_flops = (L - l) * shape.layer_flops(later_rows, later_rows * predicted_rows + causal_pairs(later_rows))
         stats = ComputeStats(
             token_layers=l * n + (L - l) * later_rows,
             total_token_layers=n * L,
             flops=exact_flops + map_flops + last_flops + shape.head_flops(1),
             extra={"exact_layers": l, "predicted_layers": (L - l) if predicted_rows else 0,
-                   "map_flops": map_flops, "exact_flops": exact_flops, "last_token_flops": last_flops},
+                   "map_flops": map_flops, "exact_flops": exact_flops, "tail_flops": last_flops},
         )
         return PrefillOutput(logits=logits, state=FullState(model, cache), stats=stats)
 
@@ -340,7 +356,7 @@ class KVPrefix(Method):
 
     def describe(self) -> str:
         maps = Path(self.predictor).name if self.predictor else "zero-shot"
-        return f"kvp-prefix(l={self.layer}, {maps})"
+        return f"kvp-prefix(l={self.layer}, {maps}{'' if self.tail == 1 else f', tail={self.tail}'})"
 
 
 def _delta(state: dict[str, torch.Tensor], which: str, j: int) -> torch.Tensor:
