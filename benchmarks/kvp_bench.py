@@ -21,6 +21,8 @@ Subcommands:
   accuracy; plus first-token agreement, identical answers and first-token KL against each
   method's reference and per-layer relative K/V error on the same prompts; plots accuracy vs
   TTFT and accuracy vs TTFT FLOPs.
+- ``plot``: score against TTFT FLOPs (relative to the base's full prefill) from several ``eval``
+  summaries of the same prompts (:func:`fastprefill.bench.report.merge_eval_summaries`).
 - ``layers``: redraw the per-layer K/V error plot from a committed ``.summary.json``.
 - ``prefix``: calibrate kvp-prefix maps (:func:`calibrate_prefix`, least squares) for ``--model``
   at ``--layer``; the checkpoint's ``config.json`` holds the held-out errors (relative, R²) of the
@@ -55,7 +57,14 @@ from tqdm.auto import tqdm
 from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ablation
 from fastprefill.bench.kvp import dev_gate, exclude_calibration, l_sweep
 from fastprefill.bench.records import FULL, RecordLog, environment, write_json, write_rows
-from fastprefill.bench.report import plot_layer_errors, plot_score_vs_cost, redraw_layer_plot, reference_table
+from fastprefill.bench.report import (
+    merge_eval_summaries,
+    plot_layer_errors,
+    plot_score_vs_cost,
+    plot_score_vs_flops,
+    redraw_layer_plot,
+    reference_table,
+)
 from fastprefill.bench.runner import run_samples
 from fastprefill.bench.summary import method_entry, references_by_model, summarize
 from fastprefill.data.tasks import get_task
@@ -84,6 +93,11 @@ PAIRS: dict[str, dict[str, Any]] = {
     "smoke": {"base": "smollm2-135m", "aux": None},
 }
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _file(stem: Path, ext: str) -> Path:
+    """``stem`` + ``ext`` (``Path.with_suffix`` would eat a model name's ``.5b``)."""
+    return stem.parent / (stem.name + ext)
 
 
 def _load_pair(pair: str, stride: int):
@@ -238,24 +252,22 @@ def cmd_lsweep(args: argparse.Namespace) -> None:
     used = {"task_ids": [i for m in metas for i in m.get("task_ids", [])]}
     samples, prompts = _dev_prompts(tok, args, used)
 
-    def make(l: int):
-        return KVPrefix(predictor=predictors[str(l)]) if str(l) in predictors else KVPrefix(layer=l)
-
-    rows = l_sweep(model, prompts, args.layers, make)
+    extra = [(int(l), KVPrefix(layer=int(l), predictor=d, tail=w)) for l, d in predictors.items() for w in args.tails]
+    rows = l_sweep(model, prompts, args.layers, extra=extra)
     header = {"bench": "kvp-prefix-l-sweep", "model": args.model, "task": args.task, "split": "dev",
               "length": args.length, "n": len(samples), "seed": args.seed, "layers": args.layers,
-              "predictors": predictors, "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+              "predictors": predictors, "tails": args.tails, "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
               **environment(args.threads)}
     stem = Path(args.out) / (args.name or f"kvp_lsweep_{args.model}_{args.task}_{args.length}")
-    write_rows(stem.with_suffix(".jsonl"), header, rows)
+    write_rows(_file(stem, ".jsonl"), header, rows)
     lines = [f"# kvp-prefix l-sweep, {args.model}, {args.task} (dev), n={len(samples)}", "",
              f"Command: `{header['command']}`", "",
              "| l | maps | first-token agreement | median KL (nats) | TTFT FLOPs fraction | token-layers |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['layer']} | {r['method']} | {100 * r['first_token_agreement']:.0f}% | {r['median_kl_nats']:.3f} | "
               f"{r['ttft_flops_fraction']:.3f} | {100 * r['token_layer_fraction']:.0f}% |" for r in rows]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(stem.with_suffix(".md").read_text())
+    _file(stem, ".md").write_text("\n".join(lines) + "\n")
+    print(_file(stem, ".md").read_text())
 
 
 def cmd_gate(args: argparse.Namespace) -> None:
@@ -341,7 +353,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
               "method_describe": {n: m.describe() for n, m in methods.items()}, "references": refs,
               "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
     stem = Path(args.out) / (args.name or f"kvp_{args.task}" + (f"_{length}" if length else ""))
-    log = RecordLog(stem.with_suffix(".jsonl"), header, resume=args.resume, overwrite=False, match=EVAL_MATCH)
+    log = RecordLog(_file(stem, ".jsonl"), header, resume=args.resume, overwrite=False, match=EVAL_MATCH)
     records = list(log.records) + run_samples(
         models[args.model], tok, task, samples, methods, length=length, max_new_tokens=budget,
         warmup=args.warmup, desc=f"{args.task}", method_models={n: models[m] for n, (m, _) in specs.items()},
@@ -359,16 +371,26 @@ def cmd_eval(args: argparse.Namespace) -> None:
             summary[name]["rel_error_k"], summary[name]["rel_error_v"] = errs["k"], errs["v"]
             summary[name]["rel_error_prompts"] = len(ids)
     header = {**header, "command": log.header["command"], "summary": summary, "n_done": {n: s["n"] for n, s in summary.items()}}
-    write_json(stem.with_suffix(".summary.json"), header)
-    stem.with_suffix(".md").write_text(reference_table(header, summary, "KV Prediction"))
-    plot_score_vs_cost(by_ref, stem.with_suffix(".png"), f"KV Prediction, {args.task} ({args.split}), n={args.n}")
+    write_json(_file(stem, ".summary.json"), header)
+    _file(stem, ".md").write_text(reference_table(header, summary, "KV Prediction"))
+    plot_score_vs_cost(by_ref, _file(stem, ".png"), f"KV Prediction, {args.task} ({args.split}), n={args.n}")
     plot_layer_errors(header, str(stem))
-    print(stem.with_suffix(".md").read_text())
+    print(_file(stem, ".md").read_text())
 
 
 def cmd_layers(args: argparse.Namespace) -> None:
     """Redraw the per-layer K/V error plot from a committed ``.summary.json`` (no model needed)."""
     print(redraw_layer_plot(args.summary))
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    """Score against TTFT FLOPs from several evals of the same prompts (no model needed)."""
+    rows = merge_eval_summaries(args.summaries)
+    out = Path(args.out)
+    plot_score_vs_flops(rows, out, args.title or f"score vs TTFT FLOPs ({', '.join(Path(f).name for f in args.summaries)})")
+    write_json(out.with_suffix(".json"), {"command": "python " + shlex.join(sys.argv), "summaries": args.summaries,
+                                          "rows": rows})
+    print(out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -431,7 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--model", required=True)
     sw.add_argument("--layers", type=int, nargs="+", required=True)
     sw.add_argument("--predictor", action="append", default=[], metavar="L=DIR",
-                    help="a calibrated checkpoint for one l (others run zero-shot)")
+                    help="a calibrated checkpoint at l: a row of its own after the zero-shot rows")
+    sw.add_argument("--tails", type=int, nargs="+", default=[1],
+                    help="for each --predictor, a row per tail W (the last W prompt tokens run every layer)")
     g = sub.add_parser("gate", help="dev gate of a KV predictor: held-out V error and first-token KL")
     g.add_argument("--predictor", required=True)
     g.add_argument("--seq-len", type=int, default=512)
@@ -442,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
         s_.add_argument("--n", type=int, default=16)
         s_.add_argument("--seed", type=int, default=0)
         s_.add_argument("--name", default=None, help="result file stem")
+    pl = sub.add_parser("plot", help="score vs TTFT FLOPs from several eval summaries of the same prompts")
+    pl.add_argument("summaries", nargs="+", help=".summary.json files, newest first (a method in two is taken "
+                    "from the first)")
+    pl.add_argument("--out", required=True, help="the .png to write (a .json of the points beside it)")
+    pl.add_argument("--title", default=None)
     lp = sub.add_parser("layers", help="redraw the per-layer K/V error plot from an eval's .summary.json")
     lp.add_argument("summary", help="benchmarks/results/kvp_<task>[_<length>].summary.json")
     for name in ("rope", "ablate", "eval", "l-sweep", "gate"):
@@ -453,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         {"train": cmd_train, "rope": cmd_rope, "ablate": cmd_ablate, "eval": cmd_eval,
-         "layers": cmd_layers, "prefix": cmd_prefix, "l-sweep": cmd_lsweep, "gate": cmd_gate}[args.cmd](args)
+         "layers": cmd_layers, "plot": cmd_plot, "prefix": cmd_prefix, "l-sweep": cmd_lsweep, "gate": cmd_gate}[args.cmd](args)
     except FastprefillError as exc:
         raise SystemExit(f"error: {exc}") from None
 

@@ -3,11 +3,18 @@ and the KVP script's argument parsing."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ablation
-from fastprefill.bench.report import plot_layer_errors, redraw_layer_plot
+from fastprefill.bench.report import (
+    merge_eval_summaries,
+    plot_layer_errors,
+    plot_score_vs_flops,
+    redraw_layer_plot,
+)
 from fastprefill.errors import ConfigError
 from fastprefill.models.kv import prefix_kv
 
@@ -91,6 +98,32 @@ def test_redraw_layer_plot_names_its_input_problems(tmp_path):
                   '"rel_error_v": [0.9], "rel_error_prompts": 1}}}')
     assert redraw_layer_plot(ok) == tmp_path / "kvp_y_layers.png"
     assert (tmp_path / "kvp_y_layers.png").exists()
+
+
+def _eval_summary(path, methods, n=100):
+    """An eval .summary.json with ``methods``: name -> (model, accuracy, flops, speedup)."""
+    path.write_text(json.dumps({
+        "task": "singledoc-qa", "split": "test", "length": 1024, "n": n, "seed": 0,
+        "methods": {k: [m, "full"] for k, (m, *_) in methods.items()},
+        "summary": {k: {"accuracy": a, "median_ttft_flops": f, "median_speedup_vs_full": x}
+                    for k, (_, a, f, x) in methods.items()}}))
+    return path
+
+
+def test_merged_score_vs_flops_takes_each_method_once_and_refuses_other_prompts(tmp_path):
+    new = _eval_summary(tmp_path / "new.summary.json", {"full": ("b", 0.7, 100.0, 1.0), "prefix": ("b", 0.6, 50.0, 1.9)})
+    old = _eval_summary(tmp_path / "old.summary.json", {"full": ("b", 0.5, 90.0, 1.0), "kvp-c": ("b", 0.0, 30.0, 2.9)})
+    rows = merge_eval_summaries([new, old])
+    assert [(r["method"], r["file"]) for r in rows] == [
+        ("full", "new.summary.json"), ("prefix", "new.summary.json"), ("kvp-c", "old.summary.json")]
+    assert rows[0]["accuracy"] == 0.7  # the first file wins a shared name
+    out = plot_score_vs_flops(rows, tmp_path / "p.png", "t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    other = _eval_summary(tmp_path / "other.summary.json", {"full": ("b", 0.7, 100.0, 1.0)}, n=50)
+    with pytest.raises(ConfigError, match="ran on other prompts"):
+        merge_eval_summaries([new, other])
+    with pytest.raises(ConfigError, match="no 'full' method"):
+        plot_score_vs_flops(rows[1:], tmp_path / "q.png", "t")
 
 
 def test_script_arguments_parse_and_errors_exit(load_bench, tmp_path):

@@ -15,6 +15,7 @@ from fastprefill.cli import demo_prefix_layer, main
 from fastprefill.errors import ConfigError
 from fastprefill.methods.kv_prediction import AuxSpec, KVPrediction, KVPredictor
 from fastprefill.methods.kv_prediction.corpus import calibration_corpus
+from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.kv_prediction.train import (
     TrainConfig,
     error_summary,
@@ -150,8 +151,9 @@ def test_dev_gate_passes_an_exact_predictor_and_fails_noise(tiny_llama):
 
 def test_l_sweep_rows(tiny_qwen2):
     prompts = [_ids(20, 80 + i) for i in range(2)]
-    rows = l_sweep(tiny_qwen2, prompts, [1, 4], progress=False)
-    assert [r["layer"] for r in rows] == [1, 4]
+    rows = l_sweep(tiny_qwen2, prompts, [1, 4], progress=False, extra=[(4, KVPrefix(layer=4))])
+    assert [r["layer"] for r in rows] == [1, 4, 4]
+    assert rows[2]["median_kl_nats"] == rows[1]["median_kl_nats"]  # an extra row reads the same references
     exact = rows[1]
     assert exact["first_token_agreement"] == 1.0 and exact["median_kl_nats"] < 1e-6
     assert exact["ttft_flops_fraction"] == pytest.approx(1.0)
@@ -170,7 +172,6 @@ def test_demo_prefix_layer():
 
 def test_demo_shows_kv_prediction(tiny_qwen2):
     from fastprefill.cli import demo_methods
-    from fastprefill.methods.kv_prediction.prefix import KVPrefix
 
     methods = [m for _, m in demo_methods(tiny_qwen2, 64)]
     assert KVPrefix(layer=3) in methods
@@ -181,8 +182,6 @@ def test_train_kvp_prefix_command(tmp_path, capsys):
     args = ["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--layer", "28", "--out", str(out),
             "--lsq-tokens", "1024", "--threads", "1"]
     assert main(args) == 0
-    from fastprefill.methods.kv_prediction.prefix import KVPrefix
-
     method = KVPrefix(predictor=str(out))
     assert method.layer == 28
     config = json.loads((out / "config.json").read_text())

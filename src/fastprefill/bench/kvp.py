@@ -49,6 +49,7 @@ def l_sweep(
     layers: Sequence[int],
     make: Callable[[int], Method] | None = None,
     progress: bool = True,
+    extra: Sequence[tuple[int, Method]] = (),
 ) -> list[dict[str, Any]]:
     """kvp-prefix at each ``l`` of ``layers`` against full prefill on ``prompts``.
 
@@ -58,6 +59,8 @@ def l_sweep(
         layers: the depths to try.
         make: ``l -> method`` (default: zero-shot ``KVPrefix(layer=l)``; pass one that loads a
             calibrated checkpoint per ``l``).
+        extra: further ``(l, method)`` rows after ``layers`` (calibrated maps beside the zero-shot
+            ones at the same ``l``), against the same full-prefill references.
 
     Returns:
         One row per ``l``: ``layer``, ``method``, ``n``, ``first_token_agreement``,
@@ -70,8 +73,7 @@ def l_sweep(
         out = FullPrefill().prefill(model, ids)
         refs.append((out.logits, out.stats.flops))
     rows = []
-    for l in layers:
-        method = make(l)
+    for l, method in [*((l, make(l)) for l in layers), *extra]:
         agree, kl, flops, tl = [], [], [], []
         for ids, (ref, ref_flops) in tqdm(list(zip(prompts, refs)), desc=f"l={l}", disable=not progress):
             out = method.prefill(model, ids)

@@ -193,6 +193,67 @@ def redraw_layer_plot(summary: str | Path) -> Path:
     return out
 
 
+def merge_eval_summaries(summaries: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """Methods of several eval ``.summary.json`` files run on the same prompts, one row each.
+
+    The files must share task, split, length, n and seed (the same prompts). A method name that
+    appears in more than one file is taken from the first file that has it, so list the newest run
+    first.
+
+    Returns:
+        Rows ``{"method", "model", "spec", "file", "accuracy", "median_ttft_flops",
+        "median_speedup_vs_full"}``.
+
+    Raises:
+        ConfigError: a file is not a ``.summary.json`` or the files ran on different prompts.
+    """
+    rows: list[dict[str, Any]] = []
+    key = None
+    for src in map(Path, summaries):
+        if not src.name.endswith(".summary.json"):
+            raise ConfigError(f"{src}: expected an eval summary file ending in .summary.json")
+        header = json.loads(src.read_text())
+        this = tuple(header.get(k) for k in ("task", "split", "length", "n", "seed"))
+        if key is None:
+            key = this
+        elif this != key:
+            raise ConfigError(f"{src}: ran on other prompts (task, split, length, n, seed = {this}, "
+                              f"not {key}); merge only evals of the same prompts")
+        for name, s in header["summary"].items():
+            if any(r["method"] == name for r in rows):
+                continue
+            model, spec = header["methods"][name]
+            rows.append({"method": name, "model": model, "spec": spec, "file": src.name, "accuracy": s["accuracy"],
+                         "median_ttft_flops": s["median_ttft_flops"],
+                         "median_speedup_vs_full": s["median_speedup_vs_full"]})
+    return rows
+
+
+def plot_score_vs_flops(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
+    """Score (0-100) against median TTFT FLOPs (relative to the reference ``full``), a labelled
+    point per row of :func:`merge_eval_summaries`."""
+    full = next((r for r in rows if r["method"] == FULL), None)
+    if full is None:
+        raise ConfigError("no 'full' method among the merged summaries: nothing to scale FLOPs by")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for r in rows:
+        x = r["median_ttft_flops"] / full["median_ttft_flops"]
+        ax.scatter(x, 100 * r["accuracy"], marker="*" if r["method"] == FULL else "o")
+        ax.annotate(f"{r['method']} ({r['median_speedup_vs_full']:.2f}x)", (x, 100 * r["accuracy"]),
+                    fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.set_xlabel("median TTFT FLOPs / full prefill of the base")
+    ax.set_ylabel("score (0-100)")
+    ax.set_xlim(0, 1.1)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _title(header: Mapping[str, Any]) -> str:
     return f"{header.get('task')} — {header.get('model', '')}"
 
