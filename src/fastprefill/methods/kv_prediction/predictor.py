@@ -18,7 +18,7 @@ matrix; when the two models' rotary frequencies differ (e.g. ``rope_theta`` 1e6 
 test_pre_rotation_map_beats_rotated_map`` plants exactly that situation (aux = base with another
 ``rope_theta``): the pre-rotation least-squares map is exact at layer 0 while the rotated one
 keeps a large held-out error; ``benchmarks/kvp_bench.py rope`` measures both on a real pair
-(held-out text; ``benchmarks/results/kvp_rope_lp.json``: 0.380 vs 0.399 mean relative K error).
+(held-out text; the figures are in ``benchmarks/results/kvp_rope_lp.json``).
 Values carry no rotation and are mapped directly.
 
 **Source** (``source``, a choice beyond the paper, recorded in checkpoints). ``"kv"`` (the

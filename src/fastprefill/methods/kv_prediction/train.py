@@ -19,9 +19,9 @@ for ~140B tokens. Two CPU cores allow far less, so (as METHODS.md suggests):
    (:func:`base_logits_on_kv`: each layer's cache hands back the predicted keys and values,
    causal by position), as the paper's reference code trains it. CE is on every next-token
    prediction; L1 is on the predicted KV against the true base KV (mean over elements, summed
-   over layers). *Choice*: λ = 0.1 by default, so that the L1 sum over ~24-28 layers
-   (≈ 0.5-1 each after the least-squares fit) weighs about as much as the CE; the loss curve
-   (``loss.png``) shows both terms.
+   over layers). *Choice*: λ = 0.1 by default, so that the L1 sum over ~24-28 layers (the first
+   row of a checkpoint's ``loss.json`` gives it at the start of the gradient phase) weighs about as
+   much as the CE; the loss curve (``loss.png``) shows both terms.
 
    (A first version ran the base only over the last tokens of the sequence against a
    predicted prefix. Those tokens also saw each other's *true* KV, so the CE could stay low from
