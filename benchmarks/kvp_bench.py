@@ -55,7 +55,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ablation
-from fastprefill.bench.kvp import dev_gate, exclude_calibration, l_sweep
+from fastprefill.bench.kvp import dev_gate, exclude_calibration, l_sweep, lsweep_table
 from fastprefill.bench.records import FULL, RecordLog, environment, write_json, write_rows
 from fastprefill.bench.report import (
     merge_eval_summaries,
@@ -260,13 +260,7 @@ def cmd_lsweep(args: argparse.Namespace) -> None:
               **environment(args.threads)}
     stem = Path(args.out) / (args.name or f"kvp_lsweep_{args.model}_{args.task}_{args.length}")
     write_rows(_file(stem, ".jsonl"), header, rows)
-    lines = [f"# kvp-prefix l-sweep, {args.model}, {args.task} (dev), n={len(samples)}", "",
-             f"Command: `{header['command']}`", "",
-             "| l | maps | first-token agreement | median KL (nats) | TTFT FLOPs fraction | token-layers |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['layer']} | {r['method']} | {100 * r['first_token_agreement']:.0f}% | {r['median_kl_nats']:.3f} | "
-              f"{r['ttft_flops_fraction']:.3f} | {100 * r['token_layer_fraction']:.0f}% |" for r in rows]
-    _file(stem, ".md").write_text("\n".join(lines) + "\n")
+    _file(stem, ".md").write_text(lsweep_table(header, rows))
     print(_file(stem, ".md").read_text())
 
 

@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+from fastprefill.bench.kvp import lsweep_table
+from fastprefill.bench.records import read_rows
 from fastprefill.bench.verify import compare_tables, verify_results
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -20,10 +22,21 @@ def test_every_committed_summary_reproduces_from_its_records():
                  and not p.name.startswith("serve_load_")]
     assert set(summaries) <= set(report.checked)
     records_with_md = [p.name for p in RESULTS.glob("*.md") if p.with_suffix(".jsonl").exists()]
-    # every committed table over records is checked, except the KV-Runahead and load ones (not bench records)
-    assert {m for m in records_with_md if not m.startswith(("runahead_", "serve_load_"))} <= set(report.checked)
-    assert all(not name.startswith(("lazyllm_", "kvp_", "baseline_")) or "no committed summary" in why
-               for name, why in report.skipped.items())
+    # every committed table over records is checked, except the KV-Runahead, load and kvp-prefix
+    # sweep ones (not bench records: the sweeps are checked below)
+    not_records = ("runahead_", "serve_load_", "kvp_lsweep_")
+    assert {m for m in records_with_md if not m.startswith(not_records)} <= set(report.checked)
+    assert all(not name.startswith(("lazyllm_", "kvp_", "baseline_")) or name.startswith(not_records)
+               or "no committed summary" in why for name, why in report.skipped.items())
+
+
+def test_committed_kvp_prefix_sweep_tables_come_from_their_rows():
+    sweeps = sorted(RESULTS.glob("kvp_lsweep_*.jsonl"))
+    assert sweeps
+    for path in sweeps:
+        header, rows = read_rows(path)
+        assert rows and all(r["n"] == header["n"] for r in rows), path.name
+        assert lsweep_table(header, rows) == path.with_name(path.name[: -len(".jsonl")] + ".md").read_text(), path.name
 
 
 def test_verify_finds_a_changed_figure(tmp_path):

@@ -88,6 +88,17 @@ def l_sweep(
     return rows
 
 
+def lsweep_table(header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
+    """The markdown table of an :func:`l_sweep` result file (its ``header`` and ``rows``)."""
+    lines = [f"# kvp-prefix l-sweep, {header['model']}, {header['task']} (dev), n={header['n']}", "",
+             f"Command: `{header['command']}`", "",
+             "| l | maps | first-token agreement | median KL (nats) | TTFT FLOPs fraction | token-layers |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['layer']} | {r['method']} | {100 * r['first_token_agreement']:.0f}% | {r['median_kl_nats']:.3f} | "
+              f"{r['ttft_flops_fraction']:.3f} | {100 * r['token_layer_fraction']:.0f}% |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 @dataclass
 class GateResult:
     """The dev gate's verdict and the numbers behind it.
