@@ -95,11 +95,6 @@ PAIRS: dict[str, dict[str, Any]] = {
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _file(stem: Path, ext: str) -> Path:
-    """``stem`` + ``ext`` (``Path.with_suffix`` would eat a model name's ``.5b``)."""
-    return stem.parent / (stem.name + ext)
-
-
 def _load_pair(pair: str, stride: int):
     spec = PAIRS[pair]
     base, tok = zoo.load(spec["base"])
@@ -258,10 +253,10 @@ def cmd_lsweep(args: argparse.Namespace) -> None:
               "length": args.length, "n": len(samples), "seed": args.seed, "layers": args.layers,
               "predictors": predictors, "tails": args.tails, "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
               **environment(args.threads)}
-    stem = Path(args.out) / (args.name or f"kvp_lsweep_{args.model}_{args.task}_{args.length}")
-    write_rows(_file(stem, ".jsonl"), header, rows)
-    _file(stem, ".md").write_text(lsweep_table(header, rows))
-    print(_file(stem, ".md").read_text())
+    stem = str(Path(args.out) / (args.name or f"kvp_lsweep_{args.model}_{args.task}_{args.length}"))  # names hold dots
+    write_rows(stem + ".jsonl", header, rows)
+    Path(stem + ".md").write_text(lsweep_table(header, rows))
+    print(Path(stem + ".md").read_text())
 
 
 def cmd_gate(args: argparse.Namespace) -> None:
@@ -346,8 +341,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
               "methods": {n: list(v) for n, v in specs.items()},
               "method_describe": {n: m.describe() for n, m in methods.items()}, "references": refs,
               "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
-    stem = Path(args.out) / (args.name or f"kvp_{args.task}" + (f"_{length}" if length else ""))
-    log = RecordLog(_file(stem, ".jsonl"), header, resume=args.resume, overwrite=False, match=EVAL_MATCH)
+    stem = str(Path(args.out) / (args.name or f"kvp_{args.task}" + (f"_{length}" if length else "")))
+    log = RecordLog(stem + ".jsonl", header, resume=args.resume, overwrite=False, match=EVAL_MATCH)
     records = list(log.records) + run_samples(
         models[args.model], tok, task, samples, methods, length=length, max_new_tokens=budget,
         warmup=args.warmup, desc=f"{args.task}", method_models={n: models[m] for n, (m, _) in specs.items()},
@@ -365,11 +360,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
             summary[name]["rel_error_k"], summary[name]["rel_error_v"] = errs["k"], errs["v"]
             summary[name]["rel_error_prompts"] = len(ids)
     header = {**header, "command": log.header["command"], "summary": summary, "n_done": {n: s["n"] for n, s in summary.items()}}
-    write_json(_file(stem, ".summary.json"), header)
-    _file(stem, ".md").write_text(reference_table(header, summary, "KV Prediction"))
-    plot_score_vs_cost(by_ref, _file(stem, ".png"), f"KV Prediction, {args.task} ({args.split}), n={args.n}")
-    plot_layer_errors(header, str(stem))
-    print(_file(stem, ".md").read_text())
+    write_json(stem + ".summary.json", header)
+    Path(stem + ".md").write_text(reference_table(header, summary, "KV Prediction"))
+    plot_score_vs_cost(by_ref, Path(stem + ".png"), f"KV Prediction, {args.task} ({args.split}), n={args.n}")
+    plot_layer_errors(header, stem)
+    print(Path(stem + ".md").read_text())
 
 
 def cmd_layers(args: argparse.Namespace) -> None:

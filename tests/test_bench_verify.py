@@ -36,7 +36,7 @@ def test_committed_kvp_prefix_sweep_tables_come_from_their_rows():
     for path in sweeps:
         header, rows = read_rows(path)
         assert rows and all(r["n"] == header["n"] for r in rows), path.name
-        assert lsweep_table(header, rows) == path.with_name(path.name[: -len(".jsonl")] + ".md").read_text(), path.name
+        assert lsweep_table(header, rows) == path.with_suffix(".md").read_text(), path.name
 
 
 def test_verify_finds_a_changed_figure(tmp_path):

@@ -151,9 +151,13 @@ def test_dev_gate_passes_an_exact_predictor_and_fails_noise(tiny_llama):
 
 def test_l_sweep_rows(tiny_qwen2):
     prompts = [_ids(20, 80 + i) for i in range(2)]
-    rows = l_sweep(tiny_qwen2, prompts, [1, 4], progress=False, extra=[(4, KVPrefix(layer=4))])
-    assert [r["layer"] for r in rows] == [1, 4, 4]
-    assert rows[2]["median_kl_nats"] == rows[1]["median_kl_nats"]  # an extra row reads the same references
+    rows = l_sweep(tiny_qwen2, prompts, [1, 4], progress=False, extra=[(1, KVPrefix(layer=1, tail=20))])
+    assert [r["layer"] for r in rows] == [1, 4, 1]
+    # the extra row (a tail covering the whole prompt: full prefill) is scored against the same
+    # prompts' references, beside the zero-shot row at its l
+    covered = rows[2]
+    assert "tail=20" in covered["method"] and covered["first_token_agreement"] == 1.0
+    assert covered["median_kl_nats"] < 1e-6 < rows[0]["median_kl_nats"]
     exact = rows[1]
     assert exact["first_token_agreement"] == 1.0 and exact["median_kl_nats"] < 1e-6
     assert exact["ttft_flops_fraction"] == pytest.approx(1.0)

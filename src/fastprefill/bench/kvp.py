@@ -13,7 +13,7 @@ Dev prompts should leave out the calibration's own task prompts (:func:`exclude_
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -47,7 +47,6 @@ def l_sweep(
     model: PreTrainedModel,
     prompts: Sequence[torch.Tensor],
     layers: Sequence[int],
-    make: Callable[[int], Method] | None = None,
     progress: bool = True,
     extra: Sequence[tuple[int, Method]] = (),
 ) -> list[dict[str, Any]]:
@@ -56,24 +55,21 @@ def l_sweep(
     Args:
         model: the base.
         prompts: ``(1, T)`` int64 ids.
-        layers: the depths to try.
-        make: ``l -> method`` (default: zero-shot ``KVPrefix(layer=l)``; pass one that loads a
-            calibrated checkpoint per ``l``).
+        layers: the depths to try with zero-shot maps (``KVPrefix(layer=l)``).
         extra: further ``(l, method)`` rows after ``layers`` (calibrated maps beside the zero-shot
             ones at the same ``l``), against the same full-prefill references.
 
     Returns:
-        One row per ``l``: ``layer``, ``method``, ``n``, ``first_token_agreement``,
+        One row per ``l`` of ``layers``, then one per ``extra``: ``layer``, ``method``, ``n``, ``first_token_agreement``,
         ``median_kl_nats``, ``mean_kl_nats``, ``ttft_flops_fraction`` (median over prompts),
         ``token_layer_fraction`` (mean).
     """
-    make = make or (lambda l: KVPrefix(layer=l))
     refs = []
     for ids in tqdm(prompts, desc="full prefill", disable=not progress):
         out = FullPrefill().prefill(model, ids)
         refs.append((out.logits, out.stats.flops))
     rows = []
-    for l, method in [*((l, make(l)) for l in layers), *extra]:
+    for l, method in [*((l, KVPrefix(layer=l)) for l in layers), *extra]:
         agree, kl, flops, tl = [], [], [], []
         for ids, (ref, ref_flops) in tqdm(list(zip(prompts, refs)), desc=f"l={l}", disable=not progress):
             out = method.prefill(model, ids)

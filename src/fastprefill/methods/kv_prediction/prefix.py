@@ -69,7 +69,7 @@ from fastprefill.methods.kv_prediction.checkpoint import (
     write_checkpoint,
 )
 from fastprefill.methods.kv_prediction.corpus import calibration_corpus
-from fastprefill.models.adapters import DecoderAdapter, require_layer_loop
+from fastprefill.models.adapters import DecoderAdapter, causal_mask, require_layer_loop
 from fastprefill.models.kv import rotate_keys
 from fastprefill.models.shape import ModelShape, causal_pairs
 
@@ -326,28 +326,27 @@ class KVPrefix(Method):
             cos, sin = ad.rotary(hidden, positions)  # (1, T, d) each
             for i in range(l):  # exact on every prompt token
                 hidden = ad.layer(i, hidden, positions, cache, rotary=(cos, sin))
-            predicted_rows = max(n - self.tail, 0) if l < L else 0
-            p = predicted_rows
+            p = max(n - self.tail, 0) if l < L else 0  # predicted rows
             if p:
                 for j, (k, v) in pred.predict(ad, hidden[:, :p]).items():  # (1, H_kv, T-W, d)
                     cache.update(rotate_keys(k, cos[:, :p], sin[:, :p]), v, j)
             tail, tail_pos, tail_rot = hidden[:, p:], positions[:, p:], (cos[:, p:], sin[:, p:])  # (1, W, D)
-            # tail row i sees keys 0..p+i (an explicit mask: SDPA's own causal flag aligns a short
-            # query block to the first keys, not the last)
-            mask = None if p == 0 else (positions[0, :, None] <= tail_pos[0, None, :]).T[None, None]  # (1, 1, W, T)
+            w = n - p
+            # A block of W > 1 rows over predicted rows needs an explicit mask: SDPA's own causal
+            # flag aligns a short query block to the first keys, not the last.
+            mask = causal_mask(tail_pos[0], positions[0]) if p and w > 1 else None  # (1, 1, W, T)
             for j in range(l, L):  # the tail through every later layer (causal, over the predicted rows)
                 tail = ad.layer(j, tail, tail_pos, cache, mask=mask, rotary=tail_rot)
             logits = ad.head(tail[:, -1:])[0, -1]  # (V,)
-        map_flops = pred.flops(predicted_rows)
+        map_flops = pred.flops(p)
         exact_flops = l * shape.layer_flops(n)
-        later_rows = n - predicted_rows
-        last_flops = (L - l) * shape.layer_flops(later_rows, later_rows * predicted_rows + causal_pairs(later_rows))
+        tail_flops = (L - l) * shape.layer_flops(w, w * p + causal_pairs(w))
         stats = ComputeStats(
-            token_layers=l * n + (L - l) * later_rows,
+            token_layers=l * n + (L - l) * w,
             total_token_layers=n * L,
-            flops=exact_flops + map_flops + last_flops + shape.head_flops(1),
-            extra={"exact_layers": l, "predicted_layers": (L - l) if predicted_rows else 0,
-                   "map_flops": map_flops, "exact_flops": exact_flops, "tail_flops": last_flops},
+            flops=exact_flops + map_flops + tail_flops + shape.head_flops(1),
+            extra={"exact_layers": l, "predicted_layers": (L - l) if p else 0,
+                   "map_flops": map_flops, "exact_flops": exact_flops, "tail_flops": tail_flops},
         )
         return PrefillOutput(logits=logits, state=FullState(model, cache), stats=stats)
 
