@@ -125,6 +125,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             "train_config": vars(cfg), "predictor_parameters": method.predictor.num_parameters(),
             "heldout_rel_error": errors, "heldout_by_phase": phases, **environment(args.threads)}
     write_json(Path(args.out, "train_meta.json"), meta)
+    write_json(Path(args.results, f"kvp_train_{Path(args.out).name}.json"), meta)  # the figures' result file
     print(json.dumps({"wall_seconds": seconds, "final": error_summary(errors),
                       **{phase: error_summary(errs) for phase, errs in phases.items()}}, indent=2))
 
@@ -223,10 +224,10 @@ def cmd_prefix(args: argparse.Namespace) -> None:
     config = json.loads(Path(args.out, "config.json").read_text())
     report = {phase: error_summary({k: v for k, v in errs.items() if k != "layers"})
               for phase, errs in config.get("heldout_errors", {}).items() if isinstance(errs, dict)}
-    write_json(Path(args.out, "calibrate_meta.json"),
-               {"command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
-                "wall_seconds_this_run": time.perf_counter() - t0, "heldout_means": report,
-                **environment(args.threads)})
+    meta = {"command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+            "wall_seconds_this_run": time.perf_counter() - t0, "heldout_means": report, **environment(args.threads)}
+    write_json(Path(args.out, "calibrate_meta.json"), meta)
+    write_json(Path(args.results, f"kvp_calibrate_{Path(args.out).name}.json"), meta)  # the figures' result file
     print(json.dumps({"wall_seconds": time.perf_counter() - t0, "storage": config["maps"]["storage"], **report},
                      indent=2))
 
@@ -462,6 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--title", default=None)
     lp = sub.add_parser("layers", help="redraw the per-layer K/V error plot from an eval's .summary.json")
     lp.add_argument("summary", help="benchmarks/results/kvp_<task>[_<length>].summary.json")
+    for name in ("train", "prefix"):
+        sub.choices[name].add_argument("--results", default=str(RESULTS),
+                                       help="where the run's meta (command, wall time, held-out errors) is also "
+                                            "written as a result file (default benchmarks/results)")
     for name in ("rope", "ablate", "eval", "l-sweep", "gate"):
         sub.choices[name].add_argument("--out", default=str(RESULTS), help="results directory (default benchmarks/results)")
     return p
