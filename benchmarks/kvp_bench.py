@@ -27,6 +27,9 @@ Subcommands:
 - ``prefix``: calibrate kvp-prefix maps (:func:`calibrate_prefix`, least squares) for ``--model``
   at ``--layer``; the checkpoint's ``config.json`` holds the held-out errors (relative, R²) of the
   zero-shot and the fitted maps.
+- ``distill``: KL distillation of a least-squares kvp-prefix checkpoint
+  (:func:`~fastprefill.methods.kv_prediction.prefix_distill.distill_prefix`) on dev task prompts
+  other than the l-sweep's and the calibration's; writes ``kvp_distill_<checkpoint>.json``.
 - ``l-sweep``: kvp-prefix at several ``l`` beside full prefill on dev prompts
   (:func:`fastprefill.bench.kvp.l_sweep`): first-token agreement, median first-token KL and TTFT
   FLOPs fraction per ``l``, zero-shot or from ``--predictor L=DIR`` checkpoints.
@@ -74,6 +77,7 @@ from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
 from fastprefill.methods.kv_prediction.aux import check_tokenizers
 from fastprefill.methods.kv_prediction.prefix import KVPrefix, PrefixCalibration, calibrate_prefix
+from fastprefill.methods.kv_prediction.prefix_distill import PrefixDistillation, distill_prefix, prefix_targets
 from fastprefill.methods.kv_prediction.train import (
     TrainConfig,
     error_summary,
@@ -230,6 +234,58 @@ def cmd_prefix(args: argparse.Namespace) -> None:
     write_json(Path(args.results, f"kvp_calibrate_{Path(args.out).name}.json"), meta)  # the figures' result file
     print(json.dumps({"wall_seconds": time.perf_counter() - t0, "storage": config["maps"]["storage"], **report},
                      indent=2))
+
+
+def _task_prompts(tok, spec: str, length: int, seed: int, exclude: set[str]) -> tuple[list[str], list[torch.Tensor]]:
+    """``TASK:N`` -> up to ``N`` dev prompts of that task (``length`` tokens if sized), skipping ``exclude``."""
+    name, _, n = spec.partition(":")
+    task = get_task(name)
+    ask = min(int(n or 8) + len(exclude), len(task.source_ids("dev")))
+    samples = [s for s in task.build(tok, length if task.sized else None, ask, split="dev", seed=seed)
+               if s.id not in exclude][: int(n or 8)]
+    return [s.id for s in samples], [torch.as_tensor(s.input_ids, dtype=torch.long).reshape(1, -1) for s in samples]
+
+
+def cmd_distill(args: argparse.Namespace) -> None:
+    """KL distillation of a least-squares kvp-prefix checkpoint on dev task prompts (resumable).
+
+    Training and held-out prompts are dev prompts built with ``--seed`` (default 2000), never
+    the seed-0 dev prompts that ``l-sweep`` scores (``--sweep-n`` of each task) nor the
+    calibration's own task prompts."""
+    set_threads(args.threads)
+    model, tok = zoo.load(args.model)
+    lsq = json.loads(Path(args.predictor, "config.json").read_text())
+    exclude = set(lsq.get("task_ids", []))
+    for spec in {s.partition(":")[0] for s in [*args.train, *args.heldout]}:
+        task = get_task(spec)
+        sweep = task.build(tok, args.length if task.sized else None, args.sweep_n, split="dev", seed=0)
+        exclude |= {s.id for s in sweep}
+    ids: list[str] = []
+    sets = {}
+    for role, specs, seed in (("train", args.train, args.seed), ("heldout", args.heldout, args.seed + 1)):
+        prompts = []
+        for spec in specs:
+            got_ids, got = _task_prompts(tok, spec, args.length, seed, exclude | set(ids))
+            ids += got_ids
+            prompts += got
+        sets[role] = prompts
+    layer = int(lsq["layer"])
+    t0 = time.perf_counter()
+    train = prefix_targets(model, layer, sets["train"], desc="exact states (train)")
+    heldout = prefix_targets(model, layer, sets["heldout"], desc="exact states (held-out)")
+    t_targets = time.perf_counter() - t0
+    cfg = PrefixDistillation(steps=args.steps, batch=args.batch, lr=args.lr, tail=args.tail, seed=args.seed,
+                             eval_every=args.eval_every, end_share=args.end_share)
+    distill_prefix(model, args.predictor, args.out, cfg, train, heldout, task_ids=ids, resume=args.resume)
+    config = json.loads(Path(args.out, "config.json").read_text())
+    meta = {"command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+            "wall_seconds_this_run": time.perf_counter() - t0, "exact_states_seconds": t_targets,
+            "train_prompts": {"specs": args.train, "n": len(train), "tokens": sum(t.length for t in train)},
+            "heldout_prompts": {"specs": args.heldout, "n": len(heldout)},
+            "distillation": config["distillation"], **environment(args.threads)}
+    write_json(Path(args.out, "distill_meta.json"), meta)
+    write_json(Path(args.results, f"kvp_distill_{Path(args.out).name}.json"), meta)
+    print(json.dumps(config["distillation"]["curve"], indent=1))
 
 
 def _dev_prompts(tok, args: argparse.Namespace, meta: dict[str, Any] | None = None) -> tuple[list[Any], list[torch.Tensor]]:
@@ -439,6 +495,22 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--max-mb", type=float, default=20.0)
     pf.add_argument("--task-share", type=float, default=0.25)
     pf.add_argument("--resume", action="store_true")
+    ds = sub.add_parser("distill", help="KL distillation of a least-squares kvp-prefix checkpoint (resumable)")
+    ds.add_argument("--model", required=True)
+    ds.add_argument("--predictor", required=True, help="the least-squares checkpoint")
+    ds.add_argument("--out", required=True, help="the distilled checkpoint directory")
+    ds.add_argument("--train", action="append", required=True, metavar="TASK:N", help="dev prompts to train on")
+    ds.add_argument("--heldout", action="append", required=True, metavar="TASK:N", help="dev prompts to select on")
+    ds.add_argument("--length", type=int, default=1024, help="prompt tokens (sized tasks)")
+    ds.add_argument("--sweep-n", type=int, default=16, help="seed-0 dev prompts per task kept out (the l-sweep's)")
+    ds.add_argument("--steps", type=int, default=200)
+    ds.add_argument("--batch", type=int, default=2)
+    ds.add_argument("--lr", type=float, default=3e-5)
+    ds.add_argument("--tail", type=int, default=32)
+    ds.add_argument("--end-share", type=float, default=0.5)
+    ds.add_argument("--eval-every", type=int, default=25)
+    ds.add_argument("--seed", type=int, default=2000)
+    ds.add_argument("--resume", action="store_true")
     sw = sub.add_parser("l-sweep", help="kvp-prefix per l beside full prefill on dev prompts")
     sw.add_argument("--model", required=True)
     sw.add_argument("--layers", type=int, nargs="+", required=True)
@@ -463,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--title", default=None)
     lp = sub.add_parser("layers", help="redraw the per-layer K/V error plot from an eval's .summary.json")
     lp.add_argument("summary", help="benchmarks/results/kvp_<task>[_<length>].summary.json")
-    for name in ("train", "prefix"):
+    for name in ("train", "prefix", "distill"):
         sub.choices[name].add_argument("--results", default=str(RESULTS),
                                        help="where the run's meta (command, wall time, held-out errors) is also "
                                             "written as a result file (default benchmarks/results)")
@@ -476,7 +548,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         {"train": cmd_train, "rope": cmd_rope, "ablate": cmd_ablate, "eval": cmd_eval,
-         "layers": cmd_layers, "plot": cmd_plot, "prefix": cmd_prefix, "l-sweep": cmd_lsweep, "gate": cmd_gate}[args.cmd](args)
+         "layers": cmd_layers, "plot": cmd_plot, "prefix": cmd_prefix, "l-sweep": cmd_lsweep, "gate": cmd_gate,
+         "distill": cmd_distill}[args.cmd](args)
     except FastprefillError as exc:
         raise SystemExit(f"error: {exc}") from None
 

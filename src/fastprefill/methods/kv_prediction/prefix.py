@@ -81,6 +81,7 @@ __all__ = [
     "PrefixPredictor",
     "calibrate_prefix",
     "check_layer",
+    "exact_hidden",
     "prefix_errors",
 ]
 
@@ -144,7 +145,7 @@ class PrefixPredictor:
         shape: the base's shape.
         layer: ``l``, the number of layers run exactly.
         maps: ``{j: LayerMap}`` for ``j = l..L-1``.
-        kind: ``"zero-shot"`` or ``"least-squares"`` (for :meth:`describe`).
+        kind: ``"zero-shot"``, ``"least-squares"`` or ``"distilled"`` (for :meth:`describe`).
         rank: the correction's rank (``None``: full rank or none).
     """
 
@@ -171,8 +172,9 @@ class PrefixPredictor:
 
     @classmethod
     def corrected(cls, model: PreTrainedModel, layer: int, deltas: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                  rank: int | None) -> PrefixPredictor:
-        """Zero-shot maps plus float64 ``(D + 1, H_kv*d)`` corrections ``{j: (Δ_K, Δ_V)}`` on ``[x 1]``."""
+                  rank: int | None, kind: str = "least-squares") -> PrefixPredictor:
+        """Zero-shot maps plus float64 ``(D + 1, H_kv*d)`` corrections ``{j: (Δ_K, Δ_V)}`` on ``[x 1]``
+        (``kind``: how they were fitted, ``"least-squares"`` or ``"distilled"``)."""
         zero = cls.zero_shot(model, layer)
         dtype, device = model.dtype, next(model.parameters()).device
         maps = {}
@@ -180,7 +182,7 @@ class PrefixPredictor:
             mats = [base + delta for base, delta in zip(zmap.augmented(), deltas[j])]  # (D+1, out)
             (kw, kb), (vw, vb) = ((m[:-1].T.contiguous(), m[-1].contiguous()) for m in mats)
             maps[j] = LayerMap(None, *(t.to(device, dtype) for t in (kw, kb, vw, vb)))
-        return cls(zero.shape, layer, maps, "least-squares", rank)
+        return cls(zero.shape, layer, maps, kind, rank)
 
     def predict(self, ad: DecoderAdapter, hidden: torch.Tensor) -> dict[int, KV]:
         """Pre-rotation ``{j: (K_j, V_j)}``, each ``(B, H_kv, N, d)``, from ``h_l`` ``(B, N, D)``."""
@@ -198,7 +200,7 @@ class PrefixPredictor:
     def describe(self) -> str:
         if self.kind == "zero-shot":
             return "zero-shot"
-        return "least-squares" + (f", rank {self.rank}" if self.rank else "")
+        return self.kind + (f", rank {self.rank}" if self.rank else "")
 
 
 # ----------------------------------------------------------------------------------- the method
@@ -312,7 +314,9 @@ class KVPrefix(Method):
                       for j in range(self.layer, shape.num_layers)}
         except KeyError as exc:
             raise CheckpointError(f"corrupted kvp-prefix checkpoint {self.predictor}: missing tensor {exc}") from None
-        return PrefixPredictor.corrected(model, self.layer, deltas, config.get("maps", {}).get("rank"))
+        maps = config.get("maps", {})
+        return PrefixPredictor.corrected(model, self.layer, deltas, maps.get("rank"),
+                                         kind="distilled" if config.get("distillation") else "least-squares")
 
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
         pred = self.bind(model)
@@ -437,19 +441,31 @@ def choose_rank(shape: ModelShape, layer: int, rank: int | None, max_mb: float) 
     return fit
 
 
-def _layer_inputs(ad: DecoderAdapter, ids: torch.Tensor, layer: int) -> list[torch.Tensor]:
-    """The inputs ``(1, N, D)`` of layers ``layer..L-1`` for ``ids`` ``(1, N)`` (exact forward)."""
+def exact_hidden(ad: DecoderAdapter, ids: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """The base's exact hidden states ``(1, N, D)`` for ``ids`` ``(1, N)``: for each ``i`` in
+    ``layers`` the input of layer ``i`` (``i = L``: the last layer's output, before the final norm)."""
     positions = torch.arange(ids.shape[1], device=ids.device)[None]
     cache = DynamicCache(config=ad.config)
     hidden = ad.embed(ids)
     rot = ad.rotary(hidden, positions)
-    inputs = []
+    want, out = set(layers), {}
     with ad.attention_scope():
         for i in range(ad.num_layers):
-            if i >= layer:
-                inputs.append(hidden)
+            if i in want:
+                out[i] = hidden
+            if i >= max(want, default=-1):
+                break
             hidden = ad.layer(i, hidden, positions, cache, rotary=rot)
-    return inputs
+        else:
+            if ad.num_layers in want:
+                out[ad.num_layers] = hidden
+    return out
+
+
+def _layer_inputs(ad: DecoderAdapter, ids: torch.Tensor, layer: int) -> list[torch.Tensor]:
+    """The inputs ``(1, N, D)`` of layers ``layer..L-1`` for ``ids`` ``(1, N)`` (exact forward)."""
+    states = exact_hidden(ad, ids, range(layer, ad.num_layers))
+    return [states[i] for i in range(layer, ad.num_layers)]
 
 
 def _merged(kv: torch.Tensor) -> torch.Tensor:
