@@ -12,6 +12,7 @@ from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ab
 from fastprefill.bench.report import (
     merge_eval_summaries,
     plot_layer_errors,
+    label_lifts,
     plot_score_vs_flops,
     redraw_layer_plot,
 )
@@ -124,6 +125,17 @@ def test_merged_score_vs_flops_takes_each_method_once_and_refuses_other_prompts(
         merge_eval_summaries([new, other])
     with pytest.raises(ConfigError, match="no 'full' method"):
         plot_score_vs_flops(rows[1:], tmp_path / "q.png", "t")
+
+
+def test_label_lifts_separate_close_labels_only():
+    points = [(0.30, 0.0), (0.28, 0.0), (0.15, 1.0), (0.9, 0.0), (0.5, 60.0)]
+    lifts = label_lifts(points)
+    assert lifts[3] == 0.0 and lifts[4] == 0.0  # far from the others: untouched
+    placed = [(x, y + lift) for (x, y), lift in zip(points, lifts)]
+    for i, (x, y) in enumerate(placed):
+        for px, py in placed[i + 1:]:
+            assert not (abs(x - px) < 0.3 and abs(y - py) < 4.0)
+    assert sorted(lifts[:3]) == [0.0, 4.0, 8.0]
 
 
 def test_script_arguments_parse_and_errors_exit(load_bench, tmp_path):

@@ -229,6 +229,21 @@ def merge_eval_summaries(summaries: Sequence[str | Path]) -> list[dict[str, Any]
     return rows
 
 
+def label_lifts(points: Sequence[tuple[float, float]], width: float = 0.3, height: float = 4.0) -> list[float]:
+    """Upward shifts (in y data units) for labels at ``points`` ``(x, y)`` so that no two labels
+    starting within ``width`` of each other in x sit within ``height`` in y (greedy, lowest first)."""
+    placed: list[tuple[float, float]] = []
+    lifts = [0.0] * len(points)
+    for i in sorted(range(len(points)), key=lambda k: (points[k][1], points[k][0])):
+        x, y = points[i]
+        lift = 0.0
+        while any(abs(x - px) < width and abs(y + lift - py) < height for px, py in placed):
+            lift += height
+        lifts[i] = lift
+        placed.append((x, y + lift))
+    return lifts
+
+
 def plot_score_vs_flops(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
     """Score (0-100) against median TTFT FLOPs (relative to the reference ``full``), a labelled
     point per row of :func:`merge_eval_summaries`."""
@@ -237,11 +252,12 @@ def plot_score_vs_flops(rows: Sequence[Mapping[str, Any]], path: Path, title: st
         raise ConfigError("no 'full' method among the merged summaries: nothing to scale FLOPs by")
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.6))
-    for r in rows:
-        x = r["median_ttft_flops"] / full["median_ttft_flops"]
-        ax.scatter(x, 100 * r["accuracy"], marker="*" if r["method"] == FULL else "o")
-        ax.annotate(f"{r['method']} ({r['median_speedup_vs_full']:.2f}x)", (x, 100 * r["accuracy"]),
-                    fontsize=7, xytext=(4, 3), textcoords="offset points")
+    points = [(r["median_ttft_flops"] / full["median_ttft_flops"], 100 * r["accuracy"]) for r in rows]
+    for r, (x, y), lift in zip(rows, points, label_lifts(points)):
+        ax.scatter(x, y, marker="*" if r["method"] == FULL else "o")
+        ax.annotate(f"{r['method']} ({r['median_speedup_vs_full']:.2f}x)", (x, y), fontsize=7,
+                    xytext=(4, 3 + lift / 0.3), textcoords="offset points",
+                    arrowprops={"arrowstyle": "-", "lw": 0.4, "alpha": 0.5} if lift else None)
     ax.set_xlabel("median TTFT FLOPs / full prefill of the base")
     ax.set_ylabel("score (0-100)")
     ax.set_xlim(0, 1.1)
