@@ -77,7 +77,15 @@ from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
 from fastprefill.methods.kv_prediction.aux import check_tokenizers
 from fastprefill.methods.kv_prediction.prefix import KVPrefix, PrefixCalibration, calibrate_prefix
-from fastprefill.methods.kv_prediction.prefix_distill import PrefixDistillation, distill_prefix, prefix_targets
+from fastprefill.methods.kv_prediction.prefix_distill import (
+    DEFAULT_HELDOUT,
+    DEFAULT_TRAIN,
+    DISTILL_SEED,
+    PrefixDistillation,
+    distill_prefix,
+    distillation_prompts,
+    prefix_targets,
+)
 from fastprefill.methods.kv_prediction.train import (
     TrainConfig,
     error_summary,
@@ -236,16 +244,6 @@ def cmd_prefix(args: argparse.Namespace) -> None:
                      indent=2))
 
 
-def _task_prompts(tok, spec: str, length: int, seed: int, exclude: set[str]) -> tuple[list[str], list[torch.Tensor]]:
-    """``TASK:N`` -> up to ``N`` dev prompts of that task (``length`` tokens if sized), skipping ``exclude``."""
-    name, _, n = spec.partition(":")
-    task = get_task(name)
-    ask = min(int(n or 8) + len(exclude), len(task.source_ids("dev")))
-    samples = [s for s in task.build(tok, length if task.sized else None, ask, split="dev", seed=seed)
-               if s.id not in exclude][: int(n or 8)]
-    return [s.id for s in samples], [torch.as_tensor(s.input_ids, dtype=torch.long).reshape(1, -1) for s in samples]
-
-
 def cmd_distill(args: argparse.Namespace) -> None:
     """KL distillation of a least-squares kvp-prefix checkpoint on dev task prompts (resumable).
 
@@ -255,33 +253,22 @@ def cmd_distill(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     model, tok = zoo.load(args.model)
     lsq = json.loads(Path(args.predictor, "config.json").read_text())
-    exclude = set(lsq.get("task_ids", []))
-    for spec in {s.partition(":")[0] for s in [*args.train, *args.heldout]}:
-        task = get_task(spec)
-        sweep = task.build(tok, args.length if task.sized else None, args.sweep_n, split="dev", seed=0)
-        exclude |= {s.id for s in sweep}
-    ids: list[str] = []
-    sets = {}
-    for role, specs, seed in (("train", args.train, args.seed), ("heldout", args.heldout, args.seed + 1)):
-        prompts = []
-        for spec in specs:
-            got_ids, got = _task_prompts(tok, spec, args.length, seed, exclude | set(ids))
-            ids += got_ids
-            prompts += got
-        sets[role] = prompts
+    specs = {"train": args.train or list(DEFAULT_TRAIN), "heldout": args.heldout or list(DEFAULT_HELDOUT)}
+    prompts = distillation_prompts(tok, specs["train"], specs["heldout"], args.length,
+                                   exclude=lsq.get("task_ids", []), keep_out_n=args.sweep_n, seed=args.seed)
     layer = int(lsq["layer"])
     t0 = time.perf_counter()
-    train = prefix_targets(model, layer, sets["train"], desc="exact states (train)")
-    heldout = prefix_targets(model, layer, sets["heldout"], desc="exact states (held-out)")
+    train = prefix_targets(model, layer, prompts.train, desc="exact states (train)")
+    heldout = prefix_targets(model, layer, prompts.heldout, desc="exact states (held-out)")
     t_targets = time.perf_counter() - t0
     cfg = PrefixDistillation(steps=args.steps, batch=args.batch, lr=args.lr, tail=args.tail, seed=args.seed,
                              eval_every=args.eval_every, end_share=args.end_share)
-    distill_prefix(model, args.predictor, args.out, cfg, train, heldout, task_ids=ids, resume=args.resume)
+    distill_prefix(model, args.predictor, args.out, cfg, train, heldout, task_ids=prompts.ids, resume=args.resume)
     config = json.loads(Path(args.out, "config.json").read_text())
     meta = {"command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
             "wall_seconds_this_run": time.perf_counter() - t0, "exact_states_seconds": t_targets,
-            "train_prompts": {"specs": args.train, "n": len(train), "tokens": sum(t.length for t in train)},
-            "heldout_prompts": {"specs": args.heldout, "n": len(heldout)},
+            "train_prompts": {"specs": specs["train"], "n": len(train), "tokens": sum(t.length for t in train)},
+            "heldout_prompts": {"specs": specs["heldout"], "n": len(heldout)},
             "distillation": config["distillation"], **environment(args.threads)}
     write_json(Path(args.out, "distill_meta.json"), meta)
     write_json(Path(args.results, f"kvp_distill_{Path(args.out).name}.json"), meta)
@@ -499,17 +486,19 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--model", required=True)
     ds.add_argument("--predictor", required=True, help="the least-squares checkpoint")
     ds.add_argument("--out", required=True, help="the distilled checkpoint directory")
-    ds.add_argument("--train", action="append", required=True, metavar="TASK:N", help="dev prompts to train on")
-    ds.add_argument("--heldout", action="append", required=True, metavar="TASK:N", help="dev prompts to select on")
+    ds.add_argument("--train", action="append", default=None, metavar="TASK:N",
+                    help=f"dev prompts to train on (default {' '.join(DEFAULT_TRAIN)})")
+    ds.add_argument("--heldout", action="append", default=None, metavar="TASK:N",
+                    help=f"dev prompts to select on (default {' '.join(DEFAULT_HELDOUT)})")
     ds.add_argument("--length", type=int, default=1024, help="prompt tokens (sized tasks)")
     ds.add_argument("--sweep-n", type=int, default=16, help="seed-0 dev prompts per task kept out (the l-sweep's)")
-    ds.add_argument("--steps", type=int, default=200)
+    ds.add_argument("--steps", type=int, default=120)
     ds.add_argument("--batch", type=int, default=2)
-    ds.add_argument("--lr", type=float, default=3e-5)
+    ds.add_argument("--lr", type=float, default=1e-4)
     ds.add_argument("--tail", type=int, default=32)
     ds.add_argument("--end-share", type=float, default=0.5)
     ds.add_argument("--eval-every", type=int, default=25)
-    ds.add_argument("--seed", type=int, default=2000)
+    ds.add_argument("--seed", type=int, default=DISTILL_SEED)
     ds.add_argument("--resume", action="store_true")
     sw = sub.add_parser("l-sweep", help="kvp-prefix per l beside full prefill on dev prompts")
     sw.add_argument("--model", required=True)

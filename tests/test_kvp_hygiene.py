@@ -181,7 +181,7 @@ def test_demo_shows_kv_prediction(tiny_qwen2):
     assert KVPrefix(layer=3) in methods
 
 
-def test_train_kvp_prefix_command(tmp_path, capsys):
+def test_train_kvp_prefix_command(tmp_path, capsys, smollm2):
     out = tmp_path / "p28"
     args = ["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--layer", "28", "--out", str(out),
             "--lsq-tokens", "1024", "--threads", "1"]
@@ -192,3 +192,18 @@ def test_train_kvp_prefix_command(tmp_path, capsys):
     assert config["complete"] and config["calibration"]["task_share"] == 0.25 and config["task_ids"]
     assert main(["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--out", str(tmp_path / "x")]) == 2
     assert "--layer" in capsys.readouterr().err
+    # KL distillation of that checkpoint on (short) dev prompts
+    dist = tmp_path / "d28"
+    assert main(["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--distill-from", str(out),
+                 "--out", str(dist), "--steps", "2", "--tail", "8", "--train-prompts", "humaneval-completion:2",
+                 "--heldout-prompts", "humaneval-completion:1", "--threads", "1"]) == 0
+    distilled = json.loads((dist / "config.json").read_text())
+    assert distilled["distillation"]["step"] == 2 and distilled["layer"] == 28
+    assert len(distilled["task_ids"]) == len(config["task_ids"]) + 3
+    assert KVPrefix(predictor=str(dist), tail=8).bind(smollm2[0]).describe() == "distilled"
+    capsys.readouterr()
+    assert main(["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--distill-from",
+                 str(tmp_path / "none"), "--out", str(tmp_path / "y")]) == 2
+    assert "no readable kvp-prefix checkpoint" in capsys.readouterr().err
+    assert main(["train-kvp", "--model", "smollm2-135m", "--distill-from", str(out), "--out", str(tmp_path / "z")]) == 2
+    assert "--variant prefix" in capsys.readouterr().err

@@ -324,6 +324,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _distill_prefix(args: argparse.Namespace) -> int:
+    """``train-kvp --variant prefix --distill-from DIR``: KL distillation of calibrated maps."""
+    import json
+    import time
+    from pathlib import Path
+
+    from fastprefill.methods.kv_prediction.prefix_distill import (
+        DEFAULT_HELDOUT,
+        DEFAULT_TRAIN,
+        PrefixDistillation,
+        distill_prefix,
+        distillation_prompts,
+        prefix_targets,
+    )
+
+    try:
+        lsq = json.loads(Path(args.distill_from, "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise FastprefillError(f"--distill-from {args.distill_from}: no readable kvp-prefix checkpoint ({exc})") from None
+    if args.layer is not None and args.layer != lsq.get("layer"):
+        raise FastprefillError(f"--layer {args.layer} but {args.distill_from} is calibrated at l={lsq.get('layer')}")
+    cfg = PrefixDistillation(steps=args.steps, lr=args.lr, tail=args.tail)
+    model, tok = _load(args.base, args.device, args.dtype)
+    t0 = time.perf_counter()
+    prompts = distillation_prompts(tok, args.train_prompts or DEFAULT_TRAIN, args.heldout_prompts or DEFAULT_HELDOUT,
+                                   args.prompt_length, exclude=lsq.get("task_ids", []))
+    train = prefix_targets(model, int(lsq["layer"]), prompts.train, desc="exact states (train)")
+    heldout = prefix_targets(model, int(lsq["layer"]), prompts.heldout, desc="exact states (held-out)")
+    distill_prefix(model, args.distill_from, args.out, cfg, train, heldout, task_ids=prompts.ids, resume=args.resume)
+    console.print(f"[green]distilled[/green] kvp-prefix l={lsq['layer']} in {time.perf_counter() - t0:.0f} s -> "
+                  f"{args.out} (use: --method kvp-prefix:predictor={args.out},tail={args.tail})")
+    return 0
+
+
 # --- train-kvp ---------------------------------------------------------------------------------
 def cmd_train_kvp(args: argparse.Namespace) -> int:
     import time
@@ -333,9 +367,13 @@ def cmd_train_kvp(args: argparse.Namespace) -> int:
     from fastprefill.methods.kv_prediction.train import TrainConfig, train_kvp
 
     if args.variant == "prefix":
+        args.steps = 120 if args.steps is None else args.steps
         args.lsq_tokens = args.lsq_tokens or 32_768
         args.ridge = 1e-3 if args.ridge is None else args.ridge
         return _train_prefix(args)
+    if args.distill_from is not None:
+        raise FastprefillError("--distill-from refines kvp-prefix maps: add --variant prefix")
+    args.steps = 200 if args.steps is None else args.steps
     args.lsq_tokens = args.lsq_tokens or 100_000
     args.ridge = 1e-4 if args.ridge is None else args.ridge
     if (args.aux is None) == (args.drop_stride is None):
@@ -367,11 +405,14 @@ def _train_prefix(args: argparse.Namespace) -> int:
     from fastprefill.distributed.runtime import set_threads
     from fastprefill.methods.kv_prediction.prefix import PrefixCalibration, calibrate_prefix
 
-    if args.layer is None:
-        raise FastprefillError("--variant prefix needs --layer L (the layers the base runs exactly)")
+    if args.layer is None and args.distill_from is None:
+        raise FastprefillError("--variant prefix needs --layer L (the layers the base runs exactly), or "
+                               "--distill-from DIR to refine a calibrated checkpoint")
     if args.aux is not None or args.drop_stride is not None:
         raise FastprefillError("--variant prefix uses no aux model: drop --aux / --drop-stride")
     set_threads(args.threads)
+    if args.distill_from is not None:
+        return _distill_prefix(args)
     cfg = PrefixCalibration(layer=args.layer, lsq_tokens=args.lsq_tokens, seq_len=args.seq_len, ridge=args.ridge,
                             rank=args.rank, max_mb=args.max_mb, task_share=args.task_share)
     model, tok = _load(args.base, args.device, args.dtype)
@@ -477,12 +518,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", choices=["kv", "hidden", "hidden2"], default="kv",
                    help="--variant aux: the maps read the aux layer's KV (the paper), its normalised attention "
                         "input (hidden) or two aux layers' (hidden2)")
+    p.add_argument("--distill-from", metavar="DIR",
+                   help="--variant prefix: refine this calibrated checkpoint by KL distillation on dev task "
+                        "prompts into --out (SwiftKV's second step, the maps only)")
+    p.add_argument("--tail", type=_positive, default=32,
+                   help="--distill-from: prompt tokens run exactly during distillation (use the same tail=W)")
+    p.add_argument("--train-prompts", action="append", metavar="TASK:N",
+                   help="--distill-from: dev prompts to train on (repeatable; default "
+                        "singledoc-qa:24 multidoc-qa:4 humaneval-completion:4)")
+    p.add_argument("--heldout-prompts", action="append", metavar="TASK:N",
+                   help="--distill-from: dev prompts the best maps are chosen on (default singledoc-qa:8)")
+    p.add_argument("--prompt-length", type=_positive, default=1024, help="--distill-from: prompt tokens")
     p.add_argument("--aux", help="KVP-C: the smaller auxiliary model (same tokenizer)")
     p.add_argument("--drop-stride", type=_positive, help="KVP-LP: aux = the base keeping every N-th layer")
     p.add_argument("--out", required=True, help="checkpoint directory")
     p.add_argument("--lsq-tokens", type=_positive, default=None,
                    help="calibration tokens (default 100000; --variant prefix: 32768)")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=_positive, default=None,
+                   help="gradient steps (default 200; --variant prefix --distill-from: 120)")
     p.add_argument("--seq-len", type=_positive, default=512)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--l1-weight", type=float, default=0.1)
