@@ -286,12 +286,12 @@ def cmd_lsweep(args: argparse.Namespace) -> None:
     """kvp-prefix per l beside full prefill on dev prompts; rows via the bench records module."""
     set_threads(args.threads)
     model, tok = zoo.load(args.model)
-    predictors = dict(item.split("=", 1) for item in args.predictor)
-    metas = [json.loads(Path(d, "config.json").read_text()) for d in predictors.values()]
+    predictors = [item.split("=", 1) for item in args.predictor]  # [(l, dir)], one l may have several
+    metas = [json.loads(Path(d, "config.json").read_text()) for _, d in predictors]
     used = {"task_ids": [i for m in metas for i in m.get("task_ids", [])]}
     samples, prompts = _dev_prompts(tok, args, used)
 
-    extra = [(int(l), KVPrefix(layer=int(l), predictor=d, tail=w)) for l, d in predictors.items() for w in args.tails]
+    extra = [(int(l), KVPrefix(layer=int(l), predictor=d, tail=w)) for l, d in predictors for w in args.tails]
     rows = l_sweep(model, prompts, args.layers, extra=extra)
     header = {"bench": "kvp-prefix-l-sweep", "model": args.model, "task": args.task, "split": "dev",
               "length": args.length, "n": len(samples), "seed": args.seed, "layers": args.layers,
@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--resume", action="store_true")
     sw = sub.add_parser("l-sweep", help="kvp-prefix per l beside full prefill on dev prompts")
     sw.add_argument("--model", required=True)
-    sw.add_argument("--layers", type=int, nargs="+", required=True)
+    sw.add_argument("--layers", type=int, nargs="*", default=[], help="depths with zero-shot maps")
     sw.add_argument("--predictor", action="append", default=[], metavar="L=DIR",
                     help="a calibrated checkpoint at l: a row of its own after the zero-shot rows")
     sw.add_argument("--tails", type=int, nargs="+", default=[1],
