@@ -158,6 +158,10 @@ def test_bad_inputs(tiny_qwen2, lsq, targets, tmp_path):
     distill_prefix(tiny_qwen2, lsq, tmp_path / "c", cfg, train, heldout, progress=False)
     with pytest.raises(ConfigError, match="already distilled"):
         distill_prefix(tiny_qwen2, tmp_path / "c", tmp_path / "e", cfg, train, heldout, progress=False)
+    full = tmp_path / "l4"
+    calibrate_prefix(tiny_qwen2, full, PrefixCalibration(layer=4), corpus=[_ids(64, 1)], heldout=[], progress=False)
+    with pytest.raises(ConfigError, match="no maps to distill"):
+        distill_prefix(tiny_qwen2, full, tmp_path / "g", cfg, train, heldout, progress=False)
     with pytest.raises(Exception, match="another model|differ|shape"):
         from fastprefill.models.random import random_model
         distill_prefix(random_model("qwen2", seed=5), lsq, tmp_path / "f", cfg, train, heldout, progress=False)

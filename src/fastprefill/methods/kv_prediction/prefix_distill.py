@@ -154,19 +154,21 @@ def distillation_prompts(
             raise ConfigError(f"distillation prompts are given as TASK:N with N >= 1, got {spec!r}")
         return get_task(name), int(n)
 
+    def size(task: Any) -> int | None:
+        return length if task.sized else None
+
     parsed = {role: [parse(s) for s in specs] for role, specs in (("train", train), ("heldout", heldout))}
     used = set(exclude)
     for task in {t.name: t for t, _ in (*parsed["train"], *parsed["heldout"])}.values():
-        size = task.sized and length or None
-        used |= {s.id for s in task.build(tokenizer, size, min(keep_out_n, len(task.source_ids("dev"))),
+        used |= {s.id for s in task.build(tokenizer, size(task), min(keep_out_n, len(task.source_ids("dev"))),
                                           split="dev", seed=0)}
     out: dict[str, list[torch.Tensor]] = {"train": [], "heldout": []}
     ids: list[str] = []
     for role, role_seed in (("train", seed), ("heldout", seed + 1)):
         for task, n in parsed[role]:
             ask = min(n + len(used), len(task.source_ids("dev")))
-            samples = [s for s in task.build(tokenizer, task.sized and length or None, ask, split="dev",
-                                             seed=role_seed) if s.id not in used][:n]
+            samples = [s for s in task.build(tokenizer, size(task), ask, split="dev", seed=role_seed)
+                       if s.id not in used][:n]
             if len(samples) < n:
                 raise ConfigError(f"{task.name}: only {len(samples)} unused dev prompts, asked for {n}")
             used |= {s.id for s in samples}
@@ -338,6 +340,8 @@ def distill_prefix(
     if base_meta.get("distillation"):
         raise ConfigError(f"{src} is already distilled; distill its least-squares checkpoint instead")
     ad = DecoderAdapter(model, "kvp-prefix distillation")
+    if int(base_meta["layer"]) >= ad.num_layers:
+        raise ConfigError(f"{src} runs every layer exactly (l = {base_meta['layer']}): there are no maps to distill")
     maps = _Maps(model, int(base_meta["layer"]), state)
     opt = torch.optim.Adam(maps.parameters(), lr=config.lr)
     settings = vars(config).copy()
