@@ -7,6 +7,8 @@ wrong and how to fix it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class FastprefillError(Exception):
     """Base class of every error fastprefill raises on purpose."""
@@ -14,6 +16,15 @@ class FastprefillError(Exception):
 
 class ConfigError(FastprefillError, ValueError):
     """A configuration value (method field, task length, CLI flag) is out of its allowed range."""
+
+
+def check_fields(owner: object, checks: Iterable[tuple[str, bool, str]]) -> None:
+    """Raise :class:`ConfigError` for the first ``(field, ok, allowed)`` of ``checks`` that is not
+    ``ok``: ``"<Class>.<field> must be <allowed>, got <value>"`` (a settings dataclass's
+    ``__post_init__``)."""
+    for name, ok, allowed in checks:
+        if not ok:
+            raise ConfigError(f"{type(owner).__name__}.{name} must be {allowed}, got {getattr(owner, name)!r}")
 
 
 class ModelNotFoundError(FastprefillError, ValueError):

@@ -58,7 +58,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, check_fields
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
 from fastprefill.methods.full import FullPrefill, FullState
 from fastprefill.methods.kv_prediction.aux import tokenizer_fingerprint, weights_fingerprint
@@ -412,9 +412,7 @@ class PrefixCalibration:
             ("checkpoint_every", self.checkpoint_every >= 1, ">= 1"),
             ("heldout_seqs", self.heldout_seqs >= 0, ">= 0"),
         ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ConfigError(f"PrefixCalibration.{name} must be {allowed}, got {getattr(self, name)!r}")
+        check_fields(self, checks)
 
 
 def choose_rank(shape: ModelShape, layer: int, rank: int | None, max_mb: float) -> int | None:

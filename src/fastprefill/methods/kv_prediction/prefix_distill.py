@@ -39,7 +39,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, check_fields
 from fastprefill.methods.kv_prediction.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from fastprefill.methods.kv_prediction.prefix import VARIANT, KVPrefix, PrefixPredictor, exact_hidden
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
@@ -104,9 +104,7 @@ class PrefixDistillation:
             ("eval_every", self.eval_every >= 1, ">= 1"),
             ("grad_clip", self.grad_clip >= 0, ">= 0"),
         ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ConfigError(f"PrefixDistillation.{name} must be {allowed}, got {getattr(self, name)!r}")
+        check_fields(self, checks)
 
 
 @dataclass

@@ -56,7 +56,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.cache import ReplayCache
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, check_fields
 from fastprefill.methods.kv_prediction.aux import (
     AuxSpec,
     check_tokenizers,
@@ -233,9 +233,7 @@ class TrainConfig:
             ("source", self.source in SOURCES, f"one of {SOURCES}"),
             ("heldout_seqs", self.heldout_seqs >= 0, ">= 0"),
         ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ConfigError(f"TrainConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
+        check_fields(self, checks)
 
 
 def _plot_loss(out_dir: Path, history: list[dict[str, float]]) -> None:
