@@ -49,7 +49,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -82,6 +82,7 @@ __all__ = [
     "calibrate_prefix",
     "check_layer",
     "exact_hidden",
+    "predicted_tail",
     "prefix_errors",
 ]
 
@@ -331,17 +332,9 @@ class KVPrefix(Method):
             for i in range(l):  # exact on every prompt token
                 hidden = ad.layer(i, hidden, positions, cache, rotary=(cos, sin))
             p = max(n - self.tail, 0) if l < L else 0  # predicted rows
-            if p:
-                for j, (k, v) in pred.predict(ad, hidden[:, :p]).items():  # (1, H_kv, T-W, d)
-                    cache.update(rotate_keys(k, cos[:, :p], sin[:, :p]), v, j)
-            tail, tail_pos, tail_rot = hidden[:, p:], positions[:, p:], (cos[:, p:], sin[:, p:])  # (1, W, D)
-            w = n - p
-            # A block of W > 1 rows over predicted rows needs an explicit mask: SDPA's own causal
-            # flag aligns a short query block to the first keys, not the last.
-            mask = causal_mask(tail_pos[0], positions[0]) if p and w > 1 else None  # (1, 1, W, T)
-            for j in range(l, L):  # the tail through every later layer (causal, over the predicted rows)
-                tail = ad.layer(j, tail, tail_pos, cache, mask=mask, rotary=tail_rot)
+            tail = predicted_tail(ad, lambda h: pred.predict(ad, h), hidden, positions, (cos, sin), cache, l, p)
             logits = ad.head(tail[:, -1:])[0, -1]  # (V,)
+        w = n - p
         map_flops = pred.flops(p)
         exact_flops = l * shape.layer_flops(n)
         tail_flops = (L - l) * shape.layer_flops(w, w * p + causal_pairs(w))
@@ -360,6 +353,44 @@ class KVPrefix(Method):
     def describe(self) -> str:
         maps = Path(self.predictor).name if self.predictor else "zero-shot"
         return f"kvp-prefix(l={self.layer}, {maps}{'' if self.tail == 1 else f', tail={self.tail}'})"
+
+
+def predicted_tail(
+    ad: DecoderAdapter,
+    predict: Callable[[torch.Tensor], dict[int, KV]],
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    cache: Any,
+    layer: int,
+    predicted: int,
+) -> torch.Tensor:
+    """Steps 2-3 of kvp-prefix: the first ``predicted`` rows' K/V at every layer ``j >= layer``
+    come from ``predict``, the other rows run through layers ``layer..L-1`` over them.
+
+    Args:
+        predict: ``h_l`` rows ``(1, p, D)`` -> pre-rotation ``{j: (K_j, V_j)}``, each
+            ``(1, H_kv, p, d)`` (:meth:`PrefixPredictor.predict`'s contract).
+        hidden: ``h_l`` ``(1, T, D)``, the input of layer ``layer``.
+        positions: ``(1, T)``; rotary: their ``(cos, sin)``, each ``(1, T, d)``.
+        cache: a ``DynamicCache`` (holding layers ``< layer``, or nothing); receives the rows.
+        layer: ``l``; predicted: ``p`` in ``[0, T)``.
+
+    Returns:
+        ``(1, T - p, D)``: the exact rows' output of the last layer (before the final norm).
+    """
+    cos, sin = rotary
+    p = predicted
+    if p:
+        for j, (k, v) in predict(hidden[:, :p]).items():  # (1, H_kv, p, d)
+            cache.update(rotate_keys(k, cos[:, :p], sin[:, :p]), v, j)
+    tail, tail_pos, tail_rot = hidden[:, p:], positions[:, p:], (cos[:, p:], sin[:, p:])  # (1, W, D)
+    # A block of W > 1 rows over predicted rows needs an explicit mask: SDPA's own causal flag
+    # aligns a short query block to the first keys, not the last.
+    mask = causal_mask(tail_pos[0], positions[0]) if p and tail.shape[1] > 1 else None  # (1, 1, W, T)
+    for j in range(layer, ad.num_layers):  # the tail through every later layer (causal, over the predicted rows)
+        tail = ad.layer(j, tail, tail_pos, cache, mask=mask, rotary=tail_rot)
+    return tail
 
 
 def _delta(state: dict[str, torch.Tensor], which: str, j: int) -> torch.Tensor:
@@ -447,11 +478,12 @@ def exact_hidden(ad: DecoderAdapter, ids: torch.Tensor, layers: Sequence[int]) -
     hidden = ad.embed(ids)
     rot = ad.rotary(hidden, positions)
     want, out = set(layers), {}
+    last = max(want, default=-1)
     with ad.attention_scope():
         for i in range(ad.num_layers):
             if i in want:
                 out[i] = hidden
-            if i >= max(want, default=-1):
+            if i >= last:
                 break
             hidden = ad.layer(i, hidden, positions, cache, rotary=rot)
         else:

@@ -41,9 +41,14 @@ from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.errors import ConfigError, check_fields
 from fastprefill.methods.kv_prediction.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from fastprefill.methods.kv_prediction.prefix import VARIANT, KVPrefix, PrefixPredictor, exact_hidden
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
-from fastprefill.models.kv import rotate_keys
+from fastprefill.methods.kv_prediction.prefix import (
+    VARIANT,
+    KVPrefix,
+    PrefixPredictor,
+    exact_hidden,
+    predicted_tail,
+)
+from fastprefill.models.adapters import DecoderAdapter
 
 __all__ = [
     "DEFAULT_HELDOUT",
@@ -225,17 +230,23 @@ class _Maps(torch.nn.Module):
                         raise CheckpointError(f"kvp-prefix checkpoint lacks tensor {key!r}")
                     self.parts[key.replace(".", "_")] = torch.nn.Parameter(state[key].to(device, torch.float32))
 
-    def kv(self, j: int, x1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merged pre-rotation ``(K, V)`` ``(1, N, H_kv*d)`` at layer ``j`` from ``[x 1]`` ``(1, N, D+1)``."""
-        out = []
-        for w in ("k", "v"):
-            y = x1 @ self.zero[f"{w}.{j}"]
-            if f"{w}_{j}_delta" in self.parts:
-                y = y + x1 @ self.parts[f"{w}_{j}_delta"]
-            else:
-                y = y + (x1 @ self.parts[f"{w}_{j}_a"]) @ self.parts[f"{w}_{j}_b"]
-            out.append(y)
-        return out[0], out[1]
+    def predict(self, ad: DecoderAdapter, hidden: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Pre-rotation ``{j: (K_j, V_j)}``, each ``(1, H_kv, N, d)`` in the model's dtype, from
+        ``h_l`` ``(1, N, D)`` (:meth:`PrefixPredictor.predict`'s contract, differentiable)."""
+        x = ad.unit_rms(self.layer, hidden).float()
+        x1 = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)  # (1, N, D+1)
+        out = {}
+        for j in self.layers:
+            kv = []
+            for w in ("k", "v"):
+                y = x1 @ self.zero[f"{w}.{j}"]
+                if f"{w}_{j}_delta" in self.parts:
+                    y = y + x1 @ self.parts[f"{w}_{j}_delta"]
+                else:
+                    y = y + (x1 @ self.parts[f"{w}_{j}_a"]) @ self.parts[f"{w}_{j}_b"]
+                kv.append(ad.split_heads(y.to(ad.dtype)))
+            out[j] = (kv[0], kv[1])
+        return out
 
     def state(self) -> dict[str, torch.Tensor]:
         """The corrections under their checkpoint names (float16, CPU)."""
@@ -245,33 +256,24 @@ class _Maps(torch.nn.Module):
 def _tail_logprobs(ad: DecoderAdapter, maps: _Maps, target: PrefixTargets, cut: int, tail: int) -> torch.Tensor:
     """kvp-prefix on the first ``cut`` rows with ``tail`` exact rows: log-probs ``(W, V)`` of the tail."""
     h = target.h_l[:, :cut].to(ad.dtype)  # (1, t, D)
-    p = cut - tail
     positions = torch.arange(cut, device=h.device)[None]
-    cos, sin = ad.rotary(h, positions)
-    cache = DynamicCache(config=ad.config)
-    x = ad.unit_rms(maps.layer, h[:, :p]).float()
-    x1 = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)  # (1, p, D+1)
-    for j in maps.layers:
-        k, v = maps.kv(j, x1)
-        k, v = ad.split_heads(k.to(ad.dtype)), ad.split_heads(v.to(ad.dtype))
-        cache.update(rotate_keys(k, cos[:, :p], sin[:, :p]), v, j)
-    rows, row_pos = h[:, p:], positions[:, p:]
-    mask = causal_mask(row_pos[0], positions[0])
-    for j in maps.layers:
-        rows = ad.layer(j, rows, row_pos, cache, mask=mask, rotary=(cos[:, p:], sin[:, p:]))
+    rows = predicted_tail(ad, lambda x: maps.predict(ad, x), h, positions, ad.rotary(h, positions),
+                          DynamicCache(config=ad.config), maps.layer, cut - tail)
     return torch.log_softmax(ad.head(rows)[0], dim=-1)
 
 
-def _ref_logprobs(ad: DecoderAdapter, target: PrefixTargets, cut: int, tail: int) -> torch.Tensor:
+def _kl_rows(ad: DecoderAdapter, maps: _Maps, target: PrefixTargets, cut: int,
+             tail: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tail row: KL(full prefill || kvp-prefix) ``(W,)``, and both log-probs ``(W, V)``."""
     with torch.no_grad():
-        return torch.log_softmax(ad.head(target.h_final[:, cut - tail:cut].to(ad.dtype))[0], dim=-1)
+        ref = torch.log_softmax(ad.head(target.h_final[:, cut - tail:cut].to(ad.dtype))[0], dim=-1)
+    got = _tail_logprobs(ad, maps, target, cut, tail)
+    return (ref.exp() * (ref - got)).sum(-1), ref, got
 
 
 def tail_kl(ad: DecoderAdapter, maps: _Maps, target: PrefixTargets, cut: int, tail: int) -> torch.Tensor:
     """Mean over the ``tail`` rows ending at ``cut`` of KL(full prefill || kvp-prefix), in nats (scalar)."""
-    ref = _ref_logprobs(ad, target, cut, tail)
-    got = _tail_logprobs(ad, maps, target, cut, tail)
-    return (ref.exp() * (ref - got)).sum(-1).mean()
+    return _kl_rows(ad, maps, target, cut, tail)[0].mean()
 
 
 def _evaluate(ad: DecoderAdapter, maps: _Maps, targets: Sequence[PrefixTargets], tail: int) -> dict[str, float]:
@@ -279,9 +281,7 @@ def _evaluate(ad: DecoderAdapter, maps: _Maps, targets: Sequence[PrefixTargets],
     tail_kls, last_kls, agree = [], [], []
     with torch.no_grad(), ad.attention_scope():
         for t in targets:
-            ref = _ref_logprobs(ad, t, t.length, tail)
-            got = _tail_logprobs(ad, maps, t, t.length, tail)
-            kl = (ref.exp() * (ref - got)).sum(-1)
+            kl, ref, got = _kl_rows(ad, maps, t, t.length, tail)
             tail_kls.append(float(kl.mean()))
             last_kls.append(float(kl[-1]))
             agree.append(float(ref[-1].argmax() == got[-1].argmax()))
