@@ -82,9 +82,7 @@ from fastprefill.methods.kv_prediction.prefix_distill import (
     DEFAULT_TRAIN,
     DISTILL_SEED,
     PrefixDistillation,
-    distill_prefix,
-    distillation_prompts,
-    prefix_targets,
+    distill_on_dev,
 )
 from fastprefill.methods.kv_prediction.train import (
     TrainConfig,
@@ -252,23 +250,15 @@ def cmd_distill(args: argparse.Namespace) -> None:
     calibration's own task prompts."""
     set_threads(args.threads)
     model, tok = zoo.load(args.model)
-    lsq = json.loads(Path(args.predictor, "config.json").read_text())
-    specs = {"train": args.train or list(DEFAULT_TRAIN), "heldout": args.heldout or list(DEFAULT_HELDOUT)}
-    prompts = distillation_prompts(tok, specs["train"], specs["heldout"], args.length,
-                                   exclude=lsq.get("task_ids", []), keep_out_n=args.sweep_n, seed=args.seed)
-    layer = int(lsq["layer"])
-    t0 = time.perf_counter()
-    train = prefix_targets(model, layer, prompts.train, desc="exact states (train)")
-    heldout = prefix_targets(model, layer, prompts.heldout, desc="exact states (held-out)")
-    t_targets = time.perf_counter() - t0
     cfg = PrefixDistillation(steps=args.steps, batch=args.batch, lr=args.lr, tail=args.tail, seed=args.seed,
                              eval_every=args.eval_every, end_share=args.end_share)
-    distill_prefix(model, args.predictor, args.out, cfg, train, heldout, task_ids=prompts.ids, resume=args.resume)
+    t0 = time.perf_counter()
+    _, info = distill_on_dev(model, tok, args.predictor, args.out, cfg, train=args.train or DEFAULT_TRAIN,
+                             heldout=args.heldout or DEFAULT_HELDOUT, length=args.length, keep_out_n=args.sweep_n,
+                             seed=args.seed, resume=args.resume)
     config = json.loads(Path(args.out, "config.json").read_text())
     meta = {"command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
-            "wall_seconds_this_run": time.perf_counter() - t0, "exact_states_seconds": t_targets,
-            "train_prompts": {"specs": specs["train"], "n": len(train), "tokens": sum(t.length for t in train)},
-            "heldout_prompts": {"specs": specs["heldout"], "n": len(heldout)},
+            "wall_seconds_this_run": time.perf_counter() - t0, **info,
             "distillation": config["distillation"], **environment(args.threads)}
     write_json(Path(args.out, "distill_meta.json"), meta)
     write_json(Path(args.results, f"kvp_distill_{Path(args.out).name}.json"), meta)

@@ -326,34 +326,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _distill_prefix(args: argparse.Namespace) -> int:
     """``train-kvp --variant prefix --distill-from DIR``: KL distillation of calibrated maps."""
-    import json
     import time
-    from pathlib import Path
 
     from fastprefill.methods.kv_prediction.prefix_distill import (
         DEFAULT_HELDOUT,
         DEFAULT_TRAIN,
         PrefixDistillation,
-        distill_prefix,
-        distillation_prompts,
-        prefix_targets,
+        distill_on_dev,
+        read_distill_source,
     )
 
-    try:
-        lsq = json.loads(Path(args.distill_from, "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise FastprefillError(f"--distill-from {args.distill_from}: no readable kvp-prefix checkpoint ({exc})") from None
-    if args.layer is not None and args.layer != lsq.get("layer"):
-        raise FastprefillError(f"--layer {args.layer} but {args.distill_from} is calibrated at l={lsq.get('layer')}")
+    source = read_distill_source(args.distill_from, args.layer)
     cfg = PrefixDistillation(steps=args.steps, lr=args.lr, tail=args.tail)
     model, tok = _load(args.base, args.device, args.dtype)
     t0 = time.perf_counter()
-    prompts = distillation_prompts(tok, args.train_prompts or DEFAULT_TRAIN, args.heldout_prompts or DEFAULT_HELDOUT,
-                                   args.prompt_length, exclude=lsq.get("task_ids", []))
-    train = prefix_targets(model, int(lsq["layer"]), prompts.train, desc="exact states (train)")
-    heldout = prefix_targets(model, int(lsq["layer"]), prompts.heldout, desc="exact states (held-out)")
-    distill_prefix(model, args.distill_from, args.out, cfg, train, heldout, task_ids=prompts.ids, resume=args.resume)
-    console.print(f"[green]distilled[/green] kvp-prefix l={lsq['layer']} in {time.perf_counter() - t0:.0f} s -> "
+    distill_on_dev(model, tok, args.distill_from, args.out, cfg, train=args.train_prompts or DEFAULT_TRAIN,
+                   heldout=args.heldout_prompts or DEFAULT_HELDOUT, length=args.prompt_length, resume=args.resume)
+    console.print(f"[green]distilled[/green] kvp-prefix l={source['layer']} in {time.perf_counter() - t0:.0f} s -> "
                   f"{args.out} (use: --method kvp-prefix:predictor={args.out},tail={args.tail})")
     return 0
 

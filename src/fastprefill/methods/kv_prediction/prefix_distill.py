@@ -26,6 +26,7 @@ saved with each evaluation.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -57,9 +58,11 @@ __all__ = [
     "DistillPrompts",
     "PrefixDistillation",
     "PrefixTargets",
+    "distill_on_dev",
     "distill_prefix",
     "distillation_prompts",
     "prefix_targets",
+    "read_distill_source",
     "tail_kl",
 ]
 
@@ -420,3 +423,58 @@ def distill_prefix(
         for p, flag in frozen.items():
             p.requires_grad_(flag)
     return KVPrefix(predictor=str(out))
+
+
+def read_distill_source(predictor: str | os.PathLike[str], layer: int | None = None) -> dict[str, Any]:
+    """The ``config.json`` of the checkpoint to distill (its ``layer``, ``task_ids``), read before any
+    model is loaded.
+
+    Raises:
+        ConfigError: no readable checkpoint config there, or ``layer`` given and not its ``l``.
+    """
+    try:
+        config = json.loads(Path(predictor, "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{predictor}: no readable kvp-prefix checkpoint to distill ({exc})") from None
+    if layer is not None and layer != config.get("layer"):
+        raise ConfigError(f"--layer {layer} but {predictor} is calibrated at l={config.get('layer')}")
+    return config
+
+
+def distill_on_dev(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    predictor: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    config: PrefixDistillation,
+    *,
+    train: Sequence[str] = DEFAULT_TRAIN,
+    heldout: Sequence[str] = DEFAULT_HELDOUT,
+    length: int = 1024,
+    keep_out_n: int = 16,
+    seed: int = DISTILL_SEED,
+    resume: bool = False,
+    progress: bool = True,
+) -> tuple[KVPrefix, dict[str, Any]]:
+    """:func:`distillation_prompts`, their :func:`prefix_targets`, then :func:`distill_prefix`.
+
+    Args: as :func:`distillation_prompts` (``train``, ``heldout``, ``length``, ``keep_out_n``,
+    ``seed``; the checkpoint's own ``task_ids`` are excluded) and :func:`distill_prefix`.
+
+    Returns:
+        The distilled :class:`~.prefix.KVPrefix` and ``{"train_prompts": {"specs", "n", "tokens"},
+        "heldout_prompts": {"specs", "n"}, "exact_states_seconds"}``.
+    """
+    source = read_distill_source(predictor)
+    prompts = distillation_prompts(tokenizer, train, heldout, length, exclude=source.get("task_ids", []),
+                                   keep_out_n=keep_out_n, seed=seed)
+    layer = int(source["layer"])
+    t0 = time.perf_counter()
+    train_t = prefix_targets(model, layer, prompts.train, progress=progress, desc="exact states (train)")
+    heldout_t = prefix_targets(model, layer, prompts.heldout, progress=progress, desc="exact states (held-out)")
+    seconds = time.perf_counter() - t0
+    method = distill_prefix(model, predictor, out_dir, config, train_t, heldout_t, task_ids=prompts.ids,
+                            resume=resume, progress=progress)
+    info = {"train_prompts": {"specs": list(train), "n": len(train_t), "tokens": sum(t.length for t in train_t)},
+            "heldout_prompts": {"specs": list(heldout), "n": len(heldout_t)}, "exact_states_seconds": seconds}
+    return method, info
