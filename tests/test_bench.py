@@ -175,8 +175,18 @@ def test_record_log_appends_resumes_and_refuses_mismatches(tmp_path):
     assert again.done(1024) == {("a", "full")} and again.done(2048) == {("a", "full")} and again.done(None) == set()
     with pytest.raises(ConfigError, match="made with n=2, not 3"):
         RecordLog(path, {**header, "n": 3}, resume=True, match=("task", "n"))
+    with pytest.raises(ConfigError, match="made with n=2, not 1; n may only grow"):
+        RecordLog(path, {**header, "n": 1}, resume=True, match=("task", "n"), grow=("n",))
+    with pytest.raises(ConfigError, match="made with task='t', not 'u'"):
+        RecordLog(path, {**header, "task": "u", "n": 3}, resume=True, match=("task", "n"), grow=("n",))
+    assert load_records(path)[0] == header  # a refused resume leaves the file alone
     with pytest.raises(ConfigError, match="exists"):
         RecordLog(path, header, overwrite=False)
+    grown = RecordLog(path, {**header, "n": 5, "command": "more"}, resume=True, match=("task", "n"), grow=("n",))
+    assert grown.records == log.records and grown.done(1024) == {("a", "full")}
+    assert grown.header == {**header, "n": 5, "extended": [{"from_n": 2, "command": "more"}]}
+    assert load_records(path) == (grown.header, log.records)
+    assert "extended from n=2 by `more`" in markdown_table([], {**grown.header, "task": "t"})
     RecordLog(path, header)  # a fresh run replaces the file
     assert load_records(path) == (header, [])
     write_rows(tmp_path / "rows.jsonl", {"h": 1}, [{"a": 1}])
@@ -307,8 +317,15 @@ def test_run_benchmark_appends_and_resumes(tiny_llama, tmp_path, monkeypatch):
         (r.length, r.sample_id, r.method) for r in full)
     assert _Counting.calls == sum(r.method == "c" for r in full[3:])  # only the missing runs
     assert load_records(path)[1] == resumed
-    with pytest.raises(ConfigError, match="made with n=2, not 3"):
-        run_benchmark(tiny_llama, None, "fake", {"c": _Counting()}, [8, 12], 3, resume=True, **kw)
+    with pytest.raises(ConfigError, match="made with n=2, not 1; n may only grow"):
+        run_benchmark(tiny_llama, None, "fake", {"c": _Counting()}, [8, 12], 1, resume=True, **kw)
+    # a larger n extends the file: the first samples are the same (prefix-stable), only the new one runs
+    _Counting.calls = 0
+    grown = run_benchmark(tiny_llama, None, "fake", {"c": _Counting()}, [8, 12], 3, resume=True, **kw)
+    assert grown[:8] == resumed and _Counting.calls == 2
+    assert sorted((r.length, r.sample_id) for r in grown[8:]) == [(8, "2"), (8, "2"), (12, "2"), (12, "2")]
+    header, on_disk = load_records(path)
+    assert on_disk == grown and header["n"] == 3 and [e["from_n"] for e in header["extended"]] == [2]
 
 
 # --------------------------------------------------------------------------- registry and CLI

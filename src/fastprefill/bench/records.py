@@ -178,10 +178,14 @@ class RecordLog:
             must equal the file's, or the run is refused.
         overwrite: when not resuming, replace an existing file (``False``: refuse it).
         match: header keys a resumed file must agree on (what was run, not when or where).
+        grow: integer header keys among ``match`` that a resumed run may raise (``n``: samples
+            are a prefix-stable choice, so a larger ``n`` runs the file's samples and then more).
+            The file's header then takes the new value, and its ``extended`` list records the
+            old value, this run's command and start time.
 
     Raises:
-        ConfigError: resuming with a header that disagrees on a ``match`` key, or an existing
-            file with ``resume=False, overwrite=False``.
+        ConfigError: resuming with a header that disagrees on a ``match`` key (or lowers a
+            ``grow`` key), or an existing file with ``resume=False, overwrite=False``.
     """
 
     def __init__(
@@ -192,18 +196,32 @@ class RecordLog:
         resume: bool = False,
         overwrite: bool = True,
         match: Sequence[str] = (),
+        grow: Sequence[str] = (),
     ) -> None:
         self.path = Path(path)
         self.records: list[Record] = []
         if resume and self.path.exists():
             old, self.records = load_records(self.path)
+            grown: dict[str, Any] = {}
             for key in match:
-                if json.loads(json.dumps(header.get(key))) != old.get(key):
-                    raise ConfigError(
-                        f"resume: {self.path} was made with {key}={old.get(key)!r}, not {header.get(key)!r}; "
-                        "run without resuming or write to another file"
-                    )
+                new, was = json.loads(json.dumps(header.get(key))), old.get(key)
+                if new == was:
+                    continue
+                if key in grow and isinstance(new, int) and isinstance(was, int) and new > was:
+                    grown[key] = was
+                    continue
+                raise ConfigError(
+                    f"resume: {self.path} was made with {key}={was!r}, not {header.get(key)!r}; "
+                    + (f"{key} may only grow; " if key in grow else "")
+                    + "run without resuming or write to another file"
+                )
             self.header = old
+            if grown:
+                step = {f"from_{key}": was for key, was in grown.items()}
+                step.update({k: header[k] for k in ("command", "started", "git_commit") if k in header})
+                self.header = {**old, **{key: header[key] for key in grown},
+                               "extended": [*old.get("extended", []), step]}
+                save_records(self.path, self.header, self.records)
         elif self.path.exists() and not overwrite:
             raise ConfigError(f"{self.path} exists: resume it, or write to another file")
         else:

@@ -56,6 +56,8 @@ def markdown_table(summaries: Sequence[Summary], header: Mapping[str, Any] | Non
             f"Task `{header.get('task')}` ({header.get('split')} split), model `{header.get('model', '?')}`, "
             f"{header.get('threads')} threads, torch {header.get('torch')}, CPU: {header.get('cpu')}. "
             f"Warm-up runs excluded: {header.get('warmup')} per method. Command: `{header.get('command')}`"
+            + "".join(f"; extended from n={step.get('from_n')} by `{step.get('command')}`"
+                      for step in header.get("extended", []))
         )
         lines.append("")
     lines.append(

@@ -38,11 +38,14 @@ from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.pruning import recording_kept_positions
 
-__all__ = ["RESUME_MATCH", "PromptSample", "Unscored", "first_token_kl", "gold_kept_shares", "random_samples",
+__all__ = ["RESUME_GROW", "RESUME_MATCH", "PromptSample", "Unscored", "first_token_kl", "gold_kept_shares", "random_samples",
            "run_benchmark", "run_samples"]
 
 #: Header keys a resumed :func:`run_benchmark` file must share with the new run.
 RESUME_MATCH = ("task", "split", "seed", "n", "lengths", "max_new_tokens", "stop_at_eos", "methods")
+#: Of those, the ones a resumed run may raise: tasks choose the first ``n`` of a seeded order,
+#: so a larger ``n`` keeps the file's samples and adds more.
+RESUME_GROW = ("n",)
 
 
 def first_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
@@ -254,8 +257,9 @@ def run_benchmark(
         max_new_tokens: defaults to the task's own.
         meta: extra fields for the result header (model name, ...).
         stop_at_eos: ``False`` generates exactly ``max_new_tokens`` per run.
-        resume: continue ``<name>.jsonl`` (same task, split, seed, n, lengths, budget and
-            methods), skipping the runs it holds; without it an existing file is replaced.
+        resume: continue ``<name>.jsonl`` (same task, split, seed, lengths, budget and methods;
+            the same ``n`` or a larger one, which extends the file: see :class:`RecordLog`),
+            skipping the runs it holds; without it an existing file is replaced.
 
     Returns:
         Every record of the result (those of a resumed file included).
@@ -281,7 +285,8 @@ def run_benchmark(
         **environment(threads),
         **(dict(meta) if meta else {}),
     }
-    log = RecordLog(Path(out_dir) / f"{name}.jsonl", header, resume=resume, match=RESUME_MATCH) if out_dir else None
+    log = RecordLog(Path(out_dir) / f"{name}.jsonl", header, resume=resume, match=RESUME_MATCH,
+                                grow=RESUME_GROW) if out_dir else None
     records: list[Record] = list(log.records) if log else []
     for length in lengths:
         samples = task.build(tokenizer, length, n, split=split, seed=seed)
