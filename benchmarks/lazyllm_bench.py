@@ -21,6 +21,9 @@ Subcommands (run on a quiet machine; the commands that made the committed result
   on the dev split, chosen by the fidelity rule fixed before the sweep
   (:func:`fastprefill.bench.selection.choose_by_fidelity`).
 - ``speed``: realised vs ideal speedup on a handful of random-token prompts (no scoring).
+- ``ceiling``: a one-cut preset's own selection against two oracles at the same cut and budget
+  (the gold passages first; the attention at a deeper probe layer), first token vs full prefill
+  on the dev split (:func:`fastprefill.bench.ceiling.selection_ceiling`).
 
 The runs, records, summaries and files come from :mod:`fastprefill.bench` (threads fixed,
 warm-up excluded, TTFT from the engine's timing window); this script holds the method tables.
@@ -29,9 +32,11 @@ warm-up excluded, TTFT from the engine's timing window); this script holds the m
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
+from fastprefill.bench.ceiling import selection_ceiling, summarize_ceiling
 from fastprefill.bench.records import FULL, environment, write_rows
 from fastprefill.bench.report import markdown_table, write_paired_rows
 from fastprefill.bench.runner import Unscored, random_samples, run_benchmark, run_samples
@@ -168,9 +173,37 @@ def cmd_speed(args: argparse.Namespace) -> None:
                {"bench": "lazyllm-speed", "model": args.model, **environment(args.threads)}, rows)
 
 
+def cmd_ceiling(args: argparse.Namespace) -> None:
+    """Each preset's selection vs the gold and deep-probe oracles on multidoc-qa dev (first token only)."""
+    from tqdm import tqdm
+
+    from fastprefill.data.tasks import get_task
+
+    set_threads(args.threads)
+    model, tok = _load(args.model)
+    task = get_task("multidoc-qa")
+    rows, summary = [], []
+    for length in args.lengths:
+        samples = task.build(tok, length, args.n, split="dev", seed=args.seed)
+        for preset in args.presets:
+            lazy = LazyLLM.preset(preset)
+            bar = functools.partial(tqdm, desc=f"ceiling {lazy.preset_name}@{length}")
+            got = selection_ceiling(model, tok, task, samples, lazy, args.probe_depth, progress=bar)
+            rows += [{"length": length, "preset": lazy.preset_name, **r.as_dict()} for r in got]
+            summary += [{"length": length, "preset": lazy.preset_name, **s} for s in summarize_ceiling(got)]
+    for row in summary:
+        print(f"{row['length']:>6} {row['preset']:<22} {row['selection']:<7} n={row['n']:<3} "
+              f"first token = full {row['first_token_agreement']:.0%}  median KL {row['median_first_token_kl']:.3f}  "
+              f"gold kept {row['gold_kept_share_mean']:.0%}  token-layers {row['token_layer_fraction_mean']:.0%}")
+    header = {"bench": "lazyllm-ceiling", "task": "multidoc-qa", "split": "dev", "seed": args.seed, "n": args.n,
+              "model": args.model, "probe_depth": args.probe_depth, "summary": summary, **environment(args.threads)}
+    write_rows(Path(args.out) / f"{args.name or 'lazyllm_ceiling_' + args.model}.jsonl", header, rows)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["equivalence", "curve", "needle", "decode", "sweep", "fidelity-sweep", "speed"])
+    ap.add_argument("command", choices=["equivalence", "curve", "needle", "decode", "sweep", "fidelity-sweep", "speed",
+                                        "ceiling"])
     ap.add_argument("--model", default=None, help="zoo name (default depends on the command)")
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--n", type=int, default=None, help="samples per length")
@@ -178,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--presets", nargs="+", default=None,
                     help="LazyLLM presets, '<schedule>' or '<schedule>+<selection>' (curve/decode/speed: default "
-                         "gentle default aggressive; needle: default); 'default' is DEFAULT_PRESET")
+                         "gentle default aggressive; needle: default; ceiling: cut30k20+snap); 'default' is DEFAULT_PRESET")
     ap.add_argument("--revivals", nargs="+", default=["all"],
                     help="decode: the revival policies each preset runs under (all, budget:R, none, catch-up)")
     ap.add_argument("--eos", action="store_true",
@@ -191,13 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="result file stem (default lazyllm_<command>_<model>_<lengths>)")
     ap.add_argument("--out", default=str(RESULTS), help="output directory (default benchmarks/results)")
     ap.add_argument("--resume", action="store_true",
-                    help="curve/needle/decode/sweep: continue an interrupted run's <name>.jsonl")
+                    help="curve/needle/decode/sweep: continue an interrupted run's <name>.jsonl, or extend it to a larger --n")
     ap.add_argument("--schedules", nargs="+", default=sorted(SWEEP), choices=sorted(SWEEP),
                     help="sweep candidates (names in SWEEP)")
     ap.add_argument("--candidates", nargs="+", default=list(FIDELITY_CANDIDATES), choices=list(FIDELITY_CANDIDATES),
                     metavar="CANDIDATE", help="fidelity-sweep candidates (default: all of FIDELITY_CANDIDATES)")
     ap.add_argument("--static-depth", type=float, default=0.25,
                     help="StaticPruning selects at layer floor(depth * L)")
+    ap.add_argument("--probe-depth", type=float, default=0.67,
+                    help="ceiling: the deep oracle scores at layer floor(depth * L) of the full model")
     ap.add_argument("--answer-tokens", type=int, default=None,
                     help="fidelity-sweep: tokens per answer (default: the task's); 1 screens the first token only")
     ap.add_argument("--new-tokens", type=int, default=None,
@@ -215,8 +250,10 @@ def main(argv: list[str] | None = None) -> None:
         "sweep": ("qwen2.5-coder-0.5b", [2048], 30),
         "fidelity-sweep": ("qwen2.5-coder-0.5b", [2048], 40),
         "speed": ("smollm2-135m", [2048], 4),
+        "ceiling": ("qwen2.5-coder-0.5b", [2048], 16),
     }[args.command]
-    args.presets = args.presets or (["default"] if args.command == "needle" else ["gentle", "default", "aggressive"])
+    args.presets = args.presets or {"needle": ["default"], "ceiling": ["cut30k20+snap"]}.get(
+        args.command, ["gentle", "default", "aggressive"])
     args.model = args.model or defaults[0]
     args.new_tokens = args.new_tokens or (64 if args.command == "decode" else 16)
     args.lengths = args.lengths or defaults[1]
@@ -227,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
             cmd_equivalence(args)
         elif args.command == "speed":
             cmd_speed(args)
+        elif args.command == "ceiling":
+            cmd_ceiling(args)
         elif args.command == "curve":
             cmd_task(args, f"lazyllm_curve_{tag}",
                      lambda L: matched_methods(args.presets, L, args.lengths[0], args.static_depth,
