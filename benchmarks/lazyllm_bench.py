@@ -180,6 +180,7 @@ def cmd_ceiling(args: argparse.Namespace) -> None:
     from fastprefill.data.tasks import get_task
 
     set_threads(args.threads)
+    env = environment(args.threads)  # "started" is now
     model, tok = _load(args.model)
     task = get_task("multidoc-qa")
     rows, summary = [], []
@@ -196,7 +197,7 @@ def cmd_ceiling(args: argparse.Namespace) -> None:
               f"first token = full {row['first_token_agreement']:.0%}  median KL {row['median_first_token_kl']:.3f}  "
               f"gold kept {row['gold_kept_share_mean']:.0%}  token-layers {row['token_layer_fraction_mean']:.0%}")
     header = {"bench": "lazyllm-ceiling", "task": "multidoc-qa", "split": "dev", "seed": args.seed, "n": args.n,
-              "model": args.model, "probe_depth": args.probe_depth, "summary": summary, **environment(args.threads)}
+              "model": args.model, "probe_depth": args.probe_depth, "summary": summary, **env}
     write_rows(Path(args.out) / f"{args.name or 'lazyllm_ceiling_' + args.model}.jsonl", header, rows)
 
 

@@ -14,6 +14,9 @@ from fastprefill.bench.verify import compare_tables, verify_results
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
+CEILING = "lazyllm_ceiling_qwen2.5-coder-0.5b_2048"
+
+
 def test_every_committed_summary_reproduces_from_its_records():
     report = verify_results(RESULTS)
     assert report.ok, "\n".join(map(str, report.mismatches))
@@ -28,6 +31,8 @@ def test_every_committed_summary_reproduces_from_its_records():
     assert {m for m in records_with_md if not m.startswith(not_records)} <= set(report.checked)
     assert all(not name.startswith(("lazyllm_", "kvp_", "baseline_")) or name.startswith(not_records)
                or "no committed summary" in why for name, why in report.skipped.items())
+    ceilings = [p.name for p in RESULTS.glob("lazyllm_ceiling_*.jsonl")]
+    assert ceilings and set(ceilings) <= set(report.checked)
 
 
 def test_committed_kvp_prefix_sweep_tables_come_from_their_rows():
@@ -40,7 +45,7 @@ def test_committed_kvp_prefix_sweep_tables_come_from_their_rows():
 
 
 def test_verify_finds_a_changed_figure(tmp_path):
-    for stem in ("lazyllm_sweep_qwen2.5-coder-0.5b_2048", "kvp_humaneval-completion"):
+    for stem in ("lazyllm_sweep_qwen2.5-coder-0.5b_2048", "kvp_humaneval-completion", CEILING):
         for path in RESULTS.glob(stem + ".*"):
             shutil.copy(path, tmp_path / path.name)
     assert verify_results(tmp_path).ok
@@ -54,8 +59,14 @@ def test_verify_finds_a_changed_figure(tmp_path):
     header["header"]["selection"]["chosen"] = "lazyllm-aggressive"
     (tmp_path / "lazyllm_sweep_qwen2.5-coder-0.5b_2048.summary.jsonl").write_text(
         "\n".join([json.dumps(header), *rows[1:]]) + "\n")
+    ceiling = tmp_path / f"{CEILING}.jsonl"
+    lines = ceiling.read_text().splitlines()
+    head = json.loads(lines[0])
+    head["header"]["summary"][0]["first_token_agreement"] += 0.01
+    ceiling.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
     found = {(m.file, m.where) for m in verify_results(tmp_path).mismatches}
     assert found == {
+        (f"{CEILING}.jsonl", "header.summary[0].first_token_agreement"),
         ("lazyllm_sweep_qwen2.5-coder-0.5b_2048.md", "row 2 column 'paired speedup'"),
         ("kvp_humaneval-completion.summary.json", "summary.kvp-c.accuracy"),
         ("lazyllm_sweep_qwen2.5-coder-0.5b_2048.summary.jsonl", "header.selection.chosen"),

@@ -10,7 +10,8 @@ to it are rebuilt from the records alone and compared:
 - ``<stem>.summary.jsonl`` (rows paired with full prefill): every committed row key, and the
   header's ``retrieved_by_depth`` and ``selection`` when present.
 
-Also every cache-ablation ``<stem>.json`` against its ``<stem>.md``. Numbers in a table must
+Also every cache-ablation ``<stem>.json`` against its ``<stem>.md``, and the ``summary`` in the
+header of every selection-ceiling ``<stem>.jsonl`` against its rows. Numbers in a table must
 print the same (to the committed precision); numbers in JSON agree to a relative 1e-9. Files that are not bench records, or have no summary, are listed as skipped.
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fastprefill.bench.ablation import ablation_table
+from fastprefill.bench.ceiling import CeilingRow, summarize_ceiling
 from fastprefill.bench.records import FULL, Record, load_records, read_rows
 from fastprefill.bench.report import markdown_table, reference_table
 from fastprefill.bench.selection import choose_by_fidelity, choose_default
@@ -191,6 +193,18 @@ def _check_records(report: VerifyReport, jsonl: Path) -> None:
     report.checked += [p.name for p in (jsonl, sjson, md, sjsonl) if p.exists()]
 
 
+def _check_ceiling(report: VerifyReport, path: Path, header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> None:
+    """A selection-ceiling file: its header's ``summary`` re-summarized from its rows."""
+    groups: dict[tuple[Any, Any], list[CeilingRow]] = {}
+    for row in rows:
+        fields = {k: v for k, v in row.items() if k not in ("length", "preset")}
+        groups.setdefault((row["length"], row["preset"]), []).append(CeilingRow(**fields))
+    recomputed = [{"length": length, "preset": preset, **entry}
+                  for (length, preset), got in groups.items() for entry in summarize_ceiling(got)]
+    report.mismatches += compare_json(path.name, "header.summary", header.get("summary"), recomputed)
+    report.checked.append(path.name)
+
+
 def _check_ablation(report: VerifyReport, path: Path) -> None:
     md = path.with_suffix(".md")
     doc = json.loads(path.read_text())
@@ -210,9 +224,12 @@ def verify_results(results: str | Path) -> VerifyReport:
         if jsonl.name.endswith(".summary.jsonl"):
             continue
         try:
-            read_rows(jsonl)
+            header, rows = read_rows(jsonl)
         except (ConfigError, json.JSONDecodeError):
             report.skipped[jsonl.name] = "no header line: not a bench result file"
+            continue
+        if header.get("bench") == "lazyllm-ceiling":
+            _check_ceiling(report, jsonl, header, rows)
             continue
         _check_records(report, jsonl)
     for path in sorted(results.glob("*.json")):
