@@ -3,6 +3,7 @@ synthetic records and tiny models."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,6 +56,14 @@ def test_summary_ratios_and_paired_difference():
     assert fast.realised_over_ideal == pytest.approx(0.8)
     assert fast.flops_ratio == pytest.approx(0.4)
     assert "| 1024 | fast | 3 |" in markdown_table([full, fast])
+    # totals (TTFT + 0.1): full 1.1, 2.1, 3.1 against 0.6, 1.1, 1.1
+    assert fast.total_speedup_paired_median == pytest.approx(2.1 / 1.1) and fast.slower_total_share == 0.0
+    slow = [dataclasses.replace(r, total_s=r.total_s * (3.0 if r.sample_id == "1" else 1.0)) if r.method == "fast"
+            else r for r in recs]
+    _, fast = summarize(slow)
+    assert fast.slower_total_share == pytest.approx(1 / 3)  # sample 1: 3.3 s against 2.1 s
+    assert paired_row(fast)["slower_total_share"] == pytest.approx(1 / 3)
+    assert paired_row(fast)["total_speedup_median"] == pytest.approx(1.1 / 0.6)  # ratios 1.83, 0.64, 2.82
 
 
 def test_summary_fidelity_first_token_identical_answers_and_kl():

@@ -8,7 +8,9 @@ in the same process (full prefill unless a mapping says otherwise):
 - Accuracy: the mean score, and the mean paired difference to the reference with a 95%
   percentile bootstrap interval (seeded, 2000 resamples).
 - Cost: mean token-layer fraction, the ideal speedup ``1 / fraction``, the mean paired FLOPs
-  ratio, decode seconds per token, total seconds.
+  ratio, decode seconds per token, total seconds (prefill plus decoding): the median of the
+  per-prompt total ratios ``reference total / method total`` and the share of prompts on which
+  the method's total is the longer.
 - Fidelity: first-token agreement with the reference, the share of answers identical to the
   reference's (``output.strip()`` equal), and the median first-token KL(reference || method)
   where the runs recorded it.
@@ -76,6 +78,8 @@ class Summary:
     first_token_kl_n: int
     counters: dict[str, float] = field(default_factory=dict)
     gold_kept_share_per_stage: list[float] | None = None
+    total_speedup_paired_median: float = float("nan")
+    slower_total_share: float = float("nan")
 
     @property
     def is_reference(self) -> bool:
@@ -189,6 +193,8 @@ def _cell(length: int | None, method: str, ref: str, rs: list[Record], refs: Map
         first_token_kl_n=len(kls),
         counters=_counters(rs),
         gold_kept_share_per_stage=_gold_shares(rs),
+        total_speedup_paired_median=_median([f.total_s / r.total_s for f, r in paired]),
+        slower_total_share=_mean([float(r.total_s > f.total_s) for f, r in paired]),
     )
 
 
@@ -244,6 +250,8 @@ def paired_row(s: Summary) -> dict[str, Any]:
         "speedup_median": s.speedup_paired_median,
         "total_s_median": s.total_median_s,
         "total_full_s_median": s.reference_total_median_s,
+        "total_speedup_median": s.total_speedup_paired_median,
+        "slower_total_share": s.slower_total_share,
         "new_tokens_mean": s.new_tokens_mean,
         "token_layer_fraction": s.token_layer_fraction, "ideal_speedup": s.ideal_speedup,
         # distinct tokens revived per decode step (records before the counters were split: the old key)
