@@ -36,7 +36,7 @@ import functools
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastprefill.bench.ceiling import selection_ceiling, summarize_ceiling
+from fastprefill.bench.ceiling import ceiling_summary, selection_ceiling
 from fastprefill.bench.records import FULL, environment, write_rows
 from fastprefill.bench.report import markdown_table, write_paired_rows
 from fastprefill.bench.runner import Unscored, random_samples, run_benchmark, run_samples
@@ -183,7 +183,7 @@ def cmd_ceiling(args: argparse.Namespace) -> None:
     env = environment(args.threads)  # "started" is now
     model, tok = _load(args.model)
     task = get_task("multidoc-qa")
-    rows, summary = [], []
+    rows = []
     for length in args.lengths:
         samples = task.build(tok, length, args.n, split="dev", seed=args.seed)
         for preset in args.presets:
@@ -191,7 +191,7 @@ def cmd_ceiling(args: argparse.Namespace) -> None:
             bar = functools.partial(tqdm, desc=f"ceiling {lazy.preset_name}@{length}")
             got = selection_ceiling(model, tok, task, samples, lazy, args.probe_depth, progress=bar)
             rows += [{"length": length, "preset": lazy.preset_name, **r.as_dict()} for r in got]
-            summary += [{"length": length, "preset": lazy.preset_name, **s} for s in summarize_ceiling(got)]
+    summary = ceiling_summary(rows)
     for row in summary:
         print(f"{row['length']:>6} {row['preset']:<22} {row['selection']:<7} n={row['n']:<3} "
               f"first token = full {row['first_token_agreement']:.0%}  median KL {row['median_first_token_kl']:.3f}  "

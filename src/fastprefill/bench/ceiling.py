@@ -20,7 +20,7 @@ budget, and the gap between the oracles and 100% is what the budget itself costs
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from fastprefill.methods.pruning import (
 )
 from fastprefill.models.adapters import DecoderAdapter, window_scorer
 
-__all__ = ["ORACLES", "CeilingRow", "oracle_select", "selection_ceiling", "summarize_ceiling"]
+__all__ = ["ORACLES", "CeilingRow", "ceiling_summary", "oracle_select", "selection_ceiling", "summarize_ceiling"]
 
 #: The selections compared, in report order.
 ORACLES = ("policy", "gold", "deep")
@@ -154,3 +154,14 @@ def summarize_ceiling(rows: Sequence[CeilingRow]) -> list[dict[str, Any]]:
             "token_layer_fraction_mean": sum(r.token_layer_fraction for r in mine) / len(mine),
         })
     return out
+
+
+def ceiling_summary(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A ceiling file's summary from its rows (a :class:`CeilingRow`'s fields plus ``length`` and
+    ``preset``): :func:`summarize_ceiling` per (length, preset), in the order they first appear."""
+    groups: dict[tuple[Any, Any], list[CeilingRow]] = {}
+    for row in rows:
+        fields = {k: v for k, v in row.items() if k not in ("length", "preset")}
+        groups.setdefault((row["length"], row["preset"]), []).append(CeilingRow(**fields))
+    return [{"length": length, "preset": preset, **entry}
+            for (length, preset), got in groups.items() for entry in summarize_ceiling(got)]

@@ -285,8 +285,8 @@ def run_benchmark(
         **environment(threads),
         **(dict(meta) if meta else {}),
     }
-    log = RecordLog(Path(out_dir) / f"{name}.jsonl", header, resume=resume, match=RESUME_MATCH,
-                                grow=RESUME_GROW) if out_dir else None
+    log = (RecordLog(Path(out_dir) / f"{name}.jsonl", header, resume=resume, match=RESUME_MATCH, grow=RESUME_GROW)
+           if out_dir else None)
     records: list[Record] = list(log.records) if log else []
     for length in lengths:
         samples = task.build(tokenizer, length, n, split=split, seed=seed)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fastprefill.bench.ablation import ablation_table
-from fastprefill.bench.ceiling import CeilingRow, summarize_ceiling
+from fastprefill.bench.ceiling import ceiling_summary
 from fastprefill.bench.records import FULL, Record, load_records, read_rows
 from fastprefill.bench.report import markdown_table, reference_table
 from fastprefill.bench.selection import choose_by_fidelity, choose_default
@@ -195,13 +195,7 @@ def _check_records(report: VerifyReport, jsonl: Path) -> None:
 
 def _check_ceiling(report: VerifyReport, path: Path, header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> None:
     """A selection-ceiling file: its header's ``summary`` re-summarized from its rows."""
-    groups: dict[tuple[Any, Any], list[CeilingRow]] = {}
-    for row in rows:
-        fields = {k: v for k, v in row.items() if k not in ("length", "preset")}
-        groups.setdefault((row["length"], row["preset"]), []).append(CeilingRow(**fields))
-    recomputed = [{"length": length, "preset": preset, **entry}
-                  for (length, preset), got in groups.items() for entry in summarize_ceiling(got)]
-    report.mismatches += compare_json(path.name, "header.summary", header.get("summary"), recomputed)
+    report.mismatches += compare_json(path.name, "header.summary", header.get("summary"), ceiling_summary(rows))
     report.checked.append(path.name)
 
 
