@@ -61,11 +61,15 @@ def main() -> None:
     lines = [
         f"# KV-Runahead vs TSP: cost-model projection (NOT measured), Llama-7B shape, {args.procs} ranks",
         "",
-        f"Compute at {args.tflops:.0f} sustained TFLOP/s per rank, fp16 KV, {args.latency_us:.0f} us per message. "
-        "TTFT in ms predicted by `CostModel` (fastprefill.methods.runahead.search).",
+        (
+            f"Compute at {args.tflops:.0f} sustained TFLOP/s per rank, fp16 KV, {args.latency_us:.0f} us per message. "
+            "TTFT in ms predicted by `CostModel` (fastprefill.methods.runahead.search)."
+        ),
         "",
-        "| link GB/s | tokens | 1 rank | TSP | runahead even | runahead searched | TSP / searched (model) "
-        "| paper, measured vs TSP |",
+        (
+            "| link GB/s | tokens | 1 rank | TSP | runahead even | runahead searched | TSP / searched (model) "
+            "| paper, measured vs TSP |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

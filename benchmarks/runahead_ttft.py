@@ -129,12 +129,16 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         "# KV-Runahead TTFT (measured)",
         "",
-        f"Median TTFT in ms over n={args.n} runs ({args.warmup} warm-up runs discarded), measured on the driver "
-        "from prompt dispatch to the first token. Ranks: 1 thread each, pinned to one core each. "
-        "Speedup columns divide the baseline's median by KV-Runahead (searched) median.",
+        (
+            f"Median TTFT in ms over n={args.n} runs ({args.warmup} warm-up runs discarded), measured on the driver "
+            "from prompt dispatch to the first token. Ranks: 1 thread each, pinned to one core each. "
+            "Speedup columns divide the baseline's median by KV-Runahead (searched) median."
+        ),
         "",
-        "| model | tokens | 1 core | 2 threads | TSP 2 ranks | runahead even | runahead searched (chunks) "
-        "| vs 1 core | vs TSP | vs 2 threads | same first token |",
+        (
+            "| model | tokens | 1 core | 2 threads | TSP 2 ranks | runahead even | runahead searched (chunks) "
+            "| vs 1 core | vs TSP | vs 2 threads | same first token |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model in dict.fromkeys(r["model"] for r in rows):

@@ -183,8 +183,9 @@ def test_pre_rotation_map_beats_rotated_map():
     """Evidence for the rotary choice: aux = base with another rope_theta, so layer-0 keys before
     rotation are identical while rotated keys differ by a position-dependent rotation. A
     least-squares map on pre-rotation keys is exact on held-out data; one on rotated keys is not."""
-    cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    cfg = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+           "tie_word_embeddings": True}
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(LlamaConfig(**cfg, rope_theta=10000.0)).eval()
     aux = AutoModelForCausalLM.from_config(LlamaConfig(**cfg, rope_theta=100.0)).eval()

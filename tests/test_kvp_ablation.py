@@ -10,9 +10,9 @@ import torch
 
 from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ablation
 from fastprefill.bench.report import (
+    label_lifts,
     merge_eval_summaries,
     plot_layer_errors,
-    label_lifts,
     plot_score_vs_flops,
     redraw_layer_plot,
 )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -147,7 +147,7 @@ class TimingWindow:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def __enter__(self) -> TimingWindow:
+    def __enter__(self) -> Self:
         self._sync()
         self._t0 = time.perf_counter()
         return self
