@@ -80,8 +80,8 @@ def matched_methods(presets: list[str], num_layers: int, length: int, static_dep
     :func:`~fastprefill.methods.baselines.matched_baselines` (``random``, ``static``, ``gemfilter``)."""
     out: dict[str, Method] = {}
     for preset in presets:
-        lazy = LazyLLM.preset(preset)
-        p = lazy.preset_name  # "default" resolves to the schedule's own name
+        lazy = LazyLLM(preset=preset)
+        p = lazy.preset  # "default" resolves to the schedule's own name
         out[f"lazyllm-{p}"] = lazy
         if not baselines:
             continue
@@ -96,8 +96,8 @@ def revival_methods(presets: Sequence[str], revivals: Sequence[str]) -> dict[str
     out: dict[str, Method] = {}
     for preset in presets:
         for policy in revivals:
-            lazy = LazyLLM.preset(preset, revival=policy)
-            out[f"lazyllm-{lazy.preset_name}" + ("" if lazy.revival == "all" else f"/{lazy.revival}")] = lazy
+            lazy = LazyLLM(preset=preset, options={"revival": policy})
+            out[f"lazyllm-{lazy.preset}" + ("" if str(lazy.options.revival) == "all" else f"/{lazy.options.revival}")] = lazy
     return out
 
 
@@ -138,7 +138,7 @@ def cmd_equivalence(args: argparse.Namespace) -> None:
                "Write a haiku about autumn leaves.",
                "List three prime numbers greater than ten.",
                "What is the boiling point of water at sea level?"][: args.n]
-    lazy, full = LazyLLM.preset("keep-all"), FullPrefill()
+    lazy, full = LazyLLM(preset="keep-all"), FullPrefill()
     ids0 = tok(prompts[0], return_tensors="pt").input_ids
     for m in (full, lazy):  # warm-up, discarded
         generate(model, tok, ids0, m, max_new_tokens=2)
@@ -161,7 +161,7 @@ def cmd_speed(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     model, tok = _load(args.model)
     length = args.lengths[0]
-    methods: dict[str, Method] = {FULL: FullPrefill(), **{p: LazyLLM.preset(p) for p in args.presets}}
+    methods: dict[str, Method] = {FULL: FullPrefill(), **{p: LazyLLM(preset=p) for p in args.presets}}
     samples = random_samples(model.get_input_embeddings().num_embeddings, length, args.n, args.seed)
     records = run_samples(model, tok, Unscored(), samples, methods, length=length, max_new_tokens=1, desc="speed")
     rows = [{"method": s.method, "length": length, "n": s.n, "ttft_s_median": s.ttft_median_s,
@@ -187,10 +187,10 @@ def cmd_ceiling(args: argparse.Namespace) -> None:
     for length in args.lengths:
         samples = task.build(tok, length, args.n, split="dev", seed=args.seed)
         for preset in args.presets:
-            lazy = LazyLLM.preset(preset)
-            bar = functools.partial(tqdm, desc=f"ceiling {lazy.preset_name}@{length}")
+            lazy = LazyLLM(preset=preset)
+            bar = functools.partial(tqdm, desc=f"ceiling {lazy.preset}@{length}")
             got = selection_ceiling(model, tok, task, samples, lazy, args.probe_depth, progress=bar)
-            rows += [{"length": length, "preset": lazy.preset_name, **r.as_dict()} for r in got]
+            rows += [{"length": length, "preset": lazy.preset, **r.as_dict()} for r in got]
     summary = ceiling_summary(rows)
     for row in summary:
         print(f"{row['length']:>6} {row['preset']:<22} {row['selection']:<7} n={row['n']:<3} "
@@ -274,14 +274,14 @@ def main(argv: list[str] | None = None) -> None:
                      "test", "multidoc-qa")
         elif args.command == "needle":
             cmd_task(args, f"lazyllm_needle_{tag}",
-                     lambda L: {f"lazyllm-{m.preset_name}": m for m in map(LazyLLM.preset, args.presets)},
+                     lambda L: {f"lazyllm-{m.preset}": m for m in (LazyLLM(preset=p) for p in args.presets)},
                      "test", "needle")
         elif args.command == "decode":
             cmd_task(args, f"lazyllm_decode_{tag}", lambda L: revival_methods(args.presets, args.revivals),
                      "test", "multidoc-qa", max_new_tokens=args.new_tokens, stop_at_eos=args.eos)
         elif args.command == "sweep":
             cmd_task(args, f"lazyllm_sweep_{tag}",
-                     lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=SWEEP[k], preset_name=k) for k in args.schedules},
+                     lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=SWEEP[k], label=k) for k in args.schedules},
                      "dev", "multidoc-qa", choose=choose_default)
         elif args.command == "fidelity-sweep":
             cmd_task(args, f"lazyllm_fidelity_sweep_{tag}", lambda L: fidelity_methods(args.candidates),

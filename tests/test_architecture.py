@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("models.shape",),
     ("models.*", "data.*", "distributed", "distributed.runtime"),
-    ("cache",),
+    ("cache", "prefix_cache"),
     ("methods.*",),
     ("engine",),
     ("distributed.pool",),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastprefill.engine import decoder_for
 from fastprefill.errors import ConfigError
 from fastprefill.methods.baselines import (
     GemFilter,
@@ -32,13 +33,14 @@ def test_random_subset_at_original_positions_matches_hf_forward(tiny_model):
     assert int((keep[1:] - keep[:-1]).max()) > 1  # really has gaps
     with torch.inference_mode():
         out = method.prefill(tiny_model, ids)
+        decoder = decoder_for(tiny_model, out)
         sub = ids[:, keep]
         ref = tiny_model(sub, position_ids=keep[None]).logits[0, -1]
         torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
         # two decode steps at the true positions n, n + 1
         toks = [11, 23]
         for j, tok in enumerate(toks):
-            got = method.decode(out.state, tok)
+            got = decoder.step(tok)
             seq = torch.cat([sub, torch.tensor([toks[: j + 1]])], dim=1)
             pos = torch.cat([keep, torch.arange(n, n + j + 1)])[None]
             ref = tiny_model(seq, position_ids=pos).logits[0, -1]
@@ -64,10 +66,11 @@ def test_static_pruning_selects_top_attention_and_pays_for_selection(tiny_llama)
     att[-1] = float("inf")
     want = att.topk(k).indices.sort().values
     with torch.inference_mode():
-        out = StaticPruning(keep=keep, select_layer=s).prefill(tiny_llama, ids)
+        run = StaticPruning(keep=keep, select_layer=s).run(tiny_llama, ids)
+        out = run.output
         ref = tiny_llama(ids[:, want], position_ids=want[None]).logits[0, -1]
     for layer in range(4):
-        assert torch.equal(out.state.cache.positions(layer).sort().values, want)
+        assert torch.equal(run.state.cache.positions(layer).sort().values, want)
     torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
     assert out.stats.token_layers == n * (s + 1) + k * 4
     assert out.stats.extra["selection_token_layers"] == n * (s + 1)
@@ -109,7 +112,7 @@ def test_matched_baselines_spend_lazyllm_budget_and_feed_the_demo(tiny_qwen2):
     with pytest.raises(ConfigError, match="gemfilter at the budget.*select_layer"):
         matched_baselines(lazy, layers, n, gemfilter_select_layer=2)
     demo = dict(demo_methods(tiny_qwen2, n))
-    default = matched_baselines(LazyLLM.preset("default"), layers, n)
+    default = matched_baselines(LazyLLM(preset="default"), layers, n)
     assert demo["static pruning, same budget"] == default["static"]
     assert demo["random drop, same budget"] == default["random"]
     assert demo["GemFilter, same budget"] == default["gemfilter"]
@@ -190,41 +193,42 @@ def test_gemfilter_selects_as_an_eager_computation_and_renumbers_positions(peake
     tiny_model = peaked_models[family]
     n, keep = 40, 0.3
     ids = _ids(n, 9)
-    method = GemFilter(keep=keep)  # default depth 0.4: layer 1 of 4
     k = keep_count(keep, n)
     with torch.inference_mode():
         want = _gemfilter_reference(tiny_model, ids, 1, k, kernel)
-        out = GemFilter(keep=keep, kernel=kernel).prefill(tiny_model, ids)
-        assert torch.equal(out.state.selected[0], want)
+        run = GemFilter(keep=keep, kernel=kernel).run(tiny_model, ids)  # default depth 0.4: layer 1 of 4
+        out, decoder = run.output, decoder_for(tiny_model, run.output)
+        assert torch.equal(run.state.selected[0], want)
         if kernel > 1:  # the score and the pooling really move the choice away from StaticPruning's
-            static = StaticPruning(keep=keep, select_layer=1).prefill(tiny_model, ids).state.selected[0]
+            static = StaticPruning(keep=keep, select_layer=1).run(tiny_model, ids).state.selected[0]
             assert not torch.equal(static, want)
         # every layer ran on the kept tokens at positions 0..k-1: the model's own forward on the subset
         sub = ids[:, want]
         torch.testing.assert_close(out.logits, tiny_model(sub).logits[0, -1], atol=1e-4, rtol=0)
         for layer in range(4):
-            assert torch.equal(out.state.cache.positions(layer), torch.arange(k))
+            assert torch.equal(run.state.cache.positions(layer), torch.arange(k))
         # decoding continues at k, k + 1
         toks = [11, 23]
         for j, tok in enumerate(toks):
-            got = method.decode(out.state, tok)
+            got = decoder.step(tok)
             ref = tiny_model(torch.cat([sub, torch.tensor([toks[: j + 1]])], dim=1)).logits[0, -1]
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
-    assert out.state.next_pos == k + 2
+    assert decoder.position == k + 2
 
 
 def test_gemfilter_pays_for_its_selection_pass(tiny_llama):
     from fastprefill.models.shape import ModelShape
 
     n, s, keep = 48, 2, 0.25
-    out = GemFilter(keep=keep, select_layer=s).prefill(tiny_llama, _ids(n, 10))
+    run = GemFilter(keep=keep, select_layer=s).run(tiny_llama, _ids(n, 10))
+    out = run.output
     shape = ModelShape.from_config(tiny_llama.config)
     k = keep_count(keep, n)
     assert out.stats.token_layers == n * (s + 1) + k * 4
     assert out.stats.extra == {"kept": k, "selection_token_layers": n * (s + 1)}
     want = 4 * shape.layer_flops(k) + shape.head_flops(1) + (s + 1) * shape.layer_flops(n) + shape.scoring_flops(n)
     assert out.stats.flops == pytest.approx(want, rel=1e-12)
-    assert int(out.state.counter.counts.sum()) == k * 4  # the probe ran into a throwaway cache
+    assert int(run.state.counter.counts.sum()) == k * 4  # the probe ran into a throwaway cache
 
 
 def test_gemfilter_selection_layer_and_validation(tiny_llama):

@@ -385,8 +385,8 @@ def test_run_samples_records_the_share_of_gold_tokens_kept_per_stage(tiny_llama)
                            gold_token_positions=lambda s, tok: torch.tensor(gold))
     samples = [SimpleNamespace(id="a", input_ids=list(range(1, 41)))]
     drop = RandomDrop(keep=0.5, seed=0)
-    methods = {"cut": LazyLLM(schedule=((1, 0.1),), sinks=3),
-               "two": LazyLLM(schedule=((1, 0.5), (2, 0.1)), sinks=3), "random": drop}
+    methods = {"cut": LazyLLM(schedule=((1, 0.1),), options={"sinks": 3}),
+               "two": LazyLLM(schedule=((1, 0.5), (2, 0.1)), options={"sinks": 3}), "random": drop}
     recs = {r.method: r for r in run_samples(tiny_llama, None, task, samples, methods, length=None,
                                              max_new_tokens=2, warmup=0, progress=False)}
     assert recs["cut"].extra["gold_kept_share_per_stage"] == [0.5]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from fastprefill.engine import generate
+from fastprefill.engine import decoder_for, generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import (
@@ -51,9 +51,10 @@ def _compare_with_full(model, method, ids, steps=8, atol=1e-5):
     got, want = method.prefill(model, ids), FullPrefill().prefill(model, ids)
     torch.testing.assert_close(got.logits, want.logits, atol=atol, rtol=0)
     tok = int(want.logits.argmax())
+    got_decoder, want_decoder = decoder_for(model, got), decoder_for(model, want)
     with torch.no_grad():
         for _ in range(steps):
-            a, b = method.decode(got.state, tok), FullPrefill().decode(want.state, tok)
+            a, b = got_decoder.step(tok), want_decoder.step(tok)
             torch.testing.assert_close(a, b, atol=atol, rtol=0)
             tok = int(b.argmax())
     return got

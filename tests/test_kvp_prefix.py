@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from fastprefill.engine import generate
+from fastprefill.engine import decoder_for, generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction.prefix import (
@@ -55,8 +55,9 @@ def test_all_layers_exact_equals_full_prefill(tiny_model, n):
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
     assert got.stats.token_layers == got.stats.total_token_layers == 4 * n
     tok = int(want.logits.argmax())
+    got_decoder, want_decoder = decoder_for(tiny_model, got), decoder_for(tiny_model, want)
     for _ in range(6):
-        a, b = KVPrefix(layer=4).decode(got.state, tok), FullPrefill().decode(want.state, tok)
+        a, b = got_decoder.step(tok), want_decoder.step(tok)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         tok = int(b.argmax())
 
@@ -124,9 +125,10 @@ def test_prefill_and_decode_agree_with_reference(tiny_model, layer):
     method = make_method(f"kvp-prefix:layer={layer}")
     ref = _reference(tiny_model, ids, PrefixPredictor.zero_shot(tiny_model, layer), steps=6)
     out = method.prefill(tiny_model, ids)
+    decoder = decoder_for(tiny_model, out)
     torch.testing.assert_close(out.logits, ref[0].float(), atol=1e-5, rtol=0)
     for fed, want in itertools.pairwise(ref):  # the reference's own greedy tokens fed to both
-        got = method.decode(out.state, int(fed.argmax()))
+        got = decoder.step(int(fed.argmax()))
         torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0)
 
 
@@ -138,9 +140,10 @@ def test_exact_tail_agrees_with_reference(tiny_model, tail):
     method = make_method(f"kvp-prefix:layer=1,tail={tail}")
     ref = _reference(tiny_model, ids, PrefixPredictor.zero_shot(tiny_model, 1), steps=4, tail=tail)
     out = method.prefill(tiny_model, ids)
+    decoder = decoder_for(tiny_model, out)
     torch.testing.assert_close(out.logits, ref[0].float(), atol=1e-5, rtol=0)
     for fed, want in itertools.pairwise(ref):
-        torch.testing.assert_close(method.decode(out.state, int(fed.argmax())), want.float(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(decoder.step(int(fed.argmax())), want.float(), atol=1e-5, rtol=0)
     L = tiny_model.config.num_hidden_layers
     assert out.stats.token_layers == 1 * 26 + (L - 1) * tail
     one = make_method("kvp-prefix:layer=1").prefill(tiny_model, ids).stats

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from fastprefill.cache import PositionKVCache
-from fastprefill.engine import generate
+from fastprefill.engine import decoder_for, generate
 from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import DEFAULT_PRESET, PRESETS, LazyLLM
 from fastprefill.methods.pruning import keep_count, resolve_depth_schedule, schedule_token_layers
+from fastprefill.methods.registry import make_method
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
 
 
@@ -22,22 +23,23 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 
 def _decode_n(method, model, ids, n):
-    """Prefill then ``n`` greedy decode steps; returns (prefill output, generated ids)."""
+    """Prefill then ``n`` greedy decode steps; returns (the pruned prefill and its state, generated ids)."""
     with torch.inference_mode():
-        out = method.prefill(model, ids)
-        tokens = [int(out.logits.argmax())]
+        run = method.run(model, ids)
+        decoder = decoder_for(model, run.output)
+        tokens = [int(run.output.logits.argmax())]
         for _ in range(n):
-            tokens.append(int(method.decode(out.state, tokens[-1]).argmax()))
-    return out, tokens
+            tokens.append(int(decoder.step(tokens[-1]).argmax()))
+    return run, tokens
 
 
 # --- equivalence --------------------------------------------------------------------------------
 def test_keep_all_counts_every_token_layer_once_and_revives_nothing(tiny_model):
     """Logit/token equality with full prefill is in test_method_table.py; here the counts."""
     ids = _ids(41, 1)
-    lazy = generate(tiny_model, None, ids, LazyLLM.preset("keep-all"), max_new_tokens=10, stop_at_eos=False)
+    lazy = generate(tiny_model, None, ids, LazyLLM(preset="keep-all"), max_new_tokens=10, stop_at_eos=False)
     assert lazy.timing.token_layers == lazy.timing.total_token_layers == 41 * 4
-    assert lazy.timing.extra["revived_tokens_total"] == 0
+    assert "revived_tokens_total" not in lazy.timing.extra  # nothing deferred: the model's own forward decodes
 
 
 @pytest.mark.integration
@@ -47,13 +49,13 @@ def test_keep_all_equals_full_prefill_smollm2(smollm2):
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.inference_mode():
         ref = FullPrefill().prefill(model, ids).logits
-        got = LazyLLM.preset("keep-all").prefill(model, ids).logits
+        got = LazyLLM(preset="keep-all").prefill(model, ids).logits
     assert (got - ref).abs().max() <= 1e-4
     full = generate(model, tok, prompt, max_new_tokens=10, stop_at_eos=False)
-    lazy = generate(model, tok, prompt, LazyLLM.preset("keep-all"), max_new_tokens=10, stop_at_eos=False)
+    lazy = generate(model, tok, prompt, LazyLLM(preset="keep-all"), max_new_tokens=10, stop_at_eos=False)
     assert lazy.token_ids == full.token_ids and len(lazy.token_ids) == 10
     # and the default preset really prunes on the real model, still decoding 10 tokens
-    res = generate(model, tok, prompt, LazyLLM.preset("default"), max_new_tokens=10, stop_at_eos=False)
+    res = generate(model, tok, prompt, LazyLLM(preset="default"), max_new_tokens=10, stop_at_eos=False)
     assert res.timing.token_layers < res.timing.total_token_layers and len(res.token_ids) == 10
 
 
@@ -79,7 +81,7 @@ def test_revival_resumes_from_aux_cache_at_the_right_layer(tiny_llama):
     ids = _ids(n, 5)
     method = _ForcedLazy(schedule=((0, 0.25), (2, 0.25)))
     with torch.inference_mode():
-        out = method.prefill(tiny_llama, ids)
+        out = method.run(tiny_llama, ids)
         st = out.state
         kept = set(st.selected[0].tolist())
         target = min(set(range(n - 1)) - kept)  # a token pruned after layer 0
@@ -91,7 +93,7 @@ def test_revival_resumes_from_aux_cache_at_the_right_layer(tiny_llama):
         full = tiny_llama(ids, output_hidden_states=True, use_cache=True)
         torch.testing.assert_close(stored[0, 0], full.hidden_states[1][0, target], atol=1e-5, rtol=0)
         method.force = target  # layer 0 stores positions in order, so storage index == position
-        method.decode(st, 7)
+        out.output.decoder.step(7)
     assert (0, target, 1) in st.revivals
     assert st.revived_tokens_per_step[0] >= 1
     # resumed at layer 1: layer 0 not recomputed, layers 1.. computed once (layer 2 prunes again:
@@ -114,8 +116,8 @@ def test_pruned_prefill_matches_masked_reference(tiny_model):
     ids = _ids(n, 6)
     method = LazyLLM(schedule=((1, 0.4),))
     with torch.inference_mode():
-        out = method.prefill(tiny_model, ids)
-        kept = out.state.selected[0]
+        run = method.run(tiny_model, ids)
+        out, kept = run.output, run.state.selected[0]
         assert kept.numel() == keep_count(0.4, n) and int(kept[-1]) == n - 1
         assert not torch.equal(kept, torch.arange(n - kept.numel(), n))  # non-contiguous
         ad = DecoderAdapter(tiny_model)
@@ -161,11 +163,11 @@ def test_validation_against_the_model(tiny_llama):
         LazyLLM(schedule=((3, 0.5),)).prefill(tiny_llama, _ids(8, 0))
     LazyLLM(schedule=((2, 0.5),)).prefill(tiny_llama, _ids(8, 0))  # the deepest allowed layer
     with pytest.raises(PromptError, match="empty"):  # the engine validates every prompt, before prefill
-        generate(tiny_llama, None, torch.zeros(1, 0, dtype=torch.long), LazyLLM())
+        generate(tiny_llama, None, torch.zeros(1, 0, dtype=torch.long), LazyLLM(preset="keep-all"))
     with pytest.raises(ConfigError, match=r"out of range.*allowed 0..2"):  # ... and the schedule against the model
         generate(tiny_llama, None, _ids(8, 0), LazyLLM(schedule=((3, 0.5),)))
     with pytest.raises(ConfigError, match="preset"):
-        LazyLLM.preset("fastest")
+        LazyLLM(preset="fastest")
     with pytest.raises(ConfigError, match="not both"):
         LazyLLM(schedule=((1, 0.5),), depth_schedule=((0.5, 0.5),))
     with pytest.raises(ConfigError, match="depth"):
@@ -179,33 +181,34 @@ def test_gemma3_refused():
                            num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(UnsupportedModelError, match="LazyLLM"):
-        LazyLLM().prefill(model, _ids(5, 0) % 64)
+        LazyLLM(preset="keep-all").prefill(model, _ids(5, 0) % 64)
 
 
 def test_presets_and_spec_resolve():
-    assert LazyLLM.preset("balanced").resolved(30) == ((7, 0.7), (15, 0.5), (22, 0.3))
+    assert LazyLLM(preset="balanced").resolved(30) == ((7, 0.7), (15, 0.5), (22, 0.3))
     assert PRESETS["default"] == PRESETS[DEFAULT_PRESET] and DEFAULT_PRESET != "default"
-    assert LazyLLM.preset("default").describe() == f"lazyllm[{DEFAULT_PRESET}]"
+    assert LazyLLM(preset="default").describe() == f"lazyllm[{DEFAULT_PRESET}]"
     # on a 4-layer model the deeper pairs collapse onto layer 2 and keep the smaller fraction
     assert resolve_depth_schedule(((0.25, 0.7), (0.5, 0.5), (0.75, 0.3)), 4) == ((1, 0.7), (2, 0.3))
-    assert LazyLLM.from_spec(schedule="8:0.7+16:0.5").schedule == ((8, 0.7), (16, 0.5))
-    assert LazyLLM.from_spec(preset="gentle").preset_name == "gentle"
+    assert make_method("lazyllm:schedule=8:0.7+16:0.5").schedule == ((8, 0.7), (16, 0.5))
+    assert make_method("lazyllm:preset=gentle").preset == "gentle"
     with pytest.raises(ConfigError, match="layer:keep"):
-        LazyLLM.from_spec(schedule="8-0.7")
+        make_method("lazyllm:schedule=8-0.7")
 
 
 # --- the cost really shrinks --------------------------------------------------------------------
 def test_pruning_reduces_token_layers_by_the_expected_count(tiny_qwen2):
     n = 40
-    out, _ = _decode_n(LazyLLM(schedule=((0, 0.5), (2, 0.25))), tiny_qwen2, _ids(n, 7), 0)
+    run, _ = _decode_n(LazyLLM(schedule=((0, 0.5), (2, 0.25))), tiny_qwen2, _ids(n, 7), 0)
+    out = run.output
     # layer 0: 40, layers 1-2: 20, layer 3: 10
     assert out.stats.token_layers == 40 + 20 + 20 + 10 == schedule_token_layers(((0, 0.5), (2, 0.25)), 4, n)
     assert out.stats.total_token_layers == 160
     assert out.stats.extra["kept_per_stage"] == [20, 10]
-    assert int(out.state.counter.counts.sum()) == 90  # rows really run, not just masked
+    assert int(run.state.counter.counts.sum()) == 90  # rows really run, not just masked
     full = FullPrefill().prefill(tiny_qwen2, _ids(n, 7)).stats
     assert out.stats.flops < full.flops
-    assert len(out.state.aux) == 20 + 10  # every pruned token is waiting in the Aux Cache
+    assert len(run.state.aux) == 20 + 10  # every pruned token is waiting in the Aux Cache
 
 
 # --- the masked GQA attention path (LazyLLM decode) --------------------------------------------

@@ -12,7 +12,7 @@ import torch
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
-from fastprefill.methods.lazyllm import LATE_SCHEDULES, PRESETS, SELECTIONS, LazyLLM
+from fastprefill.methods.lazyllm import DEFAULT_PRESET, LATE_SCHEDULES, PRESETS, SELECTIONS, LazyLLM
 from fastprefill.methods.pruning import (
     keep_count,
     pool_in_position_order,
@@ -160,28 +160,30 @@ def test_prefill_selection_equals_eager_reimplementation(family, case, eager_mod
     opts = CASES[case]
     schedule = ((1, 0.5), (2, 0.25))
     ids = _ids(40, 11)
-    lazy = LazyLLM(schedule=schedule, **opts)
+    lazy = LazyLLM(schedule=schedule, options=opts)
     with torch.inference_mode():
-        out = lazy.prefill(model, ids)
+        run = lazy.run(model, ids)
+        out = run.output
     ref_sets, ref_logits = _eager_progressive(
         eager_models[family], ids, schedule, window=opts.get("score_window", 1), pool=opts.get("pool_kernel", 1),
         sinks=opts.get("sinks", 0), recent=opts.get("keep_recent", 0), accumulate=opts.get("accumulate", False))
-    assert [s.tolist() for s in out.state.selected] == [s.tolist() for s in ref_sets]
+    assert [s.tolist() for s in run.state.selected] == [s.tolist() for s in ref_sets]
     torch.testing.assert_close(out.logits, ref_logits, atol=1e-4, rtol=0)
     # the option changes the selection: the paper's rule picks another set on the same prompt
     with torch.inference_mode():
-        paper = LazyLLM(schedule=schedule).prefill(model, ids)
-    assert [s.tolist() for s in paper.state.selected] != [s.tolist() for s in out.state.selected]
+        paper = LazyLLM(schedule=schedule).run(model, ids)
+    assert [s.tolist() for s in paper.state.selected] != [s.tolist() for s in run.state.selected]
     if "sinks" in opts:
-        for kept in out.state.selected:
+        for kept in run.state.selected:
             assert set(range(opts["sinks"])) | set(range(40 - opts["keep_recent"], 40)) <= set(kept.tolist())
 
 
 def test_protected_tokens_raise_the_keep_count(tiny_llama):
     """More protected tokens than the keep count: all of them stay, and nothing else."""
     with torch.inference_mode():
-        out = LazyLLM(schedule=((1, 0.1),), sinks=5, keep_recent=6).prefill(tiny_llama, _ids(30, 1))
-    assert out.state.selected[0].tolist() == [0, 1, 2, 3, 4, *range(24, 30)]
+        run = LazyLLM(schedule=((1, 0.1),), options={"sinks": 5, "keep_recent": 6}).run(tiny_llama, _ids(30, 1))
+    out = run.output
+    assert run.state.selected[0].tolist() == [0, 1, 2, 3, 4, *range(24, 30)]
     assert out.stats.extra["kept_per_stage"] == [11]
     assert out.stats.token_layers == 2 * 30 + 2 * 11
 
@@ -205,14 +207,14 @@ def test_decode_score_equals_eager_attention_of_the_new_token(family, eager_mode
     prompt's last tokens and every generated token (decode_protect) at +inf."""
     model = {"llama": tiny_llama, "qwen2": tiny_qwen2}[family]
     n, steps, p = 30, 5, 1
-    lazy = _Recording(schedule=((p, 0.3),), accumulate=True, pool_kernel=3, sinks=2, keep_recent=3,
-                      decode_protect=True, score_window=4)
+    lazy = _Recording(schedule=((p, 0.3),), options={"accumulate": True, "pool_kernel": 3, "sinks": 2,
+                                                     "keep_recent": 3, "decode_protect": True, "score_window": 4})
     ids = _ids(n, 21)
     with torch.inference_mode():
         out = lazy.prefill(model, ids)
         tokens = [int(out.logits.argmax())]
         for _ in range(steps):
-            tokens.append(int(lazy.decode(out.state, tokens[-1]).argmax()))
+            tokens.append(int(out.decoder.step(tokens[-1]).argmax()))
     assert len(lazy.calls) == 1 + steps  # one cut at prefill, one per decode step
     for step in range(steps):
         t = n + step
@@ -236,13 +238,13 @@ def test_decode_protect_keeps_sinks_recent_and_generated_in_every_stage(tiny_qwe
     sched = ((0, 0.3), (2, 0.1))
 
     def run(protect: bool):
-        lazy = LazyLLM(schedule=sched, sinks=2, keep_recent=3, decode_protect=protect)
+        lazy = LazyLLM(schedule=sched, options={"sinks": 2, "keep_recent": 3, "decode_protect": protect})
         missing = []
         with torch.inference_mode():
-            out = lazy.prefill(tiny_qwen2, _ids(n, 8))
-            st, tok = out.state, int(out.logits.argmax())
+            out = lazy.run(tiny_qwen2, _ids(n, 8))
+            st, tok = out.state, int(out.output.logits.argmax())
             for step in range(steps):
-                tok = int(lazy.decode(st, tok).argmax())
+                tok = int(out.output.decoder.step(tok).argmax())
                 t = n + step
                 for chosen in st.selected:
                     got = set(chosen.tolist())
@@ -261,8 +263,8 @@ def test_keep_everything_with_every_option_equals_full_and_generate(family, tiny
     """Cuts that keep every token, all options on: full prefill's logits and transformers' tokens."""
     model = {"llama": tiny_llama, "qwen2": tiny_qwen2}[family]
     ids = _ids(33, 4)
-    lazy = LazyLLM(schedule=((0, 1.0), (2, 1.0)), score_window=8, pool_kernel=5, sinks=2, keep_recent=4,
-                   accumulate=True, decode_protect=True)
+    lazy = LazyLLM(schedule=((0, 1.0), (2, 1.0)), options={"score_window": 8, "pool_kernel": 5, "sinks": 2,
+                                                           "keep_recent": 4, "accumulate": True, "decode_protect": True})
     with torch.inference_mode():
         ref = FullPrefill().prefill(model, ids).logits
         got = lazy.prefill(model, ids).logits
@@ -294,31 +296,35 @@ def test_keep_everything_with_every_option_equals_full_and_generate(family, tiny
 )
 def test_option_validation_names_the_field_and_range(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        LazyLLM(**kwargs)
+        LazyLLM(options=kwargs)
 
 
 def test_spec_strings_set_every_field():
     m = make_method("lazyllm:schedule=6:0.3,score_window=16,pool_kernel=7,sinks=4,keep_recent=16,"
                     "accumulate=true,decode_protect=on,revival=budget:8")
     assert m.schedule == ((6, 0.3),)
-    assert (m.score_window, m.pool_kernel, m.sinks, m.keep_recent) == (16, 7, 4, 16)
-    assert m.accumulate and m.decode_protect and m.revival == "budget:8"
+    o = m.options
+    assert (o.score_window, o.pool_kernel, o.sinks, o.keep_recent) == (16, 7, 4, 16)
+    assert o.accumulate and o.decode_protect and str(o.revival) == "budget:8"
     assert m.describe() == ("lazyllm[6:0.3 score_window=16,pool_kernel=7,sinks=4,keep_recent=16,accumulate=True,"
                             "decode_protect=True,revival=budget:8]")
     m = make_method("lazyllm:preset=paper,revival=catch-up")
-    assert m.depth_schedule == PRESETS["four-stage"] and m.revival == "catch-up"
+    assert m.depth_schedule == PRESETS["four-stage"] and str(m.options.revival) == "catch-up"
     assert m.describe() == "lazyllm[paper revival=catch-up]"
     snap = make_method("lazyllm:preset=cut30k20,selection=snap")
-    assert snap == LazyLLM.preset("cut30k20+snap") and snap.describe() == "lazyllm[cut30k20+snap]"
-    assert (snap.score_window, snap.pool_kernel, snap.sinks, snap.keep_recent) == (16, 7, 4, 16)
+    assert snap == LazyLLM(preset="cut30k20+snap") and snap.describe() == "lazyllm[cut30k20+snap]"
+    o = snap.options
+    assert (o.score_window, o.pool_kernel, o.sinks, o.keep_recent) == (16, 7, 4, 16)
     assert make_method("lazyllm:preset=cut30k20+snap,sinks=8").describe() == "lazyllm[cut30k20+snap sinks=8]"
-    assert make_method("lazyllm:schedule=6:0.3,selection=snap").score_window == 16
-    for bad, match in [("lazyllm:sinks=many", "sinks='many' must be an integer"),
-                       ("lazyllm:accumulate=maybe", "must be true or false"),
+    assert make_method("lazyllm:schedule=6:0.3,selection=snap").options.score_window == 16
+    assert make_method("lazyllm:preset=cut30k20+snap,sinks=0").options.sinks == 0  # an override to the paper's value
+    for bad, match in [("lazyllm:sinks=many", "option 'sinks': not an integer: 'many'"),
+                       ("lazyllm:accumulate=maybe", "option .accumulate.: not a boolean"),
                        ("lazyllm:window=3", r"no option\(s\) \['window'\]"),
                        ("lazyllm:selection=fast", "unknown LazyLLM selection"),
                        ("lazyllm:preset=cut30k20+snap,selection=paper", "give one"),
-                       ("lazyllm:preset=paper,pool_kernel=2", "pool_kernel must be odd")]:
+                       ("lazyllm:preset=paper,pool_kernel=2", "pool_kernel must be odd"),
+                       ("lazyllm:preset=paper,schedule=2:0.5", "preset or schedule, not both")]:
         with pytest.raises(ConfigError, match=match):
             make_method(bad)
 
@@ -326,11 +332,12 @@ def test_spec_strings_set_every_field():
 def test_defaults_and_existing_presets_keep_the_papers_rule():
     default = LazyLLM()
     assert default.options == type(default.options)()  # every option off
+    assert default.depth_schedule == PRESETS[DEFAULT_PRESET] and default == make_method("lazyllm")
     for name in PRESETS:
-        m = LazyLLM.preset(name)
+        m = LazyLLM(preset=name)
         assert m.options == type(m.options)() and "+" not in m.describe() and " " not in m.describe()
-    assert LazyLLM.preset("default").describe() == "lazyllm[four-stage]"
-    assert LazyLLM.preset("paper").depth_schedule == LazyLLM.preset("four-stage").depth_schedule
+    assert LazyLLM(preset="default").describe() == "lazyllm[four-stage]"
+    assert LazyLLM(preset="paper").depth_schedule == LazyLLM(preset="four-stage").depth_schedule
     assert set(SELECTIONS) >= {"paper", "snap"} and SELECTIONS["paper"] == {}
 
 

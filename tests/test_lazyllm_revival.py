@@ -9,13 +9,15 @@ import pytest
 import torch
 
 from fastprefill.cache import PositionKVCache
-from fastprefill.engine import generate
+from fastprefill.engine import decoder_for, generate
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
 
 SCHEDULE = ((0, 0.5), (1, 0.25), (2, 0.1))
 POLICIES = ("all", "budget:0", "budget:2", "none", "catch-up")
+#: the policies with their own decode step (``none`` decodes with the model's forward)
+REVIVING = ("all", "budget:0", "budget:2", "catch-up")
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -24,17 +26,18 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 def _run(model, lazy: LazyLLM, n: int = 40, steps: int = 8, seed: int = 4):
     """Prefill and ``steps`` greedy decode steps, checking at every step that the revival
-    counters equal what the compute counter saw. Returns (prefill output, per-step (L, t) deltas)."""
+    counters equal what the compute counter saw. Returns (the pruned prefill, per-step (L, t) deltas)."""
     sched = lazy.resolved(4)
     stage_of = torch.tensor([sum(layer > p for p, _ in sched) for layer in range(4)])  # (L,)
     deltas = []
     with torch.inference_mode():
-        out = lazy.prefill(model, _ids(n, seed))
-        st, tok = out.state, int(out.logits.argmax())
+        run = lazy.run(model, _ids(n, seed))
+        out = run.output
+        st, tok = run.state, int(out.logits.argmax())
         for step in range(steps):
             t = n + step
             before = st.counter.counts[:, :t].clone()
-            tok = int(lazy.decode(st, tok).argmax())
+            tok = int(out.decoder.step(tok).argmax())
             delta = st.counter.counts[:, :t] - before  # (L, t) earlier positions computed this step
             assert bool((st.counter.counts[:, t] == 1).all())  # the new token: every layer once
             assert int(delta.min()) >= 0
@@ -52,14 +55,14 @@ def _run(model, lazy: LazyLLM, n: int = 40, steps: int = 8, seed: int = 4):
     for layer in range(4):  # the caches agree: no position stored twice at a layer
         pos = st.cache.positions(layer)
         assert pos.unique().numel() == pos.numel() == int(st.counter.counts[layer].sum())
-    return out, deltas
+    return run, deltas
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", REVIVING)
 def test_every_policy_computes_each_token_layer_at_most_once(tiny_model, policy):
-    out, _ = _run(tiny_model, LazyLLM(schedule=SCHEDULE, revival=policy))
-    st = out.state
-    stats = LazyLLM().decode_stats(st)
+    run, _ = _run(tiny_model, LazyLLM(schedule=SCHEDULE, options={"revival": policy}))
+    st = run.state
+    stats = run.output.decoder.stats()
     assert stats["revived_token_layers_total"] == sum(st.revived_token_layers_per_step)
     assert stats["revived_tokens_total"] == sum(st.revived_tokens_per_step)
     if policy == "all":  # revivals happen, and a revived token went on through a later stage
@@ -67,13 +70,25 @@ def test_every_policy_computes_each_token_layer_at_most_once(tiny_model, policy)
 
 
 def test_none_revives_nothing(tiny_model):
-    """(The paper's policy does revive on this prompt: see the budget test.)"""
-    out, deltas = _run(tiny_model, LazyLLM(schedule=SCHEDULE, revival="none"))
-    st = out.state
-    assert sum(st.revived_tokens_per_step) == sum(st.revived_token_layers_per_step) == 0
-    assert all(int(d.sum()) == 0 for d in deltas)
-    assert len(st.aux) == out.stats.total_token_layers // 4 - out.stats.extra["kept_per_stage"][-1]  # all still deferred
-    assert [s.tolist() for s in st.selected] == [s.tolist() for s in out.state.selected]  # no reselection
+    """``none`` has no decode step of its own: the model's forward decodes the pruned cache, so
+    nothing deferred is ever computed (the paper's policy does revive on this prompt: see the
+    budget test)."""
+    lazy = LazyLLM(schedule=SCHEDULE, options={"revival": "none"})
+    ids = _ids(40, 4)
+    with torch.inference_mode():
+        run = lazy.run(tiny_model, ids)
+        counts = run.state.counter.counts.clone()
+    assert run.output.decoder is None and run.output.ragged
+    res = generate(tiny_model, None, ids, lazy, max_new_tokens=8, stop_at_eos=False)
+    assert len(res.token_ids) == 8 and "revived_tokens_total" not in res.timing.extra
+    with torch.inference_mode():
+        again = lazy.run(tiny_model, ids)
+        decoder = decoder_for(tiny_model, again.output)
+        for tok in res.token_ids[:-1]:
+            decoder.step(tok)
+    assert torch.equal(again.state.counter.counts, counts)  # decoding computed no deferred token-layer
+    kept = run.output.stats.extra["kept_per_stage"][-1]
+    assert len(again.state.aux) == 40 - kept  # every pruned token still deferred
 
 
 def _most_per_stage(deltas) -> int:
@@ -91,9 +106,9 @@ def test_budget_revives_at_most_r_per_stage_per_step(tiny_model):
     _, paper = _run(tiny_model, LazyLLM(schedule=sched))
     assert _most_per_stage(paper) > 1  # the paper's policy would revive more: both budgets bind
     for budget in (0, 1):
-        out, deltas = _run(tiny_model, LazyLLM(schedule=sched, revival=f"budget:{budget}"))
+        run, deltas = _run(tiny_model, LazyLLM(schedule=sched, options={"revival": f"budget:{budget}"}))
         assert _most_per_stage(deltas) == budget  # used up to R, never beyond
-        st = out.state  # each step's sets hold only tokens with KV at the stage
+        st = run.state  # each step's sets hold only tokens with KV at the stage
         for (layer, _), chosen in zip(sched, st.selected):
             assert bool(st.cache.has(layer + 1, chosen).all())
 
@@ -102,19 +117,19 @@ def test_an_unbinding_budget_is_the_papers_policy(tiny_model):
     """budget:R with R above any stage's revivals chooses and computes exactly as ``all``."""
     ids = _ids(40, 4)
     paper = generate(tiny_model, None, ids, LazyLLM(schedule=SCHEDULE), max_new_tokens=12, stop_at_eos=False)
-    wide = generate(tiny_model, None, ids, LazyLLM(schedule=SCHEDULE, revival="budget:1000"), max_new_tokens=12,
-                    stop_at_eos=False)
+    wide = generate(tiny_model, None, ids, LazyLLM(schedule=SCHEDULE, options={"revival": "budget:1000"}),
+                    max_new_tokens=12, stop_at_eos=False)
     assert wide.token_ids == paper.token_ids
     assert wide.timing.extra["revived_token_layers_per_step"] == paper.timing.extra["revived_token_layers_per_step"]
-    tight = generate(tiny_model, None, ids, LazyLLM(schedule=SCHEDULE, revival="budget:1"), max_new_tokens=12,
-                     stop_at_eos=False)
+    tight = generate(tiny_model, None, ids, LazyLLM(schedule=SCHEDULE, options={"revival": "budget:1"}),
+                     max_new_tokens=12, stop_at_eos=False)
     assert tight.timing.extra["revived_tokens_total"] < paper.timing.extra["revived_tokens_total"]
 
 
 def test_catch_up_completes_every_prompt_token_at_the_first_step(tiny_model):
     n = 40
-    out, deltas = _run(tiny_model, LazyLLM(schedule=SCHEDULE, revival="catch-up"), n=n)
-    st = out.state
+    run, deltas = _run(tiny_model, LazyLLM(schedule=SCHEDULE, options={"revival": "catch-up"}), n=n)
+    st, out = run.state, run.output
     deferred = n * 4 - out.stats.token_layers  # prompt token-layers the prefill skipped
     assert int(deltas[0].sum()) == deferred == st.revived_token_layers_per_step[0] > 0
     assert st.revived_tokens_per_step[0] == n - out.stats.extra["kept_per_stage"][-1]
@@ -164,13 +179,14 @@ def test_catch_up_and_none_attend_what_the_masked_reference_attends(tiny_model, 
     the KV present (kept prompt tokens and generated ones)."""
     n, steps = 30, 3
     ids = _ids(n, 9)
-    lazy = LazyLLM(schedule=((0, 0.5), (2, 0.25)), revival=policy)
+    lazy = LazyLLM(schedule=((0, 0.5), (2, 0.25)), options={"revival": policy})
     with torch.inference_mode():
-        out = lazy.prefill(tiny_model, ids)
-        kept = [s.clone() for s in out.state.selected]
+        run = lazy.run(tiny_model, ids)
+        out, decoder = run.output, decoder_for(tiny_model, run.output)
+        kept = [s.clone() for s in run.state.selected]
         tokens, logits = [int(out.logits.argmax())], []
         for _ in range(steps):
-            logits.append(lazy.decode(out.state, tokens[-1]))
+            logits.append(decoder.step(tokens[-1]))
             tokens.append(int(logits[-1].argmax()))
     for step in range(steps):
         seq = torch.cat([ids, torch.tensor([tokens[: step + 1]])], dim=1)
@@ -190,9 +206,10 @@ def test_keep_all_under_every_policy_equals_full_prefill_and_generate(tiny_model
     with torch.inference_mode():
         ref = FullPrefill().prefill(tiny_model, ids).logits
         expected = tiny_model.generate(ids, max_new_tokens=10, do_sample=False)[0, 29:].tolist()
-    for lazy in (LazyLLM.preset("keep-all", revival=policy), LazyLLM(schedule=((0, 1.0), (2, 1.0)), revival=policy)):
+    for lazy in (LazyLLM(preset="keep-all", options={"revival": policy}),
+                 LazyLLM(schedule=((0, 1.0), (2, 1.0)), options={"revival": policy})):
         with torch.inference_mode():
             torch.testing.assert_close(lazy.prefill(tiny_model, ids).logits, ref, atol=1e-4, rtol=0)
         res = generate(tiny_model, None, ids, lazy, max_new_tokens=10, stop_at_eos=False)
         assert res.token_ids == expected
-        assert res.timing.extra["revived_tokens_total"] == 0
+        assert res.timing.extra.get("revived_tokens_total", 0) == 0

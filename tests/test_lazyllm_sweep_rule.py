@@ -51,7 +51,7 @@ def test_sweep_candidates_are_valid_and_exclude_the_alias(load_bench):
     bench = load_bench("lazyllm_bench")
     assert "default" not in bench.SWEEP and "keep-all" not in bench.SWEEP
     for name, sched in bench.SWEEP.items():
-        assert LazyLLM(depth_schedule=sched, preset_name=name).resolved(24)
+        assert LazyLLM(depth_schedule=sched, label=name).resolved(24)
 
 
 def test_script_arguments_parse(load_bench):
@@ -132,10 +132,10 @@ def test_fidelity_candidates_fit_the_budget_and_build(layers):
     assert len(methods) == len(FIDELITY_CANDIDATES) >= 12
     for key, lazy in methods.items():
         name = key.removeprefix("lazyllm-")
-        assert lazy == LazyLLM.preset(name)  # each candidate is a preset by the same name
+        assert lazy == LazyLLM(preset=name)  # each candidate is a preset by the same name
         sched = lazy.resolved(layers)
         assert schedule_token_layers(sched, layers, 2048) / (layers * 2048) <= FIDELITY_BUDGET
-    assert {m.score_window for m in methods.values()} == {1, 16}  # the paper's rule and the snap bundles
+    assert {m.options.score_window for m in methods.values()} == {1, 16}  # the paper's rule and the snap bundles
     with pytest.raises(ConfigError, match="not fidelity candidates"):
         fidelity_methods(["four-stage"])
 
@@ -152,4 +152,4 @@ def test_fidelity_sweep_and_decode_arguments(load_bench):
     assert args.eos and args.revivals == ["all", "catch-up", "budget:4"]
     methods = bench.revival_methods(["cut30k20+snap"], args.revivals)
     assert list(methods) == ["lazyllm-cut30k20+snap", "lazyllm-cut30k20+snap/catch-up", "lazyllm-cut30k20+snap/budget:4"]
-    assert methods["lazyllm-cut30k20+snap/budget:4"].revival == "budget:4"
+    assert str(methods["lazyllm-cut30k20+snap/budget:4"].options.revival) == "budget:4"

@@ -26,8 +26,7 @@ SELECTION_LAYERS = {"static-keep-1": 2, "gemfilter-keep-1": 3, "gemfilter-keep-1
 
 LOSSLESS = {
     "full": FullPrefill(),
-    "lazyllm-empty-schedule": LazyLLM(),
-    "lazyllm-keep-all-preset": LazyLLM.preset("keep-all"),
+    "lazyllm-keep-all-preset": LazyLLM(preset="keep-all"),
     "lazyllm-keep-1.0-at-layers-1-2": LazyLLM(schedule=((1, 1.0), (2, 1.0))),
     "random-keep-1": RandomDrop(keep=1.0, seed=3),
     "static-keep-1": StaticPruning(keep=1.0, select_layer=1),

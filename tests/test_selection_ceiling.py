@@ -30,7 +30,7 @@ def test_selection_ceiling_on_smollm2_multidoc(smollm2):
     model, tok = smollm2
     task = get_task("multidoc-qa")
     samples = task.build(tok, 512, 2, split="dev")
-    lazy = LazyLLM(depth_schedule=((0.3, 0.6),), score_window=16, pool_kernel=7, sinks=4, keep_recent=16)
+    lazy = LazyLLM(depth_schedule=((0.3, 0.6),), options={"score_window": 16, "pool_kernel": 7, "sinks": 4, "keep_recent": 16})
     rows = selection_ceiling(model, tok, task, samples, lazy, probe_depth=0.6)
     assert [r.selection for r in rows] == list(ORACLES) * 2
     for i, sample in enumerate(samples):

@@ -4,7 +4,7 @@ Public API (explicit re-exports; importing this package has no side effects)::
 
     from fastprefill import generate, load_model, LazyLLM
     model, tok = load_model("smollm2-135m")
-    result = generate(model, tok, "Summarise: ...", method=LazyLLM.preset("default"))
+    result = generate(model, tok, "Summarise: ...", method=LazyLLM(preset="default"))
     print(result.text, result.timing.ttft_s)
 
 Method classes are imported on first access, so an optional piece that is missing never

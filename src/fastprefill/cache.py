@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PretrainedConfig
 
-__all__ = ["AuxCache", "LayerCache", "LayerKV", "PositionKVCache", "ReplayCache"]
+__all__ = ["AuxCache", "LayerCache", "LayerKV", "PositionKVCache", "ReplayCache", "layer_kv", "wrap_dynamic_cache"]
 
 
 @runtime_checkable
@@ -126,26 +126,40 @@ class PositionKVCache:
         """Total (token, layer) pairs stored."""
         return sum(len(layer) for layer in self.layers)
 
-    # --- export -------------------------------------------------------------------------------
-    def to_dynamic_cache(self, config) -> DynamicCache:
-        """Export to a transformers ``DynamicCache`` (sorted by position).
+    # --- export ----------------------------------------------------------------------------
+    def to_dynamic_cache(self, config: PretrainedConfig) -> DynamicCache:
+        """Export to a transformers ``DynamicCache`` in position order.
 
         Every layer must hold exactly positions ``0..N-1`` (no gaps): a model decoding from a
-        ``DynamicCache`` numbers its keys by index.
+        ``DynamicCache`` numbers its keys by index. A layer already in position order is handed
+        over without a copy.
 
         Raises:
             ValueError: if some layer has gaps or layers differ in length.
         """
-        cache = DynamicCache(config=config)
         n = len(self.layers[0])
+        kv = []
         for idx, layer in enumerate(self.layers):
             if len(layer) != n or layer.keys is None:
                 raise ValueError(f"layer {idx} holds {len(layer)} positions, layer 0 holds {n}")
+            expected = torch.arange(n, device=layer.positions.device)
+            if torch.equal(layer.positions, expected):
+                kv.append((layer.keys, layer.values))
+                continue
             order = torch.argsort(layer.positions)
-            if not torch.equal(layer.positions[order].cpu(), torch.arange(n)):
+            if not torch.equal(layer.positions[order], expected):
                 raise ValueError(f"layer {idx} positions are not 0..{n - 1}; cannot export to DynamicCache")
-            cache.update(layer.keys[:, :, order], layer.values[:, :, order], idx)
-        return cache
+            kv.append((layer.keys[:, :, order], layer.values[:, :, order]))
+        return wrap_dynamic_cache(config, kv)
+
+    def ragged_view(self, config: PretrainedConfig) -> DynamicCache:
+        """A ``DynamicCache`` over the same tensors (no copy), each layer in storage order.
+
+        Layers may hold different position sets: only a single new query that attends every key
+        of a layer (LazyLLM without revival, pruned baselines) may decode from it, because a
+        ``DynamicCache`` does not know the positions.
+        """
+        return wrap_dynamic_cache(config, [(layer.keys, layer.values) for layer in self.layers])
 
     @classmethod
     def from_dynamic_cache(cls, cache: DynamicCache) -> PositionKVCache:
@@ -157,6 +171,38 @@ class PositionKVCache:
             out.stage(idx, torch.arange(k.shape[-2], device=k.device))
             out.update(k, v, idx)
         return out
+
+
+def layer_kv(cache: DynamicCache, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``idx``'s keys and values ``(B, H_kv, N, d)`` held by a transformers ``DynamicCache``.
+
+    Raises:
+        ValueError: the layer holds nothing.
+    """
+    layer = cache.layers[idx]
+    if not getattr(layer, "is_initialized", False) or layer.keys is None:
+        raise ValueError(f"cache layer {idx} holds no keys")
+    return layer.keys, layer.values
+
+
+def wrap_dynamic_cache(
+    config: PretrainedConfig, kv: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]]
+) -> DynamicCache:
+    """A transformers ``DynamicCache`` whose layer ``l`` holds ``kv[l]`` ``(B, H_kv, N_l, d)`` as given.
+
+    ``DynamicCache.update`` on an empty layer concatenates onto an empty tensor, a copy of every
+    layer; here the tensors are handed over as they are (later updates concatenate as usual, so
+    the given tensors are never written to). A ``(None, None)`` layer stays empty.
+    """
+    cache = DynamicCache(config=config)
+    if len(cache.layers) < len(kv):
+        raise ValueError(f"{len(kv)} layers of KV for a config with {len(cache.layers)} cache layers")
+    for layer, (keys, values) in zip(cache.layers, kv, strict=False):
+        if keys is None or values is None:
+            continue
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return cache
 
 
 class AuxCache:

@@ -258,7 +258,7 @@ def demo_methods(model: Any, prompt_len: int) -> list[tuple[str, Any]]:
     from fastprefill.methods.lazyllm import LazyLLM
     from fastprefill.models.shape import ModelShape
 
-    lazy = LazyLLM.preset("default")
+    lazy = LazyLLM(preset="default")
     baselines = matched_baselines(lazy, ModelShape.from_config(model.config).num_layers, prompt_len)
     from fastprefill.methods.kv_prediction.prefix import KVPrefix
 

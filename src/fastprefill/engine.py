@@ -21,9 +21,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.errors import ConfigError, PromptError
-from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
+from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import check_causal_lm
+from fastprefill.prefix_cache import PrefixCache
 
 __all__ = [
     "GenerationResult",
@@ -32,6 +33,7 @@ __all__ = [
     "Timing",
     "TimingWindow",
     "context_length",
+    "decoder_for",
     "encode_prompt",
     "generate",
     "prepare_prompt",
@@ -56,7 +58,11 @@ class Timing:
         total_s: TTFT plus all decoding.
         stats: the prefill's :class:`~fastprefill.methods.base.ComputeStats` (token-layers,
             FLOPs, method counters), as the method reported it.
-        decode_extra: counters the method gathered while decoding (``Method.decode_stats``).
+        decode_extra: counters the method's own decoder gathered (``Decoder.stats``).
+        cached_tokens: prompt tokens whose K/V came from a prefix cache (not computed).
+        stored_tokens: tokens this generation added to the prefix cache.
+        prefix_store_s: seconds spent storing into the prefix cache (after the last token,
+            outside TTFT and decoding).
     """
 
     method: str
@@ -67,6 +73,9 @@ class Timing:
     total_s: float
     stats: ComputeStats
     decode_extra: dict[str, Any] = field(default_factory=dict)
+    cached_tokens: int = 0
+    stored_tokens: int = 0
+    prefix_store_s: float = 0.0
 
     @property
     def token_layers(self) -> int:
@@ -106,6 +115,9 @@ class Timing:
             "prefill_flops": self.prefill_flops,
             "extra": self.extra,
             "token_layer_fraction": self.token_layer_fraction,
+            "cached_tokens": self.cached_tokens,
+            "stored_tokens": self.stored_tokens,
+            "prefix_store_s": self.prefix_store_s,
         }
 
 
@@ -283,17 +295,30 @@ def prepare_prompt(
     return input_ids.to(model.device)
 
 
-def timed_prefill(model: PreTrainedModel, input_ids: torch.Tensor, method: Method) -> tuple[PrefillOutput, int, float]:
+def timed_prefill(
+    model: PreTrainedModel, input_ids: torch.Tensor, method: Method, prefix_cache: PrefixCache | None = None
+) -> tuple[PrefillOutput, int, float, int]:
     """Prefill ``(1, T)`` prepared ids with ``method`` inside the engine's timing window.
 
+    With a ``prefix_cache`` and a method that :attr:`~fastprefill.methods.base.Method.takes_prefix`,
+    the longest cached prefix is looked up (inside the window) and only the rest is prefilled.
+
     Returns:
-        ``(output, first_token_id, ttft_seconds)``; the window covers the method's prefill and
-        the argmax of its logits.
+        ``(output, first_token_id, ttft_seconds, cached_tokens)``; the window covers the lookup,
+        the method's prefill and the argmax of its logits.
     """
     with torch.inference_mode(), TimingWindow(model.device) as window:
-        out = method.prefill(model, input_ids)
+        hit = prefix_cache.lookup(model, input_ids) if prefix_cache is not None and method.takes_prefix else None
+        out = method.prefill(model, input_ids, hit.cache) if hit is not None and hit.tokens else (
+            method.prefill(model, input_ids))
         token = int(torch.argmax(out.logits))
-    return out, token, window.seconds
+    return out, token, window.seconds, hit.tokens if hit is not None else 0
+
+
+def decoder_for(model: PreTrainedModel, out: PrefillOutput) -> Decoder:
+    """The decode step the engine uses after ``out``: the method's own :class:`Decoder`, else
+    :class:`ModelDecoder` (the model's forward over ``out.cache``)."""
+    return out.decoder if out.decoder is not None else ModelDecoder(model, out)
 
 
 def stream(
@@ -306,6 +331,7 @@ def stream(
     chat: bool = False,
     stop_at_eos: bool = True,
     stop: Callable[[str], bool] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[StreamEvent]:
     """Greedy generation as an iterator of :class:`StreamEvent` (one per token).
 
@@ -317,8 +343,9 @@ def stream(
     device = model.device
     eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
 
-    out, token, ttft = timed_prefill(model, input_ids, method)
+    out, token, ttft, cached = timed_prefill(model, input_ids, method, prefix_cache)
     first_logits = out.logits.detach().reshape(-1).to("cpu", torch.float32, copy=True)  # (V,)
+    decoder = decoder_for(model, out)
     generated = [token]
     decode_time = 0.0
     prev_text = ""
@@ -331,11 +358,19 @@ def stream(
                 break
             yield StreamEvent(token, delta, len(generated) - 1)
             with TimingWindow(device) as window:
-                logits = method.decode(out.state, token)
+                logits = decoder.step(token)
                 token = int(torch.argmax(logits))
             decode_time += window.seconds
             generated.append(token)
 
+        stored, store_s = 0, 0.0
+        if prefix_cache is not None and out.exact_tokens > cached:
+            # the generated tokens fed through the model are exact too when the whole prompt was
+            with TimingWindow(device) as window:
+                fed = generated[:-1] if out.exact_tokens == n_prompt and out.decoder is None else []
+                ids = input_ids[0].tolist() + fed
+                stored = prefix_cache.store(model, ids, out.cache, out.exact_tokens + len(fed))
+            store_s = window.seconds
         steps = len(generated) - 1
         timing = Timing(
             method=method.describe(),
@@ -345,7 +380,10 @@ def stream(
             decode_s_per_token=decode_time / steps if steps else None,
             total_s=ttft + decode_time,
             stats=out.stats,
-            decode_extra=dict(method.decode_stats(out.state)),
+            decode_extra=dict(decoder.stats()),
+            cached_tokens=cached,
+            stored_tokens=stored,
+            prefix_store_s=store_s,
         )
         yield StreamEvent(token, delta, len(generated) - 1, timing, first_logits)
 
@@ -360,6 +398,7 @@ def generate(
     chat: bool = False,
     stop_at_eos: bool = True,
     stop: Callable[[str], bool] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationResult:
     """Generate greedily from ``prompt`` with ``method`` (full prefill when ``None``).
 
@@ -375,6 +414,10 @@ def generate(
         stop: called with the text generated so far after every token; generation ends (that
             token kept) once it returns True. Tasks use it to stop when the rest of the
             answer cannot change the score (e.g. HumanEval after the closing code fence).
+        prefix_cache: a :class:`~fastprefill.prefix_cache.PrefixCache`: the longest cached
+            prefix of the prompt is reused (for a method that takes one: full prefill, LazyLLM,
+            kvp-prefix; the others run the whole prompt), and the exact K/V this generation
+            computed is stored. ``Timing.cached_tokens`` says how many prompt tokens were reused.
 
     Returns:
         The text, the generated ids, the :class:`Timing` and the first token's logits.
@@ -385,7 +428,8 @@ def generate(
     ids: list[int] = []
     last: StreamEvent | None = None
     for last in stream(
-        model, tokenizer, prompt, method, max_new_tokens, chat=chat, stop_at_eos=stop_at_eos, stop=stop
+        model, tokenizer, prompt, method, max_new_tokens, chat=chat, stop_at_eos=stop_at_eos, stop=stop,
+        prefix_cache=prefix_cache,
     ):
         ids.append(last.token_id)
     assert last is not None and last.timing is not None

@@ -127,7 +127,7 @@ def selection_ceiling(
         selects = {"policy": method.select, "gold": oracle_select(first=gold), "deep": oracle_select(priority=deep)}
         for name in ORACLES:
             with recording_kept_positions():
-                out = progressive_prefill(ad, ids, schedule, selects[name], opts)
+                out = progressive_prefill(ad, ids, schedule, selects[name], opts).output
             kept = out.stats.extra["kept_positions"]
             rows.append(CeilingRow(
                 sample_id=sample.id, selection=name,

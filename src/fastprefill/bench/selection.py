@@ -45,8 +45,7 @@ def fidelity_methods(names: Iterable[str] | None = None, prefix: str = "lazyllm-
     unknown = [n for n in chosen if n not in FIDELITY_CANDIDATES]
     if unknown:
         raise ConfigError(f"not fidelity candidates: {unknown}; choose from {sorted(FIDELITY_CANDIDATES)}")
-    return {f"{prefix}{n}": LazyLLM(depth_schedule=FIDELITY_CANDIDATES[n][0], preset_name=n, **FIDELITY_CANDIDATES[n][1])
-            for n in chosen}
+    return {f"{prefix}{n}": LazyLLM(preset=n) for n in chosen}
 
 
 def choose_default(summaries: Sequence[Summary], tolerance: float = SWEEP_TOLERANCE) -> dict[str, Any]:

@@ -48,7 +48,7 @@ import torch
 
 from fastprefill.distributed.runtime import free_port, init_group, set_threads, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
-from fastprefill.methods.base import DistributedMethod, LayerHook, Method, PrefillOutput
+from fastprefill.methods.base import DistributedMethod, LayerHook, Method
 
 __all__ = [
     "FAULT_EXIT_CODE",
@@ -143,29 +143,6 @@ def check_request(model: Any, tokenizer: Any, request: Request, world: int) -> t
                           chat=request.chat)
 
 
-class _Capture(Method):
-    """Delegates to a method and keeps its first-token logits (for exactness checks); the
-    engine sees the wrapped method's description and counters unchanged."""
-
-    def __init__(self, method: Method) -> None:
-        self.method = method
-        self.logits: torch.Tensor | None = None
-
-    def prefill(self, model: Any, input_ids: torch.Tensor) -> PrefillOutput:
-        out = self.method.prefill(model, input_ids)
-        self.logits = out.logits
-        return out
-
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        return self.method.decode(state, token_id)
-
-    def decode_stats(self, state: Any) -> dict[str, Any]:
-        return self.method.decode_stats(state)
-
-    def describe(self) -> str:
-        return self.method.describe()
-
-
 def _layer_hook(fault: tuple[int, int, str] | None) -> LayerHook | None:
     if fault is None:
         return None
@@ -200,9 +177,8 @@ def run_rank(
 
     method = request.method
     if rank == world - 1:
-        capture = _Capture(method)
         events = []
-        for ev in stream(model, tokenizer, input_ids, capture, request.max_new_tokens,
+        for ev in stream(model, tokenizer, input_ids, method, request.max_new_tokens,
                          stop_at_eos=request.stop_at_eos):
             if ev.index == 0 and on_first is not None:
                 on_first(ev.token_id)
@@ -212,7 +188,7 @@ def run_rank(
         ids_out = [e.token_id for e in events]
         text = tokenizer.decode(ids_out, skip_special_tokens=True) if tokenizer is not None else ""
         return {"text": text, "token_ids": ids_out, "timing": timing.to_dict(), "stats": timing.extra,
-                "logits": capture.logits.cpu() if capture.logits is not None else None}
+                "logits": events[-1].first_logits}
     assert isinstance(method, DistributedMethod)  # check_request: world > 1 needs one
     with torch.inference_mode():
         stats = method.contribute(model, input_ids, layer_hook=_layer_hook(request.fault))

@@ -1,16 +1,22 @@
 """The method contract: what the engine asks of every prefill method.
 
 A method is a small typed dataclass whose fields are its settings, checked in ``__post_init__``
-(a :class:`~fastprefill.errors.ConfigError` names the field and its allowed range). The engine
-asks it for two things:
+(a :class:`~fastprefill.errors.ConfigError` names the field and its allowed range), and
+registered as itself in :mod:`fastprefill.methods.registry`. The engine asks it for one thing,
+:meth:`Method.prefill`: prompt ids (and, optionally, the exact K/V of a cached prefix of them)
+in; a :class:`PrefillOutput` out:
 
-- :meth:`Method.prefill`: prompt ids in, first-token logits and a decode state out;
-- :meth:`Method.decode`: one token in, next-token logits out.
+- the first-token logits;
+- a transformers ``Cache`` the model's own forward decodes from;
+- :class:`ComputeStats`: the prompt (token, layer) pairs computed against the full count, and a
+  FLOPs estimate;
+- how many leading positions of that cache are *exact* (equal to full prefill's K/V at every
+  layer): only those may be kept by a prefix cache;
+- a :class:`Decoder` only when the method needs its own decode step (LazyLLM's revival of
+  deferred tokens); every other method decodes with the model's own forward.
 
-Each prefill reports what it computed in a :class:`ComputeStats`: the prompt (token, layer)
-pairs computed against the full count, and a FLOPs estimate. Everything a method does to get
-the first token (scoring, gathering, an auxiliary model, communication) happens inside
-``prefill``, so the engine's TTFT timer includes it.
+Everything a method does to get the first token (scoring, gathering, an auxiliary model,
+communication) happens inside ``prefill``, so the engine's TTFT timer includes it.
 
 A method that splits the prefill over several processes also meets :class:`DistributedMethod`:
 the last rank runs the engine, the others :meth:`DistributedMethod.contribute`.
@@ -18,16 +24,17 @@ the last rank runs the engine, the others :meth:`DistributedMethod.contribute`.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
-from transformers import PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
 
-from fastprefill.errors import UnsupportedModelError
-from fastprefill.models.adapters import LAYER_LOOP_FAMILIES, supports_layer_loop
+from fastprefill.errors import ConfigError, UnsupportedModelError
+from fastprefill.models.adapters import LAYER_LOOP_FAMILIES, DecoderAdapter, supports_layer_loop
 
 
 @dataclass
@@ -36,7 +43,8 @@ class ComputeStats:
 
     Attributes:
         token_layers: prompt (token, layer) pairs computed by the base model.
-        total_token_layers: ``prompt_length * num_layers``, the full-prefill count.
+        total_token_layers: ``prompt_length * num_layers``, the full-prefill count (a cached
+            prefix included: its pairs count as not computed).
         flops: estimated FLOPs to the first token (all models involved, LM head included).
         extra: method-specific counters (for example LazyLLM's kept tokens per layer).
     """
@@ -48,8 +56,21 @@ class ComputeStats:
 
     @property
     def fraction(self) -> float:
-        """``token_layers / total_token_layers`` (1.0 for full prefill)."""
+        """``token_layers / total_token_layers`` (1.0 for full prefill without a cached prefix)."""
         return self.token_layers / self.total_token_layers if self.total_token_layers else 1.0
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """A method's own decode step, for a cache the model's forward cannot decode by itself."""
+
+    def step(self, token_id: int) -> torch.Tensor:
+        """Feed one generated token; return ``(V,)`` float32 logits for the next one."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters gathered while decoding (for example revivals per step)."""
+        ...
 
 
 @dataclass
@@ -58,13 +79,66 @@ class PrefillOutput:
 
     Attributes:
         logits: ``(V,)`` float32 logits for the token after the prompt.
-        state: the method's decode state, handed back to :meth:`Method.decode`.
+        cache: a transformers ``Cache``; layer ``l`` holds the keys and values ``(1, H_kv, N_l, d)``
+            (rotated at their original positions) that a generated token attends at ``l``.
         stats: what was computed.
+        next_position: the position of the first generated token (``T``; the kept count when
+            a method renumbers the kept tokens).
+        exact_tokens: positions ``0..E-1`` are held at every layer of ``cache``, in order, with
+            exactly full prefill's keys and values (``T`` for an exact method; the cached
+            prefix's length for an approximate one). A prefix cache keeps only these.
+        ragged: layers hold different key sets (pruned tokens are missing from some layers):
+            the engine decodes such a cache with one query attending every key of each layer,
+            inside :meth:`~fastprefill.models.adapters.DecoderAdapter.attention_scope`.
+        decoder: the method's own decode step, or ``None``: the model's forward decodes ``cache``
+            (:class:`ModelDecoder`).
     """
 
     logits: torch.Tensor
-    state: Any
+    cache: Cache
     stats: ComputeStats
+    next_position: int
+    exact_tokens: int
+    ragged: bool = False
+    decoder: Decoder | None = None
+
+
+class ModelDecoder:
+    """The model's own forward, one token at a time, over a prefill's cache (every method without
+    its own :class:`~fastprefill.methods.base.Decoder`).
+
+    Args:
+        model: the model the prefill ran on.
+        out: the prefill; decoding continues at ``out.next_position`` and appends to ``out.cache``.
+    """
+
+    def __init__(self, model: PreTrainedModel, out: PrefillOutput) -> None:
+        self.model = model
+        self.cache = out.cache
+        self.position = out.next_position
+        # a ragged cache: one query attending every key of each layer, with no mask built from
+        # layer 0's length (the adapter's attention function takes mask=None)
+        self.scope = DecoderAdapter(model).attention_scope if out.ragged else contextlib.nullcontext
+
+    def step(self, token_id: int) -> torch.Tensor:
+        """Feed one token; ``(V,)`` float32 logits for the next one."""
+        device = self.model.device
+        ids = torch.tensor([[token_id]], device=device)
+        positions = torch.tensor([[self.position]], device=device)
+        with self.scope():
+            out = self.model(input_ids=ids, past_key_values=self.cache, position_ids=positions, use_cache=True,
+                             logits_to_keep=1)
+        self.position += 1
+        return out.logits[0, -1].float()  # (V,)
+
+    def stats(self) -> dict[str, Any]:
+        """No counters: plain decoding."""
+        return {}
+
+
+def prefix_length(prefix: Cache | None) -> int:
+    """Positions held by a cached prefix (``0`` for ``None``)."""
+    return 0 if prefix is None else int(prefix.get_seq_length())
 
 
 class Method(ABC):
@@ -75,6 +149,9 @@ class Method(ABC):
     #: True when the method runs the model's decoder layers itself (through a family adapter),
     #: so it supports only :data:`~fastprefill.models.adapters.LAYER_LOOP_FAMILIES`.
     layer_loop: ClassVar[bool] = False
+    #: True when :meth:`prefill` accepts ``prefix``: the exact K/V of the prompt's first
+    #: positions, from a prefix cache; the method computes only the rest of the prompt.
+    takes_prefix: ClassVar[bool] = False
 
     # --- capability queries (static: nothing is built) ---------------------------------------
     @classmethod
@@ -98,7 +175,7 @@ class Method(ABC):
         del model, prompt_len
 
     @abstractmethod
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
         """Process the prompt.
 
         Args:
@@ -106,20 +183,19 @@ class Method(ABC):
             input_ids: ``(1, T)`` int64 prompt ids on the model's device, ``T >= 1``, already
                 validated by :func:`fastprefill.engine.prepare_prompt` (this method's
                 :meth:`check_model` and :meth:`check_prompt` included).
+            prefix: only for a method that :attr:`takes_prefix`: a cache holding the exact
+                keys and values of positions ``0..P-1`` (``P < T``) at every layer, owned by
+                this call (the method may append to it); ``None``: nothing cached.
         """
-
-    @abstractmethod
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        """Feed one generated token; return ``(V,)`` float32 logits for the next one."""
-
-    def decode_stats(self, state: Any) -> dict[str, Any]:
-        """Counters gathered while decoding (for example LazyLLM's revivals per step)."""
-        del state
-        return {}
 
     def describe(self) -> str:
         """One line naming the method and its settings, for tables and logs."""
         return self.name
+
+    def refuse_prefix(self, prefix: Cache | None) -> None:
+        """Raise :class:`~fastprefill.errors.ConfigError` for a cached prefix unless :attr:`takes_prefix`."""
+        if prefix is not None and not self.takes_prefix:
+            raise ConfigError(f"{self.name} does not take a cached prefix; prefill the whole prompt (prefix=None)")
 
 
 #: Called after every layer of a rank's share of a distributed prefill as ``hook(rank, layer)``
@@ -131,11 +207,12 @@ class DistributedMethod(Method):
     """The contract of a prefill split over ``procs`` ranks of one torch.distributed process group.
 
     Every rank holds the model and gets the same prompt ids. The last rank (``procs - 1``) runs
-    the engine: :meth:`prefill` gives it the first-token logits and it decodes alone. Ranks
-    ``0..procs-2`` call :meth:`contribute` with the same ids and are then free. Drivers (the
-    local rank pool in ``fastprefill.distributed.pool``, torchrun ranks in ``fastprefill.launch``)
-    talk to distributed methods only through this contract. With ``procs == 1`` no process group
-    is needed and the method is an ordinary one-process :class:`Method`.
+    the engine: :meth:`prefill` gives it the first-token logits and the whole cache, and it
+    decodes alone. Ranks ``0..procs-2`` call :meth:`contribute` with the same ids and are then
+    free. Drivers (the local rank pool in ``fastprefill.distributed.pool``, torchrun ranks in
+    ``fastprefill.launch``) talk to distributed methods only through this contract. With
+    ``procs == 1`` no process group is needed and the method is an ordinary one-process
+    :class:`Method`.
 
     Attributes:
         procs: number of ranks; when > 1 it must equal the process group's world size.

@@ -25,21 +25,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import Method, PrefillOutput
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import (
+    PrunedPrefill,
     Schedule,
     avg_pool_scores,
     check_keep,
     check_layers,
     check_schedule,
-    decode_step,
     keep_count,
     probe_scores,
     schedule_token_layers,
@@ -96,11 +96,6 @@ def _check_select_layer(layer: int, num_layers: int) -> None:
         )
 
 
-def _decode(state: Any, token_id: int) -> torch.Tensor:
-    """Plain decoding over a static policy's cache (empty schedule: nothing is reselected)."""
-    return decode_step(state, token_id, top_k_keep)
-
-
 @dataclass
 class RandomDrop(Method):
     """Random token drop: ``ceil(keep * T)`` prompt tokens (the last always among them) through every layer.
@@ -129,13 +124,16 @@ class RandomDrop(Method):
         others = torch.randperm(n - 1, generator=gen)[: k - 1]
         return torch.cat([others.sort().values, torch.tensor([n - 1])])
 
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
+        self.refuse_prefix(prefix)
+        return self.run(model, input_ids).output
+
+    def run(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrunedPrefill:
+        """The prefill with the pruning mechanism's state (KV by position, counters, the kept set)."""
         ad = DecoderAdapter(model, method="RandomDrop")
         keep = self.choose(int(input_ids.shape[1])).to(ad.device)
         return subset_prefill(ad, input_ids, keep)
 
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        return _decode(state, token_id)
 
     def describe(self) -> str:
         return f"random[keep={self.keep:g},seed={self.seed}]"
@@ -169,7 +167,12 @@ class StaticPruning(Method):
         """``select_layer`` must be a layer of this model."""
         _check_select_layer(self.select_layer, ModelShape.from_config(model.config).num_layers)
 
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
+        self.refuse_prefix(prefix)
+        return self.run(model, input_ids).output
+
+    def run(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrunedPrefill:
+        """The prefill with the pruning mechanism's state (KV by position, counters, the kept set)."""
         self.check_prompt(model, int(input_ids.shape[1]))
         ad = DecoderAdapter(model, method="StaticPruning")
         row = probe_scores(ad, input_ids, self.select_layer)
@@ -177,8 +180,6 @@ class StaticPruning(Method):
         keep = top_k_keep(row, keep_count(self.keep, int(input_ids.shape[1])))  # ascending positions
         return subset_prefill(ad, input_ids, keep, selection_layer=self.select_layer)
 
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        return _decode(state, token_id)
 
     def describe(self) -> str:
         return f"static[keep={self.keep:g},select_layer={self.select_layer}]"
@@ -243,7 +244,12 @@ class GemFilter(Method):
         layers = ModelShape.from_config(model.config).num_layers
         _check_select_layer(self.selection_layer(layers), layers)
 
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
+        self.refuse_prefix(prefix)
+        return self.run(model, input_ids).output
+
+    def run(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrunedPrefill:
+        """The prefill with the pruning mechanism's state (KV by position, counters, the kept set)."""
         self.check_prompt(model, int(input_ids.shape[1]))
         ad = DecoderAdapter(model, method="GemFilter")
         s = self.selection_layer(ad.num_layers)
@@ -252,8 +258,6 @@ class GemFilter(Method):
         keep = top_k_keep(row, keep_count(self.keep, int(input_ids.shape[1])))  # ascending positions
         return subset_prefill(ad, input_ids, keep, selection_layer=s, renumber=True)
 
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        return _decode(state, token_id)
 
     def describe(self) -> str:
         where = f"select_layer={self.select_layer}" if self.select_layer >= 0 else (

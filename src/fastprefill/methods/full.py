@@ -1,29 +1,23 @@
 """Plain full prefill: the reference every figure is compared against.
 
-It runs the model's own forward over the whole prompt with a transformers ``DynamicCache`` and
-decodes one token at a time from it, exactly as transformers' greedy ``generate`` does (the
-tests assert the same tokens). Only the last position goes through the LM head
-(``logits_to_keep=1``), as in ``generate``, so the baseline is not handicapped.
+It runs the model's own forward over the prompt with a transformers ``DynamicCache``, and the
+engine decodes one token at a time from that cache with the model's forward, exactly as
+transformers' greedy ``generate`` does (the tests assert the same tokens). Only the last
+position goes through the LM head (``logits_to_keep=1``), as in ``generate``, so the baseline
+is not handicapped. With a cached prefix it runs only the rest of the prompt over the prefix's
+keys and values: the same computation, so the same logits to float rounding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
-from fastprefill.models.shape import ModelShape
-
-
-@dataclass
-class FullState:
-    """Decode state of full prefill: the model and its transformers cache."""
-
-    model: PreTrainedModel
-    cache: DynamicCache
+from fastprefill.methods.base import ComputeStats, Method, PrefillOutput, prefix_length
+from fastprefill.models.shape import ModelShape, causal_pairs
 
 
 @dataclass
@@ -31,22 +25,18 @@ class FullPrefill(Method):
     """Plain prefill of every prompt token at every layer (no settings)."""
 
     name: ClassVar[str] = "full"
+    takes_prefix: ClassVar[bool] = True
 
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
+        n, p = int(input_ids.shape[1]), prefix_length(prefix)
+        cache = prefix if prefix is not None else DynamicCache(config=model.config)
+        out = model(input_ids=input_ids[:, p:], past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1].float()  # (V,)
         shape = ModelShape.from_config(model.config)
-        n = int(input_ids.shape[1])
         stats = ComputeStats(
-            token_layers=n * shape.num_layers,
+            token_layers=(n - p) * shape.num_layers,
             total_token_layers=n * shape.num_layers,
-            flops=shape.causal_prefill_flops(n),
+            flops=shape.num_layers * shape.layer_flops(n - p, (n - p) * p + causal_pairs(n - p)) + shape.head_flops(1),
         )
-        return PrefillOutput(logits=logits, state=FullState(model, cache), stats=stats)
+        return PrefillOutput(logits=logits, cache=cache, stats=stats, next_position=n, exact_tokens=n)
 
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        model, cache = state.model, state.cache
-        ids = torch.tensor([[token_id]], device=model.device)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float()

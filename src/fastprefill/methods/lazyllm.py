@@ -36,22 +36,23 @@ and the compute counter are the mechanism in :mod:`fastprefill.methods.pruning`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import Method, PrefillOutput
 from fastprefill.methods.pruning import (
     DepthSchedule,
+    PrunedPrefill,
     PruneOptions,
     Schedule,
     check_depth_schedule,
     check_layers,
     check_schedule,
-    decode_step,
     progressive_prefill,
     resolve_depth_schedule,
     top_k_keep,
@@ -96,166 +97,97 @@ PRESETS: dict[str, DepthSchedule] = {**_NAMED, "default": _NAMED[DEFAULT_PRESET]
 #: The depth schedules that go beyond the paper's (later cuts, small keeps), for sweeps.
 LATE_SCHEDULES: tuple[str, ...] = tuple(name for name in _NAMED if name.startswith("cut"))
 
-#: Named bundles of selection options (fields of :class:`LazyLLM`); a preset combines a schedule
-#: with one as ``"<schedule>+<selection>"`` (``"paper"``, the paper's rule, when none is named).
-#: ``snap`` scores as SnapKV / FastKV select (a window of the last 16 queries, pooled over 7
-#: positions) and protects 4 attention sinks and the last 16 prompt tokens; ``snap-protect``
-#: also keeps every generated token in every stage while decoding.
+#: Named bundles of selection options (fields of
+#: :class:`~fastprefill.methods.pruning.PruneOptions`); a preset combines a schedule with one as
+#: ``"<schedule>+<selection>"`` (``"paper"``, the paper's rule, when none is named). ``snap``
+#: scores as SnapKV / FastKV select (a window of the last 16 queries, pooled over 7 positions)
+#: and protects 4 attention sinks and the last 16 prompt tokens; ``snap-protect`` also keeps
+#: every generated token in every stage while decoding.
 SELECTIONS: dict[str, dict[str, Any]] = {
     "paper": {},
     "snap": {"score_window": 16, "pool_kernel": 7, "sinks": 4, "keep_recent": 16},
     "snap-protect": {"score_window": 16, "pool_kernel": 7, "sinks": 4, "keep_recent": 16, "decode_protect": True},
 }
-#: The option fields of :class:`LazyLLM` (settable by spec string) and their types.
-OPTION_FIELDS: dict[str, type] = {
-    "score_window": int, "pool_kernel": int, "sinks": int, "keep_recent": int,
-    "accumulate": bool, "decode_protect": bool, "revival": str,
-}
-
-
-def _spec_value(key: str, value: Any) -> Any:
-    """A spec string's value for the option field ``key`` (non-strings pass through)."""
-    kind = OPTION_FIELDS[key]
-    if not isinstance(value, str) or kind is str:
-        return value
-    text = value.strip().lower()
-    if kind is bool:
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"lazyllm option {key}={value!r} must be true or false")
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"lazyllm option {key}={value!r} must be an integer") from None
+#: The option fields (those of :class:`PruneOptions`), settable by spec string beside a preset.
+OPTION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(PruneOptions))
 
 
 @dataclass
 class LazyLLM(Method):
     """LazyLLM progressive token pruning with an Aux Cache (arXiv 2407.14057).
 
-    Give either an absolute ``schedule`` or a relative ``depth_schedule`` (as the presets do);
-    both empty means keep-all, which reproduces full prefill. The option fields default to the
-    paper's rule; each one goes beyond the paper where it is silent (see
-    :class:`~fastprefill.methods.pruning.PruneOptions` for the exact definitions).
+    The schedule comes from ``preset`` unless an absolute ``schedule`` or a relative
+    ``depth_schedule`` is given; the options are the ``selection`` bundle's (the preset's own
+    bundle when it names one), with ``options`` applied over it. The defaults are the paper's
+    rule and the :data:`DEFAULT_PRESET` schedule; the presets go beyond the paper where it is
+    silent (see :class:`~fastprefill.methods.pruning.PruneOptions` for each option).
 
     Args:
+        preset: ``"<schedule>"`` or ``"<schedule>+<selection>"`` from :data:`PRESETS` and
+            :data:`SELECTIONS` (``default`` is :data:`DEFAULT_PRESET`); ignored when a
+            schedule is given (giving both is an error, unless the preset is ``default``).
         schedule: ``((layer, keep), ...)``: after pruning layer ``layer`` only
             ``ceil(keep * T)`` tokens (the last always among them) are computed in the layers
             above. Layers strictly increasing in ``[0, L - 2]`` (checked at prefill); ``keep``
-            in ``(0, 1]`` and non-increasing with depth.
+            in ``(0, 1]`` and non-increasing with depth. Spec: ``schedule=8:0.7+16:0.5``.
         depth_schedule: the same with relative depths in ``[0, 1)`` instead of layers, resolved
             by :func:`resolve_depth_schedule` for the model at hand.
-        preset_name: informational label set by :meth:`preset`.
-        score_window: score a prefill cut by the attention of the last ``W`` queries (``1..64``;
-            1 = the paper's last token), averaged over every query head and the ``W`` queries.
-        pool_kernel: average-pool the scores over this many positions (odd, ``1..15``; 1 = none).
-        sinks: keep the first ``S`` prompt positions at every cut, prefill and decode (``>= 0``).
-        keep_recent: keep the last ``R`` prompt positions at every cut (``>= 0``).
-        accumulate: score a cut by the sum of the scores of every layer since the previous cut.
-        decode_protect: while decoding, every stage also keeps every generated token.
-        revival: the decoding policy: ``all`` (the paper), ``budget:R`` (at most ``R >= 0``
-            revived tokens per stage per step), ``none`` (no reselection or revival) or
-            ``catch-up`` (every deferred token-layer computed at the first decode step, then
-            plain decoding).
+        selection: the options bundle from :data:`SELECTIONS` (default: the preset's, else
+            ``paper``).
+        options: a complete :class:`PruneOptions` (then ``selection`` must not be given), or a
+            mapping of option fields applied over the bundle (the spec's ``revival=none``).
+        label: the name :meth:`describe` shows for a custom schedule (sweeps set it).
 
     Raises:
-        ConfigError: a bad schedule (see above), both schedules given, or an option outside its
-            range (the message names the field).
+        ConfigError: an unknown preset or selection, a bad schedule (see above), two schedules
+            given, or an option outside its range (the message names the field).
     """
 
     name: ClassVar[str] = "lazyllm"
     layer_loop: ClassVar[bool] = True
+    takes_prefix: ClassVar[bool] = True
 
+    preset: str = "default"
     schedule: Schedule = ()
     depth_schedule: DepthSchedule = ()
-    preset_name: str | None = None
-    score_window: int = 1
-    pool_kernel: int = 1
-    sinks: int = 0
-    keep_recent: int = 0
-    accumulate: bool = False
-    decode_protect: bool = False
-    revival: str = "all"
+    selection: str | None = None
+    options: PruneOptions | Mapping[str, Any] = field(default_factory=dict)
+    label: str | None = None
+    _custom: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.schedule = check_schedule(self.schedule)
         self.depth_schedule = check_depth_schedule(self.depth_schedule)
         if self.schedule and self.depth_schedule:
             raise ConfigError("give either schedule or depth_schedule, not both")
-        self.revival = str(self.options.revival)  # validates every option field
-
-    @property
-    def options(self) -> PruneOptions:
-        """The option fields as the pruning mechanism's :class:`PruneOptions`."""
-        return PruneOptions(**{key: getattr(self, key) for key in OPTION_FIELDS})
-
-    # --- construction --------------------------------------------------------------------------
-    @classmethod
-    def preset(cls, name: str, selection: str | None = None, **options: Any) -> LazyLLM:
-        """A named schedule from :data:`PRESETS` with a selection bundle from :data:`SELECTIONS`.
-
-        Args:
-            name: ``"<schedule>"`` or ``"<schedule>+<selection>"``; ``default`` is
-                :data:`DEFAULT_PRESET`.
-            selection: the bundle when ``name`` names none (default ``"paper"``).
-            options: option fields that override the bundle's.
-
-        Raises:
-            ConfigError: an unknown schedule, bundle or option, or two different bundles named.
-        """
-        sched, plus, named_selection = name.partition("+")
+        sched, plus, named_selection = self.preset.partition("+")
         if sched not in PRESETS:
             raise ConfigError(f"unknown LazyLLM preset {sched!r}; choose one of {sorted(PRESETS)}")
-        if plus and selection is not None and selection != named_selection:
-            raise ConfigError(f"lazyllm: preset {name!r} names selection {named_selection!r}, "
-                              f"selection={selection!r} another; give one")
-        chosen = named_selection if plus else (selection or "paper")
+        custom = bool(self.schedule or self.depth_schedule)
+        if custom and self.preset != "default":
+            raise ConfigError("lazyllm: give preset or schedule, not both")
+        if plus and self.selection is not None and self.selection != named_selection:
+            raise ConfigError(f"lazyllm: preset {self.preset!r} names selection {named_selection!r}, "
+                              f"selection={self.selection!r} another; give one")
+        chosen = self.selection or (named_selection if plus and not custom else "paper")
         if chosen not in SELECTIONS:
             raise ConfigError(f"unknown LazyLLM selection {chosen!r}; choose one of {sorted(SELECTIONS)}")
-        unknown = set(options) - set(OPTION_FIELDS)
-        if unknown:
-            raise ConfigError(f"lazyllm has no option(s) {sorted(unknown)}; options: {sorted(OPTION_FIELDS)}")
-        named = DEFAULT_PRESET if sched == "default" else sched
-        label = named if chosen == "paper" else f"{named}+{chosen}"
-        return cls(depth_schedule=PRESETS[named], preset_name=label, **{**SELECTIONS[chosen], **options})
-
-    @classmethod
-    def from_spec(
-        cls, preset: str | None = None, schedule: str | None = None, selection: str | None = None, **options: Any
-    ) -> LazyLLM:
-        """Build from CLI strings: ``preset=NAME`` or ``schedule=8:0.7+16:0.5`` (``layer:keep``), an
-        optional ``selection=NAME`` bundle and any option field, e.g.
-        ``preset=paper,revival=catch-up`` or ``schedule=6:0.3,score_window=16,sinks=4``.
-
-        Raises:
-            ConfigError: both preset and schedule, a malformed schedule string, an unknown
-                option or a value outside its range.
-        """
-        if preset is not None and schedule is not None:
-            raise ConfigError("lazyllm: give preset or schedule, not both")
-        unknown = set(options) - set(OPTION_FIELDS)
-        if unknown:
-            known = sorted({"preset", "schedule", "selection", *OPTION_FIELDS})
-            raise ConfigError(f"lazyllm has no option(s) {sorted(unknown)}; options: {known}")
-        fields = {key: _spec_value(key, value) for key, value in options.items()}
-        if schedule is None:
-            return cls.preset(preset or "default", selection, **fields)
-        if selection is not None and selection not in SELECTIONS:
-            raise ConfigError(f"unknown LazyLLM selection {selection!r}; choose one of {sorted(SELECTIONS)}")
-        pairs = []
-        for item in schedule.replace(";", "+").replace(" ", "+").split("+"):
-            if not item:
-                continue
-            layer, sep, frac = item.partition(":")
-            try:
-                pairs.append((int(layer), float(frac)))
-            except ValueError:
-                raise ConfigError(f"lazyllm schedule item {item!r} must look like layer:keep (e.g. 8:0.7)") from None
-            if not sep:
-                raise ConfigError(f"lazyllm schedule item {item!r} must look like layer:keep (e.g. 8:0.7)")
-        return cls(schedule=tuple(pairs), **{**SELECTIONS[selection or "paper"], **fields})
+        if isinstance(self.options, PruneOptions):
+            if self.selection is not None or plus:
+                raise ConfigError("lazyllm: give a selection bundle or complete options, not both")
+        elif isinstance(self.options, Mapping):
+            unknown = set(self.options) - set(OPTION_FIELDS)
+            if unknown:
+                raise ConfigError(f"lazyllm has no option(s) {sorted(unknown)}; options: {sorted(OPTION_FIELDS)}")
+            self.options = PruneOptions(**{**SELECTIONS[chosen], **self.options})
+        else:
+            raise ConfigError(f"lazyllm: options must be PruneOptions or a mapping of its fields, got {self.options!r}")
+        self.selection = chosen
+        self._custom = custom
+        if not custom:
+            named = DEFAULT_PRESET if sched == "default" else sched
+            self.depth_schedule = PRESETS[named]
+            self.preset = named if chosen == "paper" else f"{named}+{chosen}"
 
     def resolved(self, num_layers: int) -> Schedule:
         """The absolute schedule for an ``L``-layer model (validated against ``L``)."""
@@ -276,39 +208,41 @@ class LazyLLM(Method):
         """The schedule's pruning layers must exist in this model (see :meth:`resolved`)."""
         self.resolved(ModelShape.from_config(model.config).num_layers)
 
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
-        """Progressively pruned prefill; see the module docstring.
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
+        """Progressively pruned prefill; see the module docstring and :meth:`run`."""
+        return self.run(model, input_ids, prefix).output
+
+    def run(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrunedPrefill:
+        """The prefill with the pruning mechanism's state (KV by position, Aux Cache, counters).
 
         Args:
             input_ids: ``(1, T)`` with ``T >= 1``.
+            prefix: exact K/V of positions ``0..P-1``: context at every layer; only positions
+                ``P..T-1`` are computed and pruned.
 
         Raises:
             UnsupportedModelError: model family other than llama/qwen2.
             ConfigError: a pruning layer outside ``[0, L - 2]``.
         """
         ad = DecoderAdapter(model, method="LazyLLM")
-        return progressive_prefill(ad, input_ids, self.resolved(ad.num_layers), self.select, self.options)
-
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        """Feed one token under the ``revival`` policy; return ``(V,)`` logits."""
-        return decode_step(state, token_id, self.select)
-
-    def decode_stats(self, state: Any) -> dict[str, Any]:
-        """Revivals per decode step (distinct tokens, (token, stage) pairs, token-layers) and totals."""
-        return state.revival_stats()
+        assert isinstance(self.options, PruneOptions)
+        return progressive_prefill(ad, input_ids, self.resolved(ad.num_layers), self.select, self.options, prefix)
 
     def describe(self) -> str:
-        """``lazyllm[<preset or schedule>]``, then the options that differ from the preset's bundle
-        (the paper's rule without one)."""
-        if self.preset_name:
-            where = self.preset_name
+        """``lazyllm[<preset, label or schedule>]``, then the options that differ from the preset's
+        selection bundle (the paper's rule for a custom schedule)."""
+        if self.label:
+            where = self.label
+        elif not self._custom:
+            where = self.preset
         elif self.depth_schedule:
             where = "depth " + " ".join(f"{d:g}:{f:g}" for d, f in self.depth_schedule)
         elif not self.schedule:
             where = "keep-all"
         else:
             where = " ".join(f"{layer}:{f:g}" for layer, f in self.schedule)
-        paper = {f.name: f.default for f in dataclasses.fields(self) if f.name in OPTION_FIELDS}
-        expected = {**paper, **SELECTIONS.get((self.preset_name or "").partition("+")[2], {})}
-        differ = [f"{key}={getattr(self, key)}" for key in OPTION_FIELDS if getattr(self, key) != expected[key]]
+        assert isinstance(self.options, PruneOptions)
+        expected = PruneOptions(**(SELECTIONS[self.selection or "paper"] if not self._custom else {}))
+        differ = [f"{key}={getattr(self.options, key)}" for key in OPTION_FIELDS
+                  if getattr(self.options, key) != getattr(expected, key)]
         return f"lazyllm[{where}{' ' + ','.join(differ) if differ else ''}]"

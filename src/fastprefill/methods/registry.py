@@ -1,77 +1,85 @@
-"""Method names for the CLI and benchmark configs: ``"name"`` or ``"name:key=value,key=value"``.
+"""Method names for the CLI, the server and benchmark configs: ``"name"`` or ``"name:key=value,..."``.
 
-Examples: ``full``, ``lazyllm:preset=default``, ``static:keep=0.5,select_layer=8``,
+:data:`METHODS` maps each name to its method dataclass, registered as itself. One converter,
+:func:`make_method`, turns a spec string's ``key=value`` items into the dataclass's typed fields:
+
+- ``int``, ``float``, ``bool`` (``true/false``, ``1/0``, ``yes/no``, ``on/off``) and ``str``
+  fields convert by their annotation (``X | None`` converts as ``X``);
+- a tuple of pairs (a pruning schedule) is written ``a:b+c:d``;
+- a type with a ``parse`` classmethod (:class:`~fastprefill.methods.pruning.Revival`) parses
+  its own text;
+- a field typed ``Options | Mapping[str, Any]`` (LazyLLM's ``options``) is *flattened*: the
+  spec names the option dataclass's own fields (``revival=none``) and the method receives them
+  as a mapping of typed values, applied over its preset's options;
+- a field with ``metadata={"spec": False}`` (a model object, checkpoint metadata) is not an
+  option.
+
+Examples: ``full``, ``lazyllm:preset=default``, ``lazyllm:preset=cut30k20+snap,revival=none``,
+``lazyllm:schedule=8:0.7+16:0.5,selection=snap``, ``static:keep=0.5,select_layer=8``,
 ``random:keep=0.5,seed=0``, ``kvp:predictor=ckpt/``, ``kvp-prefix:layer=8``,
-``kvp-prefix:predictor=ckpt/``, ``runahead:procs=2,partition=searched``,
-``runahead:procs=2,partition=600/424``, ``tsp:procs=2,timeout_s=60``.
+``runahead:procs=2,partition=searched``, ``runahead:procs=2,partition=600/424``,
+``tsp:procs=2,timeout_s=60``.
 
 ``runahead`` and ``tsp`` build :class:`~fastprefill.methods.base.DistributedMethod` instances:
 they run on a rank pool or under torchrun (see ``fastprefill.launch``).
-
-Method modules are imported only when their name is used, so a missing optional piece never
-breaks the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import Method
+from fastprefill.methods.baselines import GemFilter, RandomDrop, StaticPruning
+from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.kv_prediction import KVPrediction, KVPrefix
+from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.methods.runahead import KVRunahead, SequenceParallel
 
-#: name -> ("module:attribute", help). The attribute is a Method class or a factory taking kwargs.
-METHODS: dict[str, tuple[str, str]] = {
-    "full": ("fastprefill.methods.full:FullPrefill", "plain full prefill (the reference)"),
-    "lazyllm": ("fastprefill.methods.lazyllm:LazyLLM.from_spec", "LazyLLM dynamic token pruning"),
-    "random": ("fastprefill.methods.baselines:RandomDrop", "random token drop (baseline)"),
-    "static": ("fastprefill.methods.baselines:StaticPruning", "static pruning at original positions (baseline)"),
-    "gemfilter": ("fastprefill.methods.baselines:GemFilter", "GemFilter static pruning, renumbered positions (baseline)"),
-    "kvp": ("fastprefill.methods.kv_prediction:KVPrediction.from_spec", "KV Prediction (needs a trained predictor)"),
-    "kvp-prefix": ("fastprefill.methods.kv_prediction.prefix:KVPrefix",
-                   "KV Prediction keeping the first layers exact (options: layer, predictor)"),
-    "runahead": ("fastprefill.methods.runahead.method:KVRunahead",
-                 "KV-Runahead over procs ranks (options: procs, partition, table, timeout_s)"),
-    "tsp": ("fastprefill.methods.runahead.method:SequenceParallel",
-            "all-gather sequence-parallel prefill, KV-Runahead's baseline (options: procs, timeout_s)"),
+__all__ = ["METHODS", "MethodEntry", "convert", "make_method", "method_names", "parse_spec"]
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    """A registered method: its dataclass and a one-line help text."""
+
+    cls: type[Method]
+    help: str
+
+
+#: name -> the method dataclass (and its help line).
+METHODS: dict[str, MethodEntry] = {
+    "full": MethodEntry(FullPrefill, "plain full prefill (the reference)"),
+    "lazyllm": MethodEntry(LazyLLM, "LazyLLM dynamic token pruning (options: preset, schedule, selection, "
+                                    "score_window, pool_kernel, sinks, keep_recent, accumulate, decode_protect, revival)"),
+    "random": MethodEntry(RandomDrop, "random token drop (baseline; options: keep, seed)"),
+    "static": MethodEntry(StaticPruning, "static pruning at original positions (baseline; options: keep, select_layer)"),
+    "gemfilter": MethodEntry(GemFilter, "GemFilter static pruning, renumbered positions (baseline; options: keep, "
+                                        "select_layer, select_depth, kernel)"),
+    "kvp": MethodEntry(KVPrediction, "KV Prediction (needs a trained predictor: predictor=DIR)"),
+    "kvp-prefix": MethodEntry(KVPrefix, "KV Prediction keeping the first layers exact (options: layer, predictor, tail)"),
+    "runahead": MethodEntry(KVRunahead, "KV-Runahead over procs ranks (options: procs, partition, table, timeout_s)"),
+    "tsp": MethodEntry(SequenceParallel, "all-gather sequence-parallel prefill, KV-Runahead's baseline "
+                                         "(options: procs, timeout_s)"),
 }
 
 
-def _resolve(target: str) -> Callable[..., Method]:
-    module_name, _, attr_path = target.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr_path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _convert(value: str, annotation: Any) -> Any:
-    """Convert a CLI string to a dataclass field's annotated type (int, float, bool, str; an
-    optional ``X | None`` converts to ``X``)."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), str)
-    text = str(annotation)
-    if annotation in (bool, "bool") or text == "bool":
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"not a boolean: {value!r}")
-    for typ in (int, float):
-        if annotation in (typ, typ.__name__) or text == typ.__name__:
-            try:
-                return typ(value)
-            except ValueError:
-                raise ValueError(f"not {'an integer' if typ is int else 'a number'}: {value!r}") from None
-    return value
+def method_names() -> list[str]:
+    """The registered method names, sorted."""
+    return sorted(METHODS)
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """Split ``"name:k=v,k2=v2"`` into ``("name", {"k": "v", "k2": "v2"})``."""
+    """Split ``"name:k=v,k2=v2"`` into ``("name", {"k": "v", "k2": "v2"})``.
+
+    Raises:
+        ConfigError: an item that is not ``key=value``.
+    """
     name, _, rest = spec.strip().partition(":")
     kwargs: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
@@ -82,41 +90,111 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip(), kwargs
 
 
+def _strip_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if args else str
+    return annotation
+
+
+def _pairs(value: str, kinds: tuple[type, type]) -> tuple[tuple[Any, Any], ...]:
+    out = []
+    for item in value.replace(";", "+").replace(" ", "+").split("+"):
+        if not item:
+            continue
+        a, sep, b = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            out.append((kinds[0](a), kinds[1](b)))
+        except ValueError:
+            raise ValueError(f"schedule item {item!r} must look like layer:keep (e.g. 8:0.7)") from None
+    return tuple(out)
+
+
+def convert(value: str, annotation: Any) -> Any:
+    """Convert one spec string to a field's annotated type (see the module docstring).
+
+    Raises:
+        ValueError: the text is not a value of that type (the message says what it expected).
+        ConfigError: a type's own ``parse`` refused it.
+    """
+    annotation = _strip_optional(annotation)
+    parse = getattr(annotation, "parse", None)
+    if isinstance(annotation, type) and callable(parse):
+        return parse(value)
+    if typing.get_origin(annotation) is tuple:
+        args = typing.get_args(annotation)
+        if len(args) == 2 and args[1] is Ellipsis and typing.get_origin(args[0]) is tuple:
+            return _pairs(value, typing.get_args(args[0]))
+    if annotation is bool:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {value!r}")
+    for typ in (int, float):
+        if annotation is typ:
+            try:
+                return typ(value)
+            except ValueError:
+                raise ValueError(f"not {'an integer' if typ is int else 'a number'}: {value!r}") from None
+    return value
+
+
+def _flattened(annotation: Any) -> type | None:
+    """The option dataclass of a field typed ``Options | Mapping[str, Any]`` (else ``None``)."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    args = typing.get_args(annotation)
+    if not any(typing.get_origin(a) in (Mapping, dict) for a in args):
+        return None
+    return next((a for a in args if dataclasses.is_dataclass(a)), None)
+
+
 def make_method(spec: str, defaults: Mapping[str, Any] | None = None) -> Method:
     """Build a method from a spec string.
 
     Args:
         spec: ``"name"`` or ``"name:key=value,..."`` (see the module docstring).
-        defaults: typed values for options the spec leaves out, used only for the options the
+        defaults: typed values for options the spec leaves out, used only for the fields the
             method declares (the CLI passes ``--procs``, ``--partition`` and ``--timeout`` this
             way: they reach ``runahead`` and ``tsp`` and no other method). Options in ``spec``
             win.
 
     Raises:
-        ConfigError: unknown method name, unknown option, or a value of the wrong type.
+        ConfigError: unknown method name, unknown option, a value of the wrong type, or a value
+            the method refuses (its message names the field).
     """
     name, raw = parse_spec(spec)
     if name not in METHODS:
-        known = ", ".join(sorted(METHODS))
-        raise ConfigError(f"unknown method {name!r}; known methods: {known}")
-    target = _resolve(METHODS[name][0])
-    kwargs: dict[str, Any] = dict(raw)
-    if dataclasses.is_dataclass(target):
-        hints = typing.get_type_hints(target)
-        fields = {f.name for f in dataclasses.fields(target) if f.init}
-        unknown = set(raw) - fields
-        if unknown:
-            raise ConfigError(f"method {name!r} has no option(s) {sorted(unknown)}; options: {sorted(fields)}")
-        kwargs = {}
-        for key, value in raw.items():
-            try:
-                kwargs[key] = _convert(value, hints.get(key, str))
-            except ValueError as exc:
-                raise ConfigError(f"method {name!r}, option {key!r}: {exc}") from None
-        for key, value in (defaults or {}).items():
-            if key in fields:
-                kwargs.setdefault(key, value)
+        raise ConfigError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
+    cls = METHODS[name].cls
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("spec", True)]
+    nested = {f: opt for f in fields if (opt := _flattened(hints[f])) is not None}
+    owner: dict[str, tuple[str | None, Any]] = {f: (None, hints[f]) for f in fields if f not in nested}
+    for field_name, opt in nested.items():
+        for sub in dataclasses.fields(opt):
+            owner.setdefault(sub.name, (field_name, typing.get_type_hints(opt)[sub.name]))
+    unknown = set(raw) - set(owner)
+    if unknown:
+        raise ConfigError(f"method {name!r} has no option(s) {sorted(unknown)}; options: {sorted(owner)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        into, annotation = owner[key]
+        try:
+            typed = convert(value, annotation)
+        except ValueError as exc:
+            raise ConfigError(f"method {name!r}, option {key!r}: {exc}") from None
+        if into is None:
+            kwargs[key] = typed
+        else:
+            kwargs.setdefault(into, {})[key] = typed
+    for key, value in (defaults or {}).items():
+        if key in fields and key not in nested:
+            kwargs.setdefault(key, value)
     try:
-        return target(**kwargs)
+        return cls(**kwargs)
     except TypeError as exc:
         raise ConfigError(f"method {name!r}: {exc}") from None

@@ -13,6 +13,7 @@ from fastprefill.methods.kv_prediction.aux import AuxSpec, TokenizerMismatchErro
 from fastprefill.methods.kv_prediction.checkpoint import CheckpointError
 from fastprefill.methods.kv_prediction.method import AuxAlone, KVPrediction
 from fastprefill.methods.kv_prediction.predictor import KVPredictor, default_layer_map, validate_layer_map
+from fastprefill.methods.kv_prediction.prefix import KVPrefix
 
 __all__ = [
     "AuxAlone",
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "KVPrediction",
     "KVPredictor",
+    "KVPrefix",
     "TokenizerMismatchError",
     "check_tokenizers",
     "default_layer_map",

@@ -14,17 +14,14 @@ Identity of models and tokenizers is checked with cheap fingerprints
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.models.fingerprint import PROBE_TEXT, tokenizer_fingerprint, weights_fingerprint
 from fastprefill.models.kv import drop_layers
-from fastprefill.models.shape import ModelShape
 
 __all__ = [
     "AuxSpec",
@@ -34,20 +31,8 @@ __all__ = [
     "weights_fingerprint",
 ]
 
-#: Probe text for tokenizer comparison: prose, code, digits, whitespace and non-ASCII.
-PROBE_TEXT = "def f(x):\n    return x ** 2  # The café's 3.14 π — 東京 naïve\tend"
-
-
 class TokenizerMismatchError(FastprefillError, ValueError):
     """The aux and base tokenizers differ, so the aux model cannot read the base's prompt ids."""
-
-
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    """sha256 of the tokenizer's full vocabulary (token -> id) and of a probe encoding."""
-    digest = hashlib.sha256()
-    digest.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
-    digest.update(json.dumps(tokenizer.encode(PROBE_TEXT, add_special_tokens=False)).encode())
-    return digest.hexdigest()
 
 
 def check_tokenizers(base: PreTrainedTokenizerBase, aux: PreTrainedTokenizerBase) -> None:
@@ -65,29 +50,6 @@ def check_tokenizers(base: PreTrainedTokenizerBase, aux: PreTrainedTokenizerBase
             "aux and base tokenizers encode text differently (vocabulary or probe encoding differ): "
             "KV Prediction needs an aux model with the base's tokenizer"
         )
-
-
-def weights_fingerprint(model: PreTrainedModel) -> str:
-    """A cheap sha256 identifying a model's weights.
-
-    Hashes the shape (:class:`ModelShape`) and, for every parameter in name order, its name,
-    shape and a fixed sample of its values (the first 256 and 256 evenly strided elements,
-    as float32). That is milliseconds even for 1.5B parameters, yet any other checkpoint of the
-    same architecture differs in the sampled values. Parameters shared under several names
-    (tied embeddings) are hashed once.
-    """
-    digest = hashlib.sha256(repr(ModelShape.from_config(model.config)).encode())
-    seen: set[int] = set()
-    for name, param in sorted(model.named_parameters(remove_duplicate=False), key=lambda kv: kv[0]):
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        flat = param.detach().reshape(-1)
-        step = max(1, flat.numel() // 256)
-        sample = torch.cat([flat[:256], flat[::step][:256]]).float().cpu()
-        digest.update(f"{name}:{tuple(param.shape)}".encode())
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ any moment leaves ``config.json`` pointing at complete files, so resuming always
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -27,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fastprefill.errors import ConfigError
+from fastprefill.models.fingerprint import file_sha256
 
 __all__ = ["FORMAT", "CheckpointError", "atomic_torch_save", "atomic_write_bytes", "read_checkpoint", "write_checkpoint"]
 
@@ -37,14 +37,6 @@ VERSION = 1
 class CheckpointError(ConfigError):
     """A predictor checkpoint is missing, corrupted, or made for other models (a configuration
     error: the predictor named is not one this model can use)."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _atomic(path: Path, write) -> None:
@@ -98,7 +90,7 @@ def write_checkpoint(
         version=VERSION,
         step=int(step),
         weights=weights.name,
-        weights_sha256=_sha256(weights),
+        weights_sha256=file_sha256(weights),
         train_state=train_name,
     )
     atomic_write_bytes(out / "config.json", json.dumps(config, indent=2, sort_keys=True).encode())
@@ -142,7 +134,7 @@ def read_checkpoint(
     weights = root / str(config.get("weights"))
     if not weights.is_file():
         raise CheckpointError(f"corrupted checkpoint {root}: weights file {weights.name} is missing")
-    if _sha256(weights) != config.get("weights_sha256"):
+    if file_sha256(weights) != config.get("weights_sha256"):
         raise CheckpointError(f"corrupted checkpoint {root}: {weights.name} does not match its sha256 in config.json")
     try:
         state = load_file(str(weights))

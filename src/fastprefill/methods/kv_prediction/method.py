@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.errors import ConfigError
-from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
-from fastprefill.methods.full import FullPrefill, FullState
+from fastprefill.methods.base import ComputeStats, Method, ModelDecoder, PrefillOutput
+from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction.aux import (
     AuxSpec,
     check_tokenizers,
@@ -63,13 +63,24 @@ class KVPrediction(Method):
     name: ClassVar[str] = "kvp"
     layer_loop: ClassVar[bool] = True
 
-    predictor: KVPredictor
-    aux_spec: AuxSpec = field(default_factory=lambda: AuxSpec.model(None))
-    aux: PreTrainedModel | None = None
-    base_fingerprint: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
+    predictor: KVPredictor | str | None = None
+    aux_spec: AuxSpec = field(default_factory=lambda: AuxSpec.model(None), metadata={"spec": False})
+    aux: PreTrainedModel | None = field(default=None, metadata={"spec": False})
+    base_fingerprint: str | None = field(default=None, metadata={"spec": False})
+    meta: dict[str, Any] = field(default_factory=dict, metadata={"spec": False})
 
     def __post_init__(self) -> None:
+        if self.predictor is None:
+            raise ConfigError(
+                "kvp needs a trained predictor: pass --method kvp:predictor=DIR, where DIR was written by "
+                "`fastprefill train-kvp --base qwen2.5-coder-1.5b --aux qwen2.5-coder-0.5b --out DIR` "
+                "(or --drop-stride 2 instead of --aux for a layer-drop aux). No file needed: "
+                "--method kvp-prefix:layer=L runs the first L layers exactly with zero-shot maps"
+            )
+        if isinstance(self.predictor, str):
+            loaded = _read_checkpoint(self.predictor, self.aux)
+            self.predictor, self.aux_spec, self.aux = loaded.predictor, loaded.aux_spec, loaded.aux
+            self.base_fingerprint, self.meta = loaded.base_fingerprint, loaded.meta
         if not isinstance(self.predictor, KVPredictor):
             raise ConfigError(f"KVPrediction.predictor must be a KVPredictor, got {type(self.predictor).__name__}")
         if not isinstance(self.aux_spec, AuxSpec):
@@ -117,7 +128,8 @@ class KVPrediction(Method):
         return aux
 
     # --- the method contract ------------------------------------------------------------------
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
+        self.refuse_prefix(prefix)
         aux = self.bind(model)
         base_shape = self.predictor.base_shape
         n = int(input_ids.shape[1])
@@ -144,10 +156,7 @@ class KVPrediction(Method):
                 "base_flops": base_flops,
             },
         )
-        return PrefillOutput(logits=logits, state=FullState(model, cache), stats=stats)
-
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        return FullPrefill().decode(state, token_id)
+        return PrefillOutput(logits=logits, cache=cache, stats=stats, next_position=n, exact_tokens=0)
 
     def describe(self) -> str:
         return f"kvp({self.aux_spec.describe()})"
@@ -187,63 +196,57 @@ class KVPrediction(Method):
                 other weights than recorded.
             TokenizerMismatchError: the aux and base tokenizers differ.
         """
-        config, state, _ = read_checkpoint(path)
-        if config.get("variant") == "prefix":
-            raise CheckpointError(f"{path} is a kvp-prefix checkpoint: use --method kvp-prefix:predictor={path}")
-        try:
-            base_shape = ModelShape.from_json(config["base"]["shape"])
-            aux_shape = ModelShape.from_json(config["aux"]["shape"])
-            spec = AuxSpec.from_json(config["aux"]["spec"])
-            predictor = KVPredictor(aux_shape, base_shape, layer_map=config["layer_map"],
-                                    source=config.get("source", "kv"))
-            predictor.load_state_dict(state, strict=True)
-        except (KeyError, TypeError, RuntimeError, ConfigError) as exc:
-            raise CheckpointError(f"corrupted checkpoint {path}: {exc}") from None
-        predictor.eval().requires_grad_(False)
-        recorded_tok = config["base"].get("tokenizer")
-        if spec.kind == "model":
-            if aux is None:
-                if not spec.name:
-                    raise CheckpointError(f"checkpoint {path} names no aux model; pass aux=...")
-                from fastprefill.models import zoo
+        return _read_checkpoint(path, aux, aux_tokenizer, base_tokenizer)
 
-                aux, aux_tokenizer = zoo.load(spec.name)
-            fp = config["aux"].get("fingerprint")
-            if fp is not None and weights_fingerprint(aux) != fp:
-                raise CheckpointError(
-                    f"the aux model passed in is not {spec.name!r}, the one this predictor was trained with "
-                    "(weights fingerprint mismatch)"
-                )
-        else:
-            aux = None
-        if aux_tokenizer is not None and base_tokenizer is not None:
-            check_tokenizers(base_tokenizer, aux_tokenizer)
-        for tok in (aux_tokenizer, base_tokenizer):
-            if tok is not None and recorded_tok is not None and tokenizer_fingerprint(tok) != recorded_tok:
-                from fastprefill.methods.kv_prediction.aux import TokenizerMismatchError
 
-                raise TokenizerMismatchError(
-                    f"tokenizer differs from the one the predictor at {path} was trained with "
-                    f"(base {config['base'].get('name', '?')!r})"
-                )
-        meta = {k: v for k, v in config.items() if k not in ("weights", "weights_sha256", "train_state", "format", "version")}
-        return cls(predictor=predictor, aux_spec=spec, aux=aux, base_fingerprint=config["base"].get("fingerprint"), meta=meta)
+def _read_checkpoint(
+    path: str | os.PathLike[str],
+    aux: PreTrainedModel | None = None,
+    aux_tokenizer: PreTrainedTokenizerBase | None = None,
+    base_tokenizer: PreTrainedTokenizerBase | None = None,
+) -> KVPrediction:
+    """:meth:`KVPrediction.load`'s work (see there)."""
+    config, state, _ = read_checkpoint(path)
+    if config.get("variant") == "prefix":
+        raise CheckpointError(f"{path} is a kvp-prefix checkpoint: use --method kvp-prefix:predictor={path}")
+    try:
+        base_shape = ModelShape.from_json(config["base"]["shape"])
+        aux_shape = ModelShape.from_json(config["aux"]["shape"])
+        spec = AuxSpec.from_json(config["aux"]["spec"])
+        predictor = KVPredictor(aux_shape, base_shape, layer_map=config["layer_map"],
+                                source=config.get("source", "kv"))
+        predictor.load_state_dict(state, strict=True)
+    except (KeyError, TypeError, RuntimeError, ConfigError) as exc:
+        raise CheckpointError(f"corrupted checkpoint {path}: {exc}") from None
+    predictor.eval().requires_grad_(False)
+    recorded_tok = config["base"].get("tokenizer")
+    if spec.kind == "model":
+        if aux is None:
+            if not spec.name:
+                raise CheckpointError(f"checkpoint {path} names no aux model; pass aux=...")
+            from fastprefill.models import zoo
 
-    @classmethod
-    def from_spec(cls, predictor: str | None = None) -> KVPrediction:
-        """CLI / registry factory: ``kvp:predictor=<checkpoint dir>``.
-
-        Raises:
-            ConfigError: no ``predictor`` (the message gives the spec and the training command).
-        """
-        if not predictor:
-            raise ConfigError(
-                "kvp needs a trained predictor: pass --method kvp:predictor=DIR, where DIR was written by "
-                "`fastprefill train-kvp --base qwen2.5-coder-1.5b --aux qwen2.5-coder-0.5b --out DIR` "
-                "(or --drop-stride 2 instead of --aux for a layer-drop aux). No file needed: "
-                "--method kvp-prefix:layer=L runs the first L layers exactly with zero-shot maps"
+            aux, aux_tokenizer = zoo.load(spec.name)
+        fp = config["aux"].get("fingerprint")
+        if fp is not None and weights_fingerprint(aux) != fp:
+            raise CheckpointError(
+                f"the aux model passed in is not {spec.name!r}, the one this predictor was trained with "
+                "(weights fingerprint mismatch)"
             )
-        return cls.load(predictor)
+    else:
+        aux = None
+    if aux_tokenizer is not None and base_tokenizer is not None:
+        check_tokenizers(base_tokenizer, aux_tokenizer)
+    for tok in (aux_tokenizer, base_tokenizer):
+        if tok is not None and recorded_tok is not None and tokenizer_fingerprint(tok) != recorded_tok:
+            from fastprefill.methods.kv_prediction.aux import TokenizerMismatchError
+
+            raise TokenizerMismatchError(
+                f"tokenizer differs from the one the predictor at {path} was trained with "
+                f"(base {config['base'].get('name', '?')!r})"
+            )
+    meta = {k: v for k, v in config.items() if k not in ("weights", "weights_sha256", "train_state", "format", "version")}
+    return KVPrediction(predictor=predictor, aux_spec=spec, aux=aux, base_fingerprint=config["base"].get("fingerprint"), meta=meta)
 
 
 @dataclass
@@ -272,16 +275,16 @@ class AuxAlone(Method):
             self._built = (weakref.ref(base), self.aux.build(base))
         return self._built[1]
 
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
+        self.refuse_prefix(prefix)
         aux = self._model(model)
         out = FullPrefill().prefill(aux, input_ids)
+        out.exact_tokens = 0  # the aux model's cache, not the base's
+        out.decoder = ModelDecoder(aux, out)  # the aux model decodes its own cache
         base_layers = ModelShape.from_config(model.config).num_layers
         out.stats.token_layers = 0  # the base computed nothing
         out.stats.total_token_layers = int(input_ids.shape[1]) * base_layers
         return out
-
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        return FullPrefill().decode(state, token_id)
 
     def describe(self) -> str:
         spec = self.aux.describe() if isinstance(self.aux, AuxSpec) else getattr(self.aux.config, "_name_or_path", "aux")

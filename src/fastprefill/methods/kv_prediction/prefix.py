@@ -59,8 +59,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.errors import ConfigError, check_fields
-from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
-from fastprefill.methods.full import FullPrefill, FullState
+from fastprefill.methods.base import ComputeStats, Method, PrefillOutput, prefix_length
 from fastprefill.methods.kv_prediction.aux import tokenizer_fingerprint, weights_fingerprint
 from fastprefill.methods.kv_prediction.checkpoint import (
     CheckpointError,
@@ -228,6 +227,7 @@ class KVPrefix(Method):
 
     name: ClassVar[str] = "kvp-prefix"
     layer_loop: ClassVar[bool] = True
+    takes_prefix: ClassVar[bool] = True
 
     layer: int | None = None
     predictor: str | None = None
@@ -319,36 +319,46 @@ class KVPrefix(Method):
         return PrefixPredictor.corrected(model, self.layer, deltas, maps.get("rank"),
                                          kind="distilled" if config.get("distillation") else "least-squares")
 
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
+        """Layers ``0..l-1`` exact on the prompt, later layers' K/V predicted except the last ``tail``
+        tokens', which run through every layer.
+
+        Args:
+            input_ids: ``(1, T)``.
+            prefix: exact K/V of positions ``0..P-1`` at every layer (a prefix cache's): context
+                for the rest, which alone is computed and predicted.
+        """
         pred = self.bind(model)
         ad = DecoderAdapter(model, "kvp-prefix")
         shape, l = ad.shape, pred.layer
         L, n = shape.num_layers, int(input_ids.shape[1])
-        positions = torch.arange(n, device=input_ids.device)[None]  # (1, T)
-        cache = DynamicCache(config=model.config)
+        q = prefix_length(prefix)
+        positions = torch.arange(q, n, device=input_ids.device)[None]  # (1, M) the rows computed
+        cache = prefix if prefix is not None else DynamicCache(config=model.config)
+        # over a prefix the rows are not the first keys: SDPA's causal flag would misalign them
+        mask = causal_mask(positions[0], torch.arange(n, device=input_ids.device)) if q and n - q > 1 else None
         with torch.no_grad(), ad.attention_scope():
-            hidden = ad.embed(input_ids)  # (1, T, D)
-            cos, sin = ad.rotary(hidden, positions)  # (1, T, d) each
-            for i in range(l):  # exact on every prompt token
-                hidden = ad.layer(i, hidden, positions, cache, rotary=(cos, sin))
-            p = max(n - self.tail, 0) if l < L else 0  # predicted rows
-            tail = predicted_tail(ad, lambda h: pred.predict(ad, h), hidden, positions, (cos, sin), cache, l, p)
+            hidden = ad.embed(input_ids[:, q:])  # (1, M, D)
+            cos, sin = ad.rotary(hidden, positions)  # (1, M, d) each
+            for i in range(l):  # exact on every computed prompt token
+                hidden = ad.layer(i, hidden, positions, cache, mask=mask, rotary=(cos, sin))
+            p = max(n - q - self.tail, 0) if l < L else 0  # predicted rows
+            tail = predicted_tail(ad, lambda h: pred.predict(ad, h), hidden, positions, (cos, sin), cache, l, p,
+                                  context=q)
             logits = ad.head(tail[:, -1:])[0, -1]  # (V,)
-        w = n - p
+        m = n - q
+        w = m - p
         map_flops = pred.flops(p)
-        exact_flops = l * shape.layer_flops(n)
-        tail_flops = (L - l) * shape.layer_flops(w, w * p + causal_pairs(w))
+        exact_flops = l * shape.layer_flops(m, m * q + causal_pairs(m))
+        tail_flops = (L - l) * shape.layer_flops(w, w * (q + p) + causal_pairs(w))
         stats = ComputeStats(
-            token_layers=l * n + (L - l) * w,
+            token_layers=l * m + (L - l) * w,
             total_token_layers=n * L,
             flops=exact_flops + map_flops + tail_flops + shape.head_flops(1),
             extra={"exact_layers": l, "predicted_layers": (L - l) if p else 0,
                    "map_flops": map_flops, "exact_flops": exact_flops, "tail_flops": tail_flops},
         )
-        return PrefillOutput(logits=logits, state=FullState(model, cache), stats=stats)
-
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        return FullPrefill().decode(state, token_id)
+        return PrefillOutput(logits=logits, cache=cache, stats=stats, next_position=n, exact_tokens=n if not p else q)
 
     def describe(self) -> str:
         maps = Path(self.predictor).name if self.predictor else "zero-shot"
@@ -364,6 +374,7 @@ def predicted_tail(
     cache: Any,
     layer: int,
     predicted: int,
+    context: int = 0,
 ) -> torch.Tensor:
     """Steps 2-3 of kvp-prefix: the first ``predicted`` rows' K/V at every layer ``j >= layer``
     come from ``predict``, the other rows run through layers ``layer..L-1`` over them.
@@ -373,8 +384,11 @@ def predicted_tail(
             ``(1, H_kv, p, d)`` (:meth:`PrefixPredictor.predict`'s contract).
         hidden: ``h_l`` ``(1, T, D)``, the input of layer ``layer``.
         positions: ``(1, T)``; rotary: their ``(cos, sin)``, each ``(1, T, d)``.
-        cache: a ``DynamicCache`` (holding layers ``< layer``, or nothing); receives the rows.
+        cache: a ``DynamicCache`` (holding layers ``< layer``, or nothing; and, at every layer,
+            the ``context`` positions before ``positions``); receives the rows.
         layer: ``l``; predicted: ``p`` in ``[0, T)``.
+        context: ``P``, positions ``0..P-1`` already in ``cache`` at every layer (a cached
+            prefix); ``positions`` then start at ``P``.
 
     Returns:
         ``(1, T - p, D)``: the exact rows' output of the last layer (before the final norm).
@@ -387,7 +401,8 @@ def predicted_tail(
     tail, tail_pos, tail_rot = hidden[:, p:], positions[:, p:], (cos[:, p:], sin[:, p:])  # (1, W, D)
     # A block of W > 1 rows over predicted rows needs an explicit mask: SDPA's own causal flag
     # aligns a short query block to the first keys, not the last.
-    mask = causal_mask(tail_pos[0], positions[0]) if p and tail.shape[1] > 1 else None  # (1, 1, W, T)
+    keys = torch.cat([torch.arange(context, device=positions.device), positions[0]])  # (P + T,)
+    mask = causal_mask(tail_pos[0], keys) if (p or context) and tail.shape[1] > 1 else None  # (1, 1, W, P + T)
     for j in range(layer, ad.num_layers):  # the tail through every later layer (causal, over the predicted rows)
         tail = ad.layer(j, tail, tail_pos, cache, mask=mask, rotary=tail_rot)
     return tail

@@ -9,6 +9,8 @@ callable over a score row (:mod:`~fastprefill.methods.pruning.select`), a schedu
 """
 
 from fastprefill.methods.pruning.loop import (
+    PrunedPrefill,
+    RevivalDecoder,
     catch_up,
     decode_step,
     probe_scores,
@@ -38,7 +40,9 @@ __all__ = [
     "DepthSchedule",
     "LazyState",
     "PruneOptions",
+    "PrunedPrefill",
     "Revival",
+    "RevivalDecoder",
     "Schedule",
     "SelectFn",
     "avg_pool_scores",

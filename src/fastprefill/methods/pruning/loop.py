@@ -38,11 +38,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
-from fastprefill.cache import PositionKVCache
+from fastprefill.cache import PositionKVCache, layer_kv
 from fastprefill.methods.base import ComputeStats, PrefillOutput
 from fastprefill.methods.pruning.options import PruneOptions
 from fastprefill.methods.pruning.schedule import Schedule, keep_count
@@ -55,10 +57,10 @@ from fastprefill.models.adapters import (
     last_query_attention,
     window_scorer,
 )
-from fastprefill.models.shape import ModelShape
+from fastprefill.models.shape import ModelShape, causal_pairs
 
-__all__ = ["catch_up", "decode_step", "probe_scores", "progressive_prefill", "recording_kept_positions", "run_rows",
-           "subset_prefill"]
+__all__ = ["PrunedPrefill", "RevivalDecoder", "catch_up", "decode_step", "probe_scores", "progressive_prefill",
+           "recording_kept_positions", "run_rows", "subset_prefill"]
 
 _RECORD_KEPT: ContextVar[bool] = ContextVar("fastprefill_record_kept_positions", default=False)
 
@@ -115,26 +117,41 @@ def _scored_layers(schedule: Schedule, options: PruneOptions) -> set[int]:
     return prune
 
 
+@dataclass
+class PrunedPrefill:
+    """A pruned prefill's output for the engine and the mechanism's state (its KV by position,
+    Aux Cache, compute counter and selections), for inspection and tests."""
+
+    output: PrefillOutput
+    state: LazyState
+
+
 def progressive_prefill(
     adapter: DecoderAdapter, input_ids: torch.Tensor, schedule: Schedule, select: SelectFn,
-    options: PruneOptions | None = None,
-) -> PrefillOutput:
+    options: PruneOptions | None = None, prefix: DynamicCache | None = None,
+) -> PrunedPrefill:
     """Prefill with progressive pruning at the layers of ``schedule`` (validated against the model).
 
     At pruning layer ``l`` with keep fraction ``f``, ``select`` receives a score per row present
-    and ``k = max(keep_count(f, T), protected)``; the rows it drops go to the Aux Cache under
-    ``l + 1``. The score (see :class:`PruneOptions`) is the attention of the last
-    ``score_window`` rows (the paper: the last prompt token) at ``l``, or its sum over the
-    stage's layers (``accumulate``), average-pooled over ``pool_kernel`` positions; the last row,
-    the ``sinks`` and the last ``keep_recent`` prompt positions are ``+inf``.
+    and ``k = max(keep_count(f, M), protected)`` (``M`` the rows computed: the prompt, or the part
+    after a cached prefix); the rows it drops go to the Aux Cache under ``l + 1``. The score
+    (see :class:`PruneOptions`) is the attention of the last ``score_window`` rows (the paper:
+    the last prompt token) at ``l``, or its sum over the stage's layers (``accumulate``),
+    average-pooled over ``pool_kernel`` positions; the last row, the ``sinks`` and the last
+    ``keep_recent`` prompt positions are ``+inf``.
 
     Args:
         input_ids: ``(1, T)`` with ``T >= 1``.
         options: scoring, protection and decoding options (default: the paper's rule).
+        prefix: the exact K/V of positions ``0..P-1`` (``P < T``) at every layer: context every
+            row attends at every layer, never pruned and never recomputed; only positions
+            ``P..T-1`` are rows.
 
     Returns:
-        ``(V,)`` logits, a :class:`LazyState` and the stats (``kept_per_stage`` in ``extra``;
-        ``kept_positions`` too inside :func:`recording_kept_positions`).
+        The output: ``(V,)`` logits; a ragged cache view; the stats (``kept_per_stage`` in
+        ``extra``; ``kept_positions`` too inside :func:`recording_kept_positions`);
+        ``exact_tokens = P`` (the pruned rows' K/V at later layers attend a pruned context); and
+        a :class:`RevivalDecoder` unless the revival policy is ``none``. And the state.
     """
     ad = adapter
     opts = options or PruneOptions()
@@ -143,26 +160,30 @@ def progressive_prefill(
     scored = _scored_layers(schedule, opts)
     scorer = window_scorer(opts.score_window)
     shape: ModelShape = ad.shape
-    state = new_state(ad, schedule, n, opts)
-    rows = torch.arange(n, device=ad.device)  # (R,) positions computed at the current layer
+    state = new_state(ad, schedule, n, opts, select)
+    p = _load_prefix(state, prefix)
+    m = n - p  # rows computed at layer 0
+    rows = torch.arange(p, n, device=ad.device)  # (R,) positions computed at the current layer
     token_layers, flops = 0, 0.0
     kept: list[int] = []
     kept_positions: list[torch.Tensor] = []
     acc: torch.Tensor | None = None  # (R,) scores summed over the stage so far (accumulate)
     with torch.inference_mode(), ad.attention_scope():
-        hidden = ad.embed(input_ids)  # (1, R, D)
+        hidden = ad.embed(input_ids[:, p:])  # (1, R, D)
         cos, sin = ad.rotary(hidden, rows[None])  # (1, R, d) each
         for layer in range(ad.num_layers):
             r = int(rows.numel())
             scores: dict[int, torch.Tensor] | None = {} if layer in scored else None
-            # each layer's cache is empty and rows ascend: mask=None (causal kernel) is exact
-            hidden = run_rows(state, layer, hidden, rows, (cos, sin), None, scores, scorer)
+            # an empty layer cache and ascending rows: mask=None (causal kernel) is exact;
+            # over a prefix the rows are not the first keys, so the mask goes by position
+            mask = causal_mask(rows, state.cache.key_positions_after(layer, rows)) if p else None
+            hidden = run_rows(state, layer, hidden, rows, (cos, sin), mask, scores, scorer)
             token_layers += r
-            flops += shape.layer_flops(r)
+            flops += shape.layer_flops(r, r * p + causal_pairs(r))
             if scores is None:
                 continue
-            flops += min(opts.score_window, r) * shape.scoring_flops(r)
-            row = scores[layer][0]  # (R,)
+            flops += min(opts.score_window, r) * shape.scoring_flops(r + p)
+            row = scores[layer][0][-r:]  # (R,): the rows are the layer's last keys
             if opts.accumulate:
                 acc = row if acc is None else acc + row
                 if layer not in prune:
@@ -170,7 +191,7 @@ def progressive_prefill(
                 row, acc = acc, None
             forced = opts.protected(rows, n, decoding=False)
             forced[-1] = True
-            k = max(keep_count(prune[layer], n), int(forced.sum()))
+            k = max(keep_count(prune[layer], m), int(forced.sum()))
             if k < r:
                 everyone = torch.ones(r, dtype=torch.bool, device=rows.device)
                 keep = select(_cut_scores(row, rows, everyone, forced, opts.pool_kernel), k)
@@ -185,11 +206,27 @@ def progressive_prefill(
             state.selected.append(rows)
         logits = ad.head(hidden[:, -1:])[0, -1]
     flops += shape.head_flops(1)
-    extra: dict[str, Any] = {"kept_per_stage": kept, "schedule": [list(p) for p in schedule]}
+    extra: dict[str, Any] = {"kept_per_stage": kept, "schedule": [list(pair) for pair in schedule]}
     if _RECORD_KEPT.get():
         extra["kept_positions"] = kept_positions
     stats = ComputeStats(token_layers=token_layers, total_token_layers=n * ad.num_layers, flops=flops, extra=extra)
-    return PrefillOutput(logits=logits, state=state, stats=stats)
+    revives = bool(schedule) and opts.revival.kind != "none"
+    output = PrefillOutput(
+        logits=logits, cache=state.cache.ragged_view(ad.config), stats=stats, next_position=n, exact_tokens=p,
+        ragged=bool(schedule), decoder=RevivalDecoder(state) if revives else None,
+    )
+    return PrunedPrefill(output, state)
+
+
+def _load_prefix(state: LazyState, prefix: DynamicCache | None) -> int:
+    """Put a cached prefix's K/V into every layer of ``state.cache``; return its length ``P``."""
+    p = 0 if prefix is None else int(prefix.get_seq_length())
+    if p:
+        for layer in range(len(state.cache.layers)):
+            keys, values = layer_kv(prefix, layer)
+            state.cache.stage(layer, torch.arange(p, device=keys.device))
+            state.cache.update(keys, values, layer)
+    return p
 
 
 def probe_scores(
@@ -219,7 +256,7 @@ def probe_scores(
 def subset_prefill(
     adapter: DecoderAdapter, input_ids: torch.Tensor, keep: torch.Tensor, selection_layer: int | None = None,
     renumber: bool = False,
-) -> PrefillOutput:
+) -> PrunedPrefill:
     """Run every layer on the prompt rows ``keep`` ``(K,)`` (ascending original positions).
 
     The layer caches start empty and the rows are sorted, so causal-by-position equals causal by
@@ -232,9 +269,9 @@ def subset_prefill(
             instead of their original positions; decoding then continues at ``K``.
 
     Returns:
-        ``(V,)`` logits of the last kept row, a :class:`LazyState` with an empty schedule (plain
-        decoding from the position after the kept prompt) whose ``selected`` holds ``keep``, and
-        the stats.
+        ``(V,)`` logits of the last kept row, its cache (decoded by the model's forward from the
+        position after the kept prompt) and the stats; and a :class:`LazyState` whose
+        ``selected`` holds ``keep``.
     """
     ad = adapter
     shape = ad.shape
@@ -260,10 +297,34 @@ def subset_prefill(
     if _RECORD_KEPT.get():
         extra["kept_positions"] = [keep]
     stats = ComputeStats(token_layers=token_layers, total_token_layers=n * ad.num_layers, flops=flops, extra=extra)
-    return PrefillOutput(logits=logits, state=state, stats=stats)
+    output = PrefillOutput(logits=logits, cache=state.cache.to_dynamic_cache(ad.config) if renumber
+                           else state.cache.ragged_view(ad.config), stats=stats,
+                           next_position=k if renumber else n, exact_tokens=0, ragged=not renumber)
+    return PrunedPrefill(output, state)
 
 
-def decode_step(state: LazyState, token_id: int, select: SelectFn) -> torch.Tensor:
+class RevivalDecoder:
+    """LazyLLM's own decode step (a :class:`~fastprefill.methods.base.Decoder`): reselection and
+    revival from the Aux Cache (``all``, ``budget:R``), or every deferred token-layer computed at
+    the first step (``catch-up``); see :func:`decode_step`.
+
+    Args:
+        state: the pruned prefill's state (its ``select`` is the policy's choice of tokens).
+    """
+
+    def __init__(self, state: LazyState) -> None:
+        self.state = state
+
+    def step(self, token_id: int) -> torch.Tensor:
+        """Feed one token; ``(V,)`` float32 logits for the next one."""
+        return decode_step(self.state, token_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Revivals per decode step and their totals (:meth:`LazyState.revival_stats`)."""
+        return self.state.revival_stats()
+
+
+def decode_step(state: LazyState, token_id: int) -> torch.Tensor:
     """One decode step under the state's revival policy (see module doc).
 
     - ``all`` / ``budget:R`` with a schedule: stage-by-stage reselection from the new token's
@@ -276,7 +337,7 @@ def decode_step(state: LazyState, token_id: int, select: SelectFn) -> torch.Tens
         ``(V,)`` float32 logits for the next token.
     """
     if state.schedule and state.options.revival.reselects:
-        return _reselecting_step(state, token_id, select)
+        return _reselecting_step(state, token_id)
     return _plain_step(state, token_id)
 
 
@@ -348,7 +409,7 @@ def catch_up(state: LazyState) -> tuple[int, int, int]:
     return tokens, token_stages, token_layers
 
 
-def _reselecting_step(state: LazyState, token_id: int, select: SelectFn) -> torch.Tensor:
+def _reselecting_step(state: LazyState, token_id: int) -> torch.Tensor:
     """Stage-by-stage reselection and Aux Cache revival (``all`` / ``budget:R``).
 
     At each pruning layer ``select`` receives the new token's attention row over the layer's
@@ -401,7 +462,7 @@ def _reselecting_step(state: LazyState, token_id: int, select: SelectFn) -> torc
             forced[-1] = True
             row = _cut_scores(row, keys, candidates, forced, opts.pool_kernel)
             k = min(max(keep_count(prune[layer], t + 1), int(forced.sum())), int(candidates.sum()))
-            picked = select(row, k)
+            picked = state.select(row, k)
             chosen = keys[picked]
             # revived rows carried so far rest in the Aux Cache at the next layer; take back the
             # selected tokens that have no KV there (their Aux entry is exactly at layer + 1):

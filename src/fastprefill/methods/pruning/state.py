@@ -13,6 +13,7 @@ import torch
 from fastprefill.cache import AuxCache, PositionKVCache
 from fastprefill.methods.pruning.options import PruneOptions
 from fastprefill.methods.pruning.schedule import Schedule
+from fastprefill.methods.pruning.select import SelectFn, top_k_keep
 from fastprefill.models.adapters import DecoderAdapter
 
 __all__ = ["ComputeCounter", "LazyState", "new_state"]
@@ -71,6 +72,8 @@ class LazyState:
         revivals: ``(step, position, layer)`` for every revived token, once per step (``layer`` =
             where it resumed).
         selected: positions selected for each stage at the last step (prefill, then decode).
+        select: the policy's choice of tokens from a score row, used again at every
+            reselecting decode step.
     """
 
     adapter: DecoderAdapter
@@ -86,6 +89,7 @@ class LazyState:
     revived_token_layers_per_step: list[int] = field(default_factory=list)
     revivals: list[tuple[int, int, int]] = field(default_factory=list)
     selected: list[torch.Tensor] = field(default_factory=list)
+    select: SelectFn = top_k_keep
 
     def revival_stats(self) -> dict[str, Any]:
         """The revival counters per decode step, their totals and the tokens still deferred."""
@@ -100,11 +104,12 @@ class LazyState:
 
 
 def new_state(
-    adapter: DecoderAdapter, schedule: Schedule, n_prompt: int, options: PruneOptions | None = None
+    adapter: DecoderAdapter, schedule: Schedule, n_prompt: int, options: PruneOptions | None = None,
+    select: SelectFn = top_k_keep,
 ) -> LazyState:
     """An empty :class:`LazyState` for an ``n_prompt``-token prompt."""
     return LazyState(
         adapter=adapter, cache=PositionKVCache(adapter.num_layers), aux=AuxCache(), schedule=schedule,
         next_pos=n_prompt, counter=ComputeCounter(adapter.num_layers, n_prompt + 64, adapter.device),
-        prompt_len=n_prompt, options=options or PruneOptions(),
+        prompt_len=n_prompt, options=options or PruneOptions(), select=select,
     )

@@ -13,7 +13,7 @@ Processes are started by the local rank pool (``fastprefill.distributed.pool``) 
 """
 
 from fastprefill.methods.runahead.comm import ChainComm, ChainCommError
-from fastprefill.methods.runahead.method import KVRunahead, RunaheadState, SequenceParallel
+from fastprefill.methods.runahead.method import KVRunahead, SequenceParallel
 from fastprefill.methods.runahead.plan import PartitionPlan, check_procs
 from fastprefill.methods.runahead.search import CostModel, search_partition
 from fastprefill.methods.runahead.tables import PartitionTable, find_table
@@ -25,7 +25,6 @@ __all__ = [
     "KVRunahead",
     "PartitionPlan",
     "PartitionTable",
-    "RunaheadState",
     "SequenceParallel",
     "check_procs",
     "find_table",

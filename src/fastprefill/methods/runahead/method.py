@@ -22,10 +22,10 @@ rank ``i-1`` finished layer ``l``'s q/k/v projections.
 
 *choose* (engine integration): only the **last rank runs the engine loop**. It calls
 :meth:`KVRunahead.prefill` through :func:`fastprefill.engine.generate` and ends with the full
-KV cache; it emits the first token and decodes alone with the HF model (the cache is exported
-to a ``DynamicCache`` at the first decode step: the first token does not need it, and full
-prefill's TTFT does not include such a copy either). The other ranks call
-:meth:`KVRunahead.contribute` with the same prompt and are then free for the next prompt. This
+KV cache; it emits the first token and decodes alone with the HF model (its chain cache already
+holds every layer in position order, so it is handed to a ``DynamicCache`` without a copy). The
+other ranks call :meth:`KVRunahead.contribute` with the same prompt and are then free for the
+next prompt. This
 keeps decoding free of any per-token broadcast (it would cost a message per token and gain
 nothing: only one rank holds the full cache). Both methods meet
 :class:`~fastprefill.methods.base.DistributedMethod`; the local rank pool
@@ -53,12 +53,11 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.cache import PositionKVCache
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import ComputeStats, DistributedMethod, LayerHook, PrefillOutput
-from fastprefill.methods.full import FullPrefill, FullState
 from fastprefill.methods.runahead.comm import ChainComm, ChainCommError
 from fastprefill.methods.runahead.plan import PartitionPlan, check_procs
 from fastprefill.methods.runahead.search import CostModel, search_partition
@@ -66,16 +65,7 @@ from fastprefill.methods.runahead.tables import PartitionTable, find_table
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
 from fastprefill.models.shape import ModelShape
 
-__all__ = ["KVRunahead", "RunaheadState", "SequenceParallel"]
-
-@dataclass
-class RunaheadState:
-    """Decode state on the last rank: the full position cache, exported to HF on first decode."""
-
-    model: PreTrainedModel
-    cache: PositionKVCache
-    full: FullState | None = None
-
+__all__ = ["KVRunahead", "SequenceParallel"]
 
 class _RunaheadCache:
     """The :class:`~fastprefill.cache.LayerCache` a chain rank's decoder layers write to (transformers' ``update`` contract).
@@ -196,14 +186,16 @@ class _DistributedPrefill(DistributedMethod):
         return PartitionPlan.even(total, self.procs)
 
     # --- the engine's contract ----------------------------------------------------------------
-    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefillOutput:
-        """Run this rank's part; on the last rank return the first-token logits ``(V,)``.
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
+        """Run this rank's part; on the last rank return the first-token logits ``(V,)`` and the
+        whole prompt's cache (the chain's, handed over in position order without a copy).
 
         Raises:
             ConfigError: on a rank other than the last (call :meth:`contribute` there), or a bad
                 ``procs`` / partition for this prompt.
             ChainCommError: a neighbour died or timed out.
         """
+        self.refuse_prefix(prefix)
         rank = self.rank()
         if rank != self.procs - 1:
             raise ConfigError(
@@ -212,7 +204,9 @@ class _DistributedPrefill(DistributedMethod):
             )
         logits, cache, stats = self._run(model, input_ids, rank, None)
         assert logits is not None
-        return PrefillOutput(logits=logits, state=RunaheadState(model, cache), stats=stats)
+        n = int(input_ids.shape[1])
+        return PrefillOutput(logits=logits, cache=cache.to_dynamic_cache(model.config), stats=stats,
+                             next_position=n, exact_tokens=n)
 
     def contribute(self, model: PreTrainedModel, input_ids: torch.Tensor, layer_hook: LayerHook | None = None) -> ComputeStats:
         """A helper rank's part of the prefill (ranks ``0..P-2``): compute and send KV.
@@ -224,14 +218,6 @@ class _DistributedPrefill(DistributedMethod):
         rank = self.rank()
         _, _, stats = self._run(model, input_ids, rank, layer_hook)
         return stats
-
-    def decode(self, state: Any, token_id: int) -> torch.Tensor:
-        if not isinstance(state, RunaheadState):
-            raise ConfigError(f"{self.name}.decode needs the state returned by prefill on the last rank")
-        if state.full is None:
-            state.full = FullState(state.model, state.cache.to_dynamic_cache(state.model.config))
-            state.cache = PositionKVCache(1)  # drop the position copy
-        return FullPrefill().decode(state.full, token_id)
 
     # --- the work -----------------------------------------------------------------------------
     def _attention_pairs(self, plan: PartitionPlan) -> list[int]:
