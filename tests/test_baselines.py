@@ -53,6 +53,16 @@ def test_random_drop_is_seeded():
     assert not torch.equal(RandomDrop(0.3, seed=1).choose(50), RandomDrop(0.3, seed=2).choose(50))
 
 
+@pytest.mark.parametrize(("n", "keep", "seed"), [(50, 0.3, 1), (2048, 0.47, 0), (7, 1.0, 3), (9, 0.1, 5)])
+def test_random_scorer_keeps_the_subsets_of_a_seeded_randperm(n, keep, seed):
+    """RandomDrop through RandomScorer keeps exactly what a CPU randperm's first K - 1 (+ the last)
+    are, so random-drop runs recorded before the scorer existed choose the same tokens."""
+    k = keep_count(keep, n)
+    others = torch.randperm(n - 1, generator=torch.Generator().manual_seed(seed))[: k - 1]
+    want = torch.cat([others.sort().values, torch.tensor([n - 1])])
+    assert torch.equal(RandomDrop(keep, seed=seed).choose(n), want)
+
+
 def test_static_pruning_selects_top_attention_and_pays_for_selection(tiny_llama):
     n, s, keep = 24, 1, 0.25
     ids = _ids(n, 3)

@@ -9,6 +9,7 @@ from fastprefill.cache import PositionKVCache
 from fastprefill.engine import generate, prepare_prompt, stream
 from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
 from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.pruning import AttentionScorer
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
 
 
@@ -41,7 +42,7 @@ def test_layer_loop_matches_model_forward(tiny_model):
         for i in range(ad.num_layers):
             cache.stage(i, pos[0])
             mask = causal_mask(pos[0], cache.key_positions_after(i, pos[0]))
-            h = ad.layer(i, h, pos, cache, mask=mask, rotary=rot, scores=scores)
+            h = ad.layer(i, h, pos, cache, mask=mask, rotary=rot, scores=scores, scorer=AttentionScorer())
         logits = ad.head(h)[0]
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
     assert sorted(scores) == list(range(ad.num_layers))
@@ -73,7 +74,7 @@ def test_scores_equal_eager_attention_row(tiny_llama):
         h = ad.embed(ids)
         for i in range(ad.num_layers):
             cache.stage(i, pos[0])
-            h = ad.layer(i, h, pos, cache, scores=scores)
+            h = ad.layer(i, h, pos, cache, scores=scores, scorer=AttentionScorer())
     for i in range(ad.num_layers):
         torch.testing.assert_close(scores[i][0], att[i][0, :, -1].mean(0).float(), atol=1e-5, rtol=0)
     assert tiny_llama.config._attn_implementation == eager  # scope restored

@@ -13,7 +13,12 @@ from fastprefill.engine import decoder_for, generate
 from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import DEFAULT_PRESET, PRESETS, LazyLLM
-from fastprefill.methods.pruning import keep_count, resolve_depth_schedule, schedule_token_layers
+from fastprefill.methods.pruning import (
+    AttentionScorer,
+    keep_count,
+    resolve_depth_schedule,
+    schedule_token_layers,
+)
 from fastprefill.methods.registry import make_method
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
 
@@ -235,7 +240,8 @@ def test_gqa_masked_attention_equals_transformers_sdpa(h_q, h_kv, t):
     module = SimpleNamespace(num_key_value_groups=h_q // h_kv, is_causal=True, layer_idx=3)
     assert _gqa_with_shared_mask(q, k, mask)
     sink: dict = {}
-    got, _ = _fastprefill_sdpa(module, q, k, v, mask, scaling=0.3, fastprefill_scores=sink)
+    got, _ = _fastprefill_sdpa(module, q, k, v, mask, scaling=0.3, fastprefill_scores=sink,
+                               fastprefill_scorer=AttentionScorer())
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
     assert got.shape == ref.shape == (1, t, h_q, 8)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)

@@ -20,8 +20,9 @@ from fastprefill.methods.pruning import (
     resolve_depth_schedule,
     schedule_token_layers,
 )
+from fastprefill.methods.pruning.scorers import AttentionScorer, last_query_attention, window_attention
 from fastprefill.methods.registry import make_method
-from fastprefill.models.adapters import DecoderAdapter, last_query_attention, window_attention, window_scorer
+from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.random import random_model
 
 FAMILIES = ("llama", "qwen2")
@@ -106,7 +107,7 @@ def test_window_scores_equal_eager_attention(family, window, eager_models, tiny_
         eager = eager_models[family](ids, output_attentions=True).attentions
     ad = DecoderAdapter(model)
     for layer in range(ad.num_layers):
-        got = probe_scores(ad, ids, layer, scorer=window_scorer(window))
+        got = probe_scores(ad, ids, layer, scorer=AttentionScorer(window))
         ref = eager[layer][0, :, -window:, :].mean(dim=(0, 1))
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
         assert float(got.sum()) == pytest.approx(1.0, abs=1e-5)
@@ -125,7 +126,7 @@ def test_window_scorer_with_a_mask_equals_per_row_softmax():
             logits = (q[0, h, t] @ k[0, h // 3].T) * 0.3
             rows.append(torch.softmax(logits.masked_fill(~mask[0, 0, t], float("-inf")), -1))
     torch.testing.assert_close(got[0], torch.stack(rows).mean(0), atol=1e-6, rtol=1e-5)
-    assert window_scorer(1) is last_query_attention
+    torch.testing.assert_close(AttentionScorer(1)(q, k, mask, 0.3), last_query_attention(q, k, mask, 0.3))
     torch.testing.assert_close(window_attention(q, k, mask, 0.3, window=1), last_query_attention(q, k, mask, 0.3))
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "GenerationResult",
     "PromptInput",
     "StreamEvent",
+    "TimedPrefill",
     "Timing",
     "TimingWindow",
     "context_length",
@@ -61,6 +62,8 @@ class Timing:
         decode_extra: counters the method's own decoder gathered (``Decoder.stats``).
         cached_tokens: prompt tokens whose K/V came from a prefix cache (not computed).
         stored_tokens: tokens this generation added to the prefix cache.
+        prefix_lookup_s: of ``ttft_s``, the seconds spent looking the prompt up in the prefix cache
+            (and assembling the hit's K/V).
         prefix_store_s: seconds spent storing into the prefix cache (after the last token,
             outside TTFT and decoding).
     """
@@ -75,6 +78,7 @@ class Timing:
     decode_extra: dict[str, Any] = field(default_factory=dict)
     cached_tokens: int = 0
     stored_tokens: int = 0
+    prefix_lookup_s: float = 0.0
     prefix_store_s: float = 0.0
 
     @property
@@ -117,6 +121,7 @@ class Timing:
             "token_layer_fraction": self.token_layer_fraction,
             "cached_tokens": self.cached_tokens,
             "stored_tokens": self.stored_tokens,
+            "prefix_lookup_s": self.prefix_lookup_s,
             "prefix_store_s": self.prefix_store_s,
         }
 
@@ -295,24 +300,43 @@ def prepare_prompt(
     return input_ids.to(model.device)
 
 
+@dataclass
+class TimedPrefill:
+    """A prefill inside the engine's timing window.
+
+    Attributes:
+        output: the method's :class:`~fastprefill.methods.base.PrefillOutput`.
+        first_token: the argmax of its logits.
+        ttft_s: seconds of the window: prefix lookup, prefill and argmax.
+        cached_tokens: prompt tokens taken from the prefix cache.
+        lookup_s: of ``ttft_s``, the seconds of the prefix-cache lookup (0 without one).
+    """
+
+    output: PrefillOutput
+    first_token: int
+    ttft_s: float
+    cached_tokens: int = 0
+    lookup_s: float = 0.0
+
+
 def timed_prefill(
     model: PreTrainedModel, input_ids: torch.Tensor, method: Method, prefix_cache: PrefixCache | None = None
-) -> tuple[PrefillOutput, int, float, int]:
+) -> TimedPrefill:
     """Prefill ``(1, T)`` prepared ids with ``method`` inside the engine's timing window.
 
     With a ``prefix_cache`` and a method that :attr:`~fastprefill.methods.base.Method.takes_prefix`,
     the longest cached prefix is looked up (inside the window) and only the rest is prefilled.
-
-    Returns:
-        ``(output, first_token_id, ttft_seconds, cached_tokens)``; the window covers the lookup,
-        the method's prefill and the argmax of its logits.
     """
+    hit, lookup_s = None, 0.0
     with torch.inference_mode(), TimingWindow(model.device) as window:
-        hit = prefix_cache.lookup(model, input_ids) if prefix_cache is not None and method.takes_prefix else None
+        if prefix_cache is not None and method.takes_prefix:
+            with TimingWindow(model.device) as lookup:
+                hit = prefix_cache.lookup(model, input_ids)
+            lookup_s = lookup.seconds
         out = method.prefill(model, input_ids, hit.cache) if hit is not None and hit.tokens else (
             method.prefill(model, input_ids))
         token = int(torch.argmax(out.logits))
-    return out, token, window.seconds, hit.tokens if hit is not None else 0
+    return TimedPrefill(out, token, window.seconds, hit.tokens if hit is not None else 0, lookup_s)
 
 
 def decoder_for(model: PreTrainedModel, out: PrefillOutput) -> Decoder:
@@ -343,7 +367,8 @@ def stream(
     device = model.device
     eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
 
-    out, token, ttft, cached = timed_prefill(model, input_ids, method, prefix_cache)
+    timed = timed_prefill(model, input_ids, method, prefix_cache)
+    out, token = timed.output, timed.first_token
     first_logits = out.logits.detach().reshape(-1).to("cpu", torch.float32, copy=True)  # (V,)
     decoder = decoder_for(model, out)
     generated = [token]
@@ -364,7 +389,7 @@ def stream(
             generated.append(token)
 
         stored, store_s = 0, 0.0
-        if prefix_cache is not None and out.exact_tokens > cached:
+        if prefix_cache is not None and out.exact_tokens > timed.cached_tokens:
             # the generated tokens fed through the model are exact too when the whole prompt was
             with TimingWindow(device) as window:
                 fed = generated[:-1] if out.exact_tokens == n_prompt and out.decoder is None else []
@@ -376,13 +401,14 @@ def stream(
             method=method.describe(),
             prompt_tokens=n_prompt,
             new_tokens=len(generated),
-            ttft_s=ttft,
+            ttft_s=timed.ttft_s,
             decode_s_per_token=decode_time / steps if steps else None,
-            total_s=ttft + decode_time,
+            total_s=timed.ttft_s + decode_time,
             stats=out.stats,
             decode_extra=dict(decoder.stats()),
-            cached_tokens=cached,
+            cached_tokens=timed.cached_tokens,
             stored_tokens=stored,
+            prefix_lookup_s=timed.lookup_s,
             prefix_store_s=store_s,
         )
         yield StreamEvent(token, delta, len(generated) - 1, timing, first_logits)

@@ -274,9 +274,12 @@ class PrefixCache:
         b = self.block_tokens
         start, end = first_new * b, len(keys) * b
         layers = [layer_kv(cache, i) for i in range(len(cache.layers))]
-        kv = torch.stack([torch.stack([k[0, :, start:end] for k, _ in layers]),
-                          torch.stack([v[0, :, start:end] for _, v in layers])])  # (2, L, H_kv, end-start, d)
-        blocks = [chunk.clone() for chunk in kv.split(b, dim=3)]
+        keys0 = layers[0][0]
+        kv = keys0.new_empty((2, len(layers), keys0.shape[1], end - start, keys0.shape[3]))  # (2, L, H_kv, M, d)
+        for i, (k, v) in enumerate(layers):
+            kv[0, i].copy_(k[0, :, start:end])
+            kv[1, i].copy_(v[0, :, start:end])
+        blocks = [chunk.clone() for chunk in kv.split(b, dim=3)]  # each block owns its memory (eviction frees it)
         stored = 0
         with self._lock:
             parent = keys[first_new - 1][0] if first_new else None

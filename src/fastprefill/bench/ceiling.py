@@ -37,7 +37,8 @@ from fastprefill.methods.pruning import (
     recording_kept_positions,
     top_k_keep,
 )
-from fastprefill.models.adapters import DecoderAdapter, window_scorer
+from fastprefill.methods.pruning.scorers import AttentionScorer
+from fastprefill.models.adapters import DecoderAdapter
 
 __all__ = ["ORACLES", "CeilingRow", "ceiling_summary", "oracle_select", "selection_ceiling", "summarize_ceiling"]
 
@@ -122,7 +123,7 @@ def selection_ceiling(
             reference = model(ids).logits[0, -1].float()  # (V,)
         gold = task.gold_token_positions(sample, tokenizer).to(ad.device)  # (G,)
         positions = torch.arange(t, device=ad.device)
-        deep = probe_scores(ad, ids, probe_layer, window_scorer(opts.score_window))  # (T,)
+        deep = probe_scores(ad, ids, probe_layer, AttentionScorer(opts.score_window))  # (T,)
         deep = pool_in_position_order(deep, positions, torch.ones_like(positions, dtype=torch.bool), opts.pool_kernel)
         selects = {"policy": method.select, "gold": oracle_select(first=gold), "deep": oracle_select(priority=deep)}
         for name in ORACLES:

@@ -46,7 +46,8 @@ from fastprefill.methods.pruning import (
     subset_prefill,
     top_k_keep,
 )
-from fastprefill.models.adapters import DecoderAdapter, last_query_logits
+from fastprefill.methods.pruning.scorers import LogitScorer, RandomScorer
+from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.shape import ModelShape
 
 __all__ = ["GEMFILTER_DEPTH", "GemFilter", "RandomDrop", "StaticPruning", "equivalent_keep", "matched_baselines"]
@@ -118,11 +119,11 @@ class RandomDrop(Method):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
 
     def choose(self, n: int) -> torch.Tensor:
-        """Ascending kept positions ``(K,)`` of an ``n``-token prompt (``n - 1`` always included)."""
+        """Ascending kept positions ``(K,)`` of an ``n``-token prompt (``n - 1`` always included):
+        the top ``K - 1`` of :class:`RandomScorer`'s order over the others."""
         k = keep_count(self.keep, n)
-        gen = torch.Generator().manual_seed(self.seed)
-        others = torch.randperm(n - 1, generator=gen)[: k - 1]
-        return torch.cat([others.sort().values, torch.tensor([n - 1])])
+        scores = torch.cat([RandomScorer(self.seed).rank(n - 1), torch.tensor([float("inf")])])
+        return top_k_keep(scores, k)
 
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
         self.refuse_prefix(prefix)
@@ -191,7 +192,7 @@ class GemFilter(Method):
 
     Selection pass: layers ``0..s`` on the whole prompt. At layer ``s`` the last query's
     pre-softmax attention logits, summed over every query head
-    (:func:`~fastprefill.models.adapters.last_query_logits`), are average-pooled over ``kernel``
+    (:class:`~fastprefill.methods.pruning.scorers.LogitScorer`), are average-pooled over ``kernel``
     positions and the top ``ceil(keep * T)`` tokens are kept in prompt order. Then every layer
     runs from layer 0 on those tokens at positions ``0..K-1`` (GemFilter's choice; LazyLLM and
     :class:`StaticPruning` keep original positions), and decoding continues at ``K``.
@@ -253,7 +254,7 @@ class GemFilter(Method):
         self.check_prompt(model, int(input_ids.shape[1]))
         ad = DecoderAdapter(model, method="GemFilter")
         s = self.selection_layer(ad.num_layers)
-        row = avg_pool_scores(probe_scores(ad, input_ids, s, scorer=last_query_logits), self.kernel)  # (T,)
+        row = avg_pool_scores(probe_scores(ad, input_ids, s, scorer=LogitScorer()), self.kernel)  # (T,)
         row[-1] = float("inf")
         keep = top_k_keep(row, keep_count(self.keep, int(input_ids.shape[1])))  # ascending positions
         return subset_prefill(ad, input_ids, keep, selection_layer=s, renumber=True)

@@ -14,6 +14,10 @@ Tensor shapes used throughout (batch ``B`` is always 1 in fastprefill's engine):
 - keys / values ``(B, H_kv, N, d)``; queries ``(B, H_q, T, d)``
 - boolean attention masks ``(B, 1, T, N)``, ``True`` where a query may attend a key
 
+Scores computed beside the fused attention (for pruning) are requested per call with a sink dict
+and a :data:`ScoreFn`; what a score *is* lives with the pruning policies
+(:mod:`fastprefill.methods.pruning.scorers`), not here.
+
 Supported families for the layer-loop methods: ``llama`` (SmolLM2) and ``qwen2``
 (Qwen2.5-Coder). Others (for example Gemma3 with its sliding-window layers) are refused with
 :class:`~fastprefill.errors.UnsupportedModelError`; plain full prefill works on any causal LM.
@@ -22,7 +26,6 @@ Supported families for the layer-loop methods: ``llama`` (SmolLM2) and ``qwen2``
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,12 +44,13 @@ ATTENTION_NAME = "fastprefill_sdpa"
 #: Keyword argument, passed through the decoder layer to the attention function, that receives
 #: the last query's scores: a dict ``{layer_idx: (B, N) float32}``.
 SCORE_SINK_KWARG = "fastprefill_scores"
-#: Keyword argument naming the :data:`ScoreFn` that fills the sink (default
-#: :func:`last_query_attention`).
+#: Keyword argument naming the :data:`ScoreFn` that fills the sink.
 SCORER_KWARG = "fastprefill_scorer"
 
-#: ``scorer(query, key, attention_mask, scaling) -> (B, N)``: one score per key from the last query
-#: row, computed beside the fused attention (shapes as in :func:`last_query_attention`).
+#: ``scorer(query, key, attention_mask, scaling) -> (B, N)``: one score per key, computed beside the
+#: fused attention from the rotated queries ``(B, H_q, T, d)``, keys ``(B, H_kv, N, d)`` and the
+#: boolean mask ``(B, 1, T, N)`` (or ``None``: causal). The scorers themselves (what a score is)
+#: are policies: :mod:`fastprefill.methods.pruning.scorers`.
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float | None], torch.Tensor]
 
 
@@ -62,11 +66,10 @@ def _fastprefill_sdpa(
 ) -> tuple[torch.Tensor, None]:
     """SDPA attention that can also report the last query's scores over the keys.
 
-    The fused kernel computes the output. When the caller passes ``fastprefill_scores=dict`` the
-    last query's scores are computed beside it (one row, not the full matrix) by the
-    ``fastprefill_scorer`` (default :func:`last_query_attention`: attention probabilities averaged
-    over *all query heads*) and stored as ``sink[layer_idx]`` with shape ``(B, N)`` over the ``N``
-    keys of this layer.
+    The fused kernel computes the output. When the caller passes ``fastprefill_scores=dict`` and
+    ``fastprefill_scorer=fn`` (a :data:`ScoreFn`), ``fn`` computes one score per key beside it
+    (from the last query rows, not the full matrix), stored as ``sink[layer_idx]`` with shape
+    ``(B, N)`` over the ``N`` keys of this layer.
 
     Args:
         query: ``(B, H_q, T, d)`` rotated queries.
@@ -74,7 +77,7 @@ def _fastprefill_sdpa(
         attention_mask: ``None`` (plain causal) or a boolean ``(B, 1, T, N)`` mask.
     """
     sink = kwargs.pop(SCORE_SINK_KWARG, None)
-    scorer: ScoreFn = kwargs.pop(SCORER_KWARG, last_query_attention)
+    scorer: ScoreFn | None = kwargs.pop(SCORER_KWARG, None)
     if dropout == 0.0 and "position_bias" not in kwargs and _gqa_with_shared_mask(query, key, attention_mask):
         out = _gqa_masked_sdpa(query, key, value, attention_mask, scaling)
     else:
@@ -82,6 +85,8 @@ def _fastprefill_sdpa(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if sink is not None:
+        if scorer is None:
+            raise ValueError(f"{SCORE_SINK_KWARG} needs a {SCORER_KWARG} (what a score is)")
         sink[module.layer_idx] = scorer(query, key, attention_mask, scaling)
     return out, None
 
@@ -145,102 +150,6 @@ def _packed_gqa_sdpa(
         packed, key, value, attn_mask=mask, scale=scaling
     )  # (B, H_kv, G*T, d_v)
     return out.reshape(b, h_q, t, -1).transpose(1, 2).contiguous()
-
-
-def last_query_attention(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None
-) -> torch.Tensor:
-    """Attention probabilities of the last query over all keys, averaged over every query head.
-
-    Args:
-        query: ``(B, H_q, T, d)``; only ``query[:, :, -1]`` is used.
-        key: ``(B, H_kv, N, d)`` with ``H_q % H_kv == 0`` (grouped-query attention).
-        attention_mask: ``None`` (the last query sees every key) or boolean ``(B, 1, T, N)``.
-        scaling: the softmax scale (``d ** -0.5`` when ``None``).
-
-    Returns:
-        ``(B, N)`` float32 probabilities, each row summing to 1.
-    """
-    b, h_q, _, d = query.shape
-    h_kv = key.shape[1]
-    scale = scaling if scaling is not None else d**-0.5
-    q_last = query[:, :, -1, :].reshape(b, h_kv, h_q // h_kv, d)  # (B, H_kv, G, d)
-    logits = torch.einsum("bhgd,bhnd->bhgn", q_last.float(), key.float()) * scale  # (B, H_kv, G, N)
-    if attention_mask is not None:
-        allowed = attention_mask[:, :, -1, :].unsqueeze(2)  # (B, 1, 1, N)
-        logits = logits.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return probs.mean(dim=(1, 2))  # (B, N)
-
-
-def window_attention(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
-    window: int,
-) -> torch.Tensor:
-    """Attention probabilities of the last ``window`` queries, averaged over every query head and those queries.
-
-    Each of the last ``W = min(window, T)`` query rows is causally masked on its own: with
-    ``attention_mask=None`` the ``T`` queries are aligned to the last ``T`` keys (row ``i`` sees
-    keys ``0..N - T + i``, as SDPA's causal kernel); otherwise row ``i`` sees
-    ``attention_mask[:, 0, i]``. Under GQA each key is read once per KV group (no ``repeat_kv``).
-    ``window=1`` is :func:`last_query_attention`.
-
-    Args:
-        query: ``(B, H_q, T, d)``; key: ``(B, H_kv, N, d)`` with ``H_q % H_kv == 0``.
-        attention_mask: ``None`` or boolean ``(B, 1, T, N)``.
-        scaling: the softmax scale (``d ** -0.5`` when ``None``).
-        window: ``W >= 1``.
-
-    Returns:
-        ``(B, N)`` float32, each row summing to 1.
-    """
-    b, h_q, t, d = query.shape
-    h_kv, n = key.shape[1], key.shape[2]
-    w = min(window, t)
-    scale = scaling if scaling is not None else d**-0.5
-    q_win = query[:, :, t - w:, :].float().reshape(b, h_kv, h_q // h_kv, w, d)  # (B, H_kv, G, W, d)
-    logits = torch.einsum("bhgwd,bhnd->bhgwn", q_win, key.float()) * scale  # (B, H_kv, G, W, N)
-    if attention_mask is None:
-        last_key = torch.arange(n - w, n, device=key.device)  # (W,) the last key each row may see
-        allowed = torch.arange(n, device=key.device)[None, :] <= last_key[:, None]  # (W, N)
-        allowed = allowed[None, None, None]
-    else:
-        allowed = attention_mask[:, :, t - w:, :].unsqueeze(2)  # (B, 1, 1, W, N)
-    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-    return probs.mean(dim=(1, 2, 3))  # (B, N)
-
-
-def window_scorer(window: int) -> ScoreFn:
-    """The :data:`ScoreFn` of :func:`window_attention` over the last ``window`` queries
-    (:func:`last_query_attention` itself for ``window=1``)."""
-    if window == 1:
-        return last_query_attention
-    return functools.partial(window_attention, window=window)
-
-
-def last_query_logits(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None
-) -> torch.Tensor:
-    """Pre-softmax attention logits of the last query over all keys, summed over every query head.
-
-    GemFilter's selection score. Under GQA the ``G`` query heads of a KV group share its keys,
-    so their sum is ``(sum_j q_j) . k``: the queries are summed per group first and each key is
-    read once (no ``repeat_kv``).
-
-    Args:
-        query, key, attention_mask, scaling: as in :func:`last_query_attention`.
-
-    Returns:
-        ``(B, N)`` float32, ``-inf`` at keys the last query may not attend.
-    """
-    b, h_q, _, d = query.shape
-    h_kv = key.shape[1]
-    scale = scaling if scaling is not None else d**-0.5
-    q_sum = query[:, :, -1, :].float().reshape(b, h_kv, h_q // h_kv, d).sum(2)  # (B, H_kv, d)
-    logits = torch.einsum("bhd,bhnd->bn", q_sum, key.float()) * scale  # (B, N)
-    if attention_mask is not None:
-        logits = logits.masked_fill(~attention_mask[:, 0, -1, :], float("-inf"))
-    return logits
 
 
 _registered = False
@@ -353,7 +262,7 @@ class DecoderAdapter:
         mask: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         scores: dict[int, torch.Tensor] | None = None,
-        scorer: ScoreFn = last_query_attention,
+        scorer: ScoreFn | None = None,
     ) -> torch.Tensor:
         """Run decoder layer ``idx`` on the rows ``hidden`` (``(B, T, D)``) at ``positions``.
 
@@ -366,9 +275,8 @@ class DecoderAdapter:
                 ``T > 1`` rows over a cache that already holds rows SDPA's causal flag aligns the
                 queries to the first keys: pass a mask then).
             rotary: precomputed :meth:`rotary` output for ``positions`` (shared across layers).
-            scores: if given, receives ``scores[idx] = (B, N)``, the last query's scores.
-            scorer: what the scores are (:func:`last_query_attention`, the default,
-                :func:`window_scorer`'s window of last queries, or :func:`last_query_logits`).
+            scores: if given, receives ``scores[idx] = (B, N)``, one score per key from ``scorer``.
+            scorer: what the scores are (a :data:`ScoreFn`; required with ``scores``).
 
         Returns:
             ``(B, T, D)`` hidden states after the layer. Must be called inside
@@ -376,6 +284,8 @@ class DecoderAdapter:
         """
         if rotary is None:
             rotary = self.rotary(hidden, positions)
+        if scores is not None and scorer is None:
+            raise ValueError("DecoderAdapter.layer: scores need a scorer")
         extra = {SCORE_SINK_KWARG: scores, SCORER_KWARG: scorer} if scores is not None else {}
         return self.layers[idx](
             hidden,

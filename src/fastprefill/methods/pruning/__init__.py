@@ -3,7 +3,8 @@
 The mechanism (:mod:`~fastprefill.methods.pruning.loop`) runs the model layer by layer on
 gathered rows, defers pruned tokens to the Aux Cache, revives them while decoding and counts
 every (layer, position) it computes. A policy supplies only the choice of tokens: a ``select``
-callable over a score row (:mod:`~fastprefill.methods.pruning.select`), a schedule
+callable over a score row (:mod:`~fastprefill.methods.pruning.select`) from a scorer
+(:mod:`~fastprefill.methods.pruning.scorers`: what a token's importance is), a schedule
 (:mod:`~fastprefill.methods.pruning.schedule`) and its scoring, protection and revival options
 (:mod:`~fastprefill.methods.pruning.options`), or a fixed subset.
 """
@@ -31,19 +32,24 @@ from fastprefill.methods.pruning.schedule import (
     resolve_depth_schedule,
     schedule_token_layers,
 )
+from fastprefill.methods.pruning.scorers import AttentionScorer, LogitScorer, RandomScorer, Scorer
 from fastprefill.methods.pruning.select import SelectFn, avg_pool_scores, pool_in_position_order, top_k_keep
 from fastprefill.methods.pruning.state import ComputeCounter, LazyState, new_state
 
 __all__ = [
     "REVIVAL_POLICIES",
+    "AttentionScorer",
     "ComputeCounter",
     "DepthSchedule",
     "LazyState",
+    "LogitScorer",
     "PruneOptions",
     "PrunedPrefill",
+    "RandomScorer",
     "Revival",
     "RevivalDecoder",
     "Schedule",
+    "Scorer",
     "SelectFn",
     "avg_pool_scores",
     "catch_up",

@@ -48,19 +48,17 @@ from fastprefill.cache import PositionKVCache, layer_kv
 from fastprefill.methods.base import ComputeStats, PrefillOutput
 from fastprefill.methods.pruning.options import PruneOptions
 from fastprefill.methods.pruning.schedule import Schedule, keep_count
+from fastprefill.methods.pruning.scorers import AttentionScorer, Scorer
 from fastprefill.methods.pruning.select import SelectFn, pool_in_position_order
 from fastprefill.methods.pruning.state import LazyState, new_state
-from fastprefill.models.adapters import (
-    DecoderAdapter,
-    ScoreFn,
-    causal_mask,
-    last_query_attention,
-    window_scorer,
-)
+from fastprefill.models.adapters import DecoderAdapter, causal_mask
 from fastprefill.models.shape import ModelShape, causal_pairs
 
 __all__ = ["PrunedPrefill", "RevivalDecoder", "catch_up", "decode_step", "probe_scores", "progressive_prefill",
            "recording_kept_positions", "run_rows", "subset_prefill"]
+
+#: The paper's score (the last query's attention), used while decoding: the new token is the only query.
+LAST_QUERY = AttentionScorer()
 
 _RECORD_KEPT: ContextVar[bool] = ContextVar("fastprefill_record_kept_positions", default=False)
 
@@ -68,7 +66,7 @@ _RECORD_KEPT: ContextVar[bool] = ContextVar("fastprefill_record_kept_positions",
 def run_rows(
     state: LazyState, layer: int, hidden: torch.Tensor, positions: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-    scores: dict[int, torch.Tensor] | None = None, scorer: ScoreFn = last_query_attention,
+    scores: dict[int, torch.Tensor] | None = None, scorer: Scorer = LAST_QUERY,
 ) -> torch.Tensor:
     """Run ``layer`` on rows ``hidden`` ``(1, R, D)`` at ``positions`` ``(R,)``, writing their KV; count them."""
     state.cache.stage(layer, positions)
@@ -128,7 +126,7 @@ class PrunedPrefill:
 
 def progressive_prefill(
     adapter: DecoderAdapter, input_ids: torch.Tensor, schedule: Schedule, select: SelectFn,
-    options: PruneOptions | None = None, prefix: DynamicCache | None = None,
+    options: PruneOptions | None = None, prefix: DynamicCache | None = None, scorer: Scorer | None = None,
 ) -> PrunedPrefill:
     """Prefill with progressive pruning at the layers of ``schedule`` (validated against the model).
 
@@ -146,6 +144,8 @@ def progressive_prefill(
         prefix: the exact K/V of positions ``0..P-1`` (``P < T``) at every layer: context every
             row attends at every layer, never pruned and never recomputed; only positions
             ``P..T-1`` are rows.
+        scorer: what a cut's score is (default :class:`AttentionScorer` over the options'
+            ``score_window``).
 
     Returns:
         The output: ``(V,)`` logits; a ragged cache view; the stats (``kept_per_stage`` in
@@ -158,7 +158,7 @@ def progressive_prefill(
     n = int(input_ids.shape[1])
     prune = dict(schedule)
     scored = _scored_layers(schedule, opts)
-    scorer = window_scorer(opts.score_window)
+    scorer = scorer or AttentionScorer(opts.score_window)
     shape: ModelShape = ad.shape
     state = new_state(ad, schedule, n, opts, select)
     p = _load_prefix(state, prefix)
@@ -182,7 +182,7 @@ def progressive_prefill(
             flops += shape.layer_flops(r, r * p + causal_pairs(r))
             if scores is None:
                 continue
-            flops += min(opts.score_window, r) * shape.scoring_flops(r + p)
+            flops += min(scorer.queries, r) * shape.scoring_flops(r + p)
             row = scores[layer][0][-r:]  # (R,): the rows are the layer's last keys
             if opts.accumulate:
                 acc = row if acc is None else acc + row
@@ -230,15 +230,17 @@ def _load_prefix(state: LazyState, prefix: DynamicCache | None) -> int:
 
 
 def probe_scores(
-    adapter: DecoderAdapter, input_ids: torch.Tensor, layer: int, scorer: ScoreFn = last_query_attention
+    adapter: DecoderAdapter, input_ids: torch.Tensor, layer: int, scorer: Scorer | None = None
 ) -> torch.Tensor:
     """The last prompt token's score row ``(T,)`` at ``layer``, from layers ``0..layer`` on the whole prompt.
 
     The layers run into a throwaway cache: this is a static policy's selection pass, paid in
     its TTFT and charged by :func:`subset_prefill` (``selection_layer``). ``scorer`` is the
-    policy's score (attention probabilities averaged over heads by default).
+    policy's score (default :class:`AttentionScorer`: the last query's attention probabilities
+    averaged over heads).
     """
     ad = adapter
+    scorer = scorer or AttentionScorer()
     n = int(input_ids.shape[1])
     with torch.inference_mode(), ad.attention_scope():
         probe = PositionKVCache(ad.num_layers)
