@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("methods.*",),
     ("engine",),
     ("distributed.pool",),
-    ("bench.*",),
+    ("bench.*", "tune"),
     ("launch", "serve.*", "cli", "__init__"),
 )
 

@@ -9,6 +9,9 @@ Subcommands:
   ``bench verify`` re-summarizes committed result files and compares them with their summaries.
 - ``demo``: one multi-document QA prompt, answered by full prefill and every available method.
 - ``train-kvp``: train a KV Prediction predictor (``--variant prefix``: calibrate kvp-prefix maps).
+- ``tune``: measure candidate methods on your prompts and write a profile that
+  ``--method auto:profile=FILE`` serves (the fastest method per prompt length that keeps the
+  fidelity target).
 
 Errors a user can cause exit with status 2 and a one-line message, never a traceback.
 ``models --json`` and ``generate --json`` print JSON for scripts; tables are never cut to the
@@ -413,6 +416,49 @@ def _train_prefix(args: argparse.Namespace) -> int:
 
 
 # --- main --------------------------------------------------------------------------------------
+# --- tune --------------------------------------------------------------------------------------
+def cmd_tune(args: argparse.Namespace) -> int:
+    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.methods.auto import Target
+    from fastprefill.methods.registry import make_method
+    from fastprefill.tune import DEFAULT_CANDIDATES, load_prompts, plot_frontier, task_prompts, tune
+
+    target = Target.parse(args.target, args.confidence)
+    if (args.prompts is None) == (args.task is None):
+        raise FastprefillError("give your prompts with --prompts FILE.jsonl, or a packaged task with --task NAME")
+    specs = list(DEFAULT_CANDIDATES if not args.only else []) + list(args.methods or [])
+    if not specs:
+        raise FastprefillError("no candidates: --only needs at least one --methods SPEC")
+    candidates = {spec: make_method(spec) for spec in dict.fromkeys(specs)}  # every spec builds before any run
+    set_threads(args.threads)
+    model, tok = _load(args.model, args.device, args.dtype)
+    for spec, method in list(candidates.items()):
+        if not method.supports(model.config):
+            err_console.print(f"[dim]skipping {spec}: it does not support {model.config.model_type!r}[/dim]")
+            del candidates[spec]
+    prompts = (load_prompts(args.prompts, tok) if args.prompts
+               else task_prompts(args.task, tok, args.lengths, args.n, split=args.split, seed=args.seed))
+    out = Path(args.out)
+    records = out.with_suffix(".jsonl")
+    profile, seen = tune(model, tok, args.model, prompts, candidates, {k: k for k in candidates}, target,
+                         records_path=records, threads=args.threads, resume=args.resume,
+                         max_new_tokens=args.max_new_tokens, min_speedup=args.min_speedup,
+                         meta={"source": args.prompts or f"{args.task} ({args.split}, lengths {args.lengths}, "
+                                                          f"n={args.n})"})
+    profile.save(out)
+    plot = plot_frontier(seen, profile, out.with_suffix(".png"))
+    table = Table(title=f"{args.model}: {target.describe()} ({target.confidence:.0%} interval)")
+    for col in ("bucket", "method", "held-out TTFT ratio", f"held-out {target.measure}", "n choose / report", "why"):
+        table.add_column(col)
+    for b in profile.buckets:
+        fid = "—" if b.fidelity is None else f"{b.fidelity:.2f} [{b.fidelity_ci[0]:.2f}, {b.fidelity_ci[1]:.2f}]"
+        ratio = "—" if b.ttft_ratio is None else f"{b.ttft_ratio:.2f}x"
+        table.add_row(b.label, b.method, ratio, fid, f"{b.n_choose} / {b.n_report}", b.reason)
+    console.print(table)
+    console.print(f"profile: {out} (serve it: --method auto:profile={out}); records: {records}; plot: {plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastprefill", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -534,6 +580,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     model_args(p, default_model=False)
     p.set_defaults(func=cmd_train_kvp)
+
+    p = sub.add_parser("tune", help="choose the fastest method per prompt length that keeps a fidelity target, "
+                       "measured on your prompts; writes a profile for --method auto:profile=FILE")
+    p.add_argument("--prompts", help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} per line")
+    p.add_argument("--task", help="a packaged task instead of --prompts (multidoc-qa, singledoc-qa, needle, ...)")
+    p.add_argument("--lengths", type=_positive, nargs="+", default=[512, 1024, 2048, 4096],
+                   help="--task: prompt lengths in tokens")
+    p.add_argument("--n", type=_positive, default=80, help="--task: prompts per length (half choose, half report)")
+    p.add_argument("--split", choices=["dev", "test"], default="dev", help="--task: the split")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", default="first-token=0.9",
+                   help="first-token=S, identical=S (shares of prompts, lower interval end >= S) or kl=X "
+                        "(mean first-token KL, upper end <= X)")
+    p.add_argument("--confidence", type=float, default=0.95, help="two-sided level of the fidelity interval")
+    p.add_argument("--methods", nargs="+", metavar="SPEC", help="more candidate specs (e.g. kvp-prefix:predictor=DIR)")
+    p.add_argument("--only", action="store_true", help="try only --methods, not the default candidates")
+    p.add_argument("--min-speedup", type=float, default=1.1,
+                   help="a bucket whose best qualifying candidate is slower than this runs full prefill")
+    p.add_argument("--max-new-tokens", type=_positive, default=None,
+                   help="tokens per run (default: 1 for first-token and kl targets, 32 for identical)")
+    p.add_argument("--out", default="tune-profile.json", help="the profile (records beside it as .jsonl, plot as .png)")
+    p.add_argument("--resume", action="store_true", help="continue the records of an interrupted tune")
+    model_args(p)
+    p.set_defaults(func=cmd_tune)
     return parser
 
 

@@ -266,8 +266,9 @@ def prepare_prompt(
         model: a decoder-only causal LM.
         tokenizer: its tokenizer (needed for text).
         prompt: see :data:`PromptInput`.
-        method: the method that will run (``None``: full prefill); it must support the model's
-            family (``Method.supports``) and accept the prompt length (``Method.check_prompt``).
+        method: the method that will run (``None``: full prefill); the one it resolves to for
+            this prompt (``Method.resolve``) must support the model's family
+            (``Method.supports``) and accept the prompt length (``Method.check_prompt``).
         max_new_tokens: tokens to generate, the first included (>= 1).
         chat: wrap text in the chat template.
 
@@ -287,6 +288,9 @@ def prepare_prompt(
     method.check_model(model)
     input_ids = encode_prompt(tokenizer, prompt, chat=chat)
     n_prompt = int(input_ids.shape[1])
+    chosen = method.resolve(model, n_prompt)
+    if chosen is not method:
+        chosen.check_model(model)
     limit = context_length(model)
     if n_prompt + max_new_tokens > limit:
         raise PromptError(
@@ -296,7 +300,7 @@ def prepare_prompt(
     vocab = model.get_input_embeddings().num_embeddings
     if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
         raise PromptError(f"prompt ids must lie in [0, {vocab}); got {int(input_ids.min())}..{int(input_ids.max())}")
-    method.check_prompt(model, n_prompt)
+    chosen.check_prompt(model, n_prompt)
     return input_ids.to(model.device)
 
 
@@ -364,6 +368,7 @@ def stream(
     method = method if method is not None else FullPrefill()
     input_ids = prepare_prompt(model, tokenizer, prompt, method, max_new_tokens=max_new_tokens, chat=chat)
     n_prompt = int(input_ids.shape[1])
+    method = method.resolve(model, n_prompt)
     device = model.device
     eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
 

@@ -174,6 +174,12 @@ class Method(ABC):
         ``prompt_len``-token prompt on ``model`` (called by the engine before any work)."""
         del model, prompt_len
 
+    def resolve(self, model: PreTrainedModel, prompt_len: int) -> Method:
+        """The method that runs a ``prompt_len``-token prompt on ``model``: itself, except for a
+        method that chooses per prompt (``auto``). Called by the engine before validation."""
+        del model, prompt_len
+        return self
+
     @abstractmethod
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
         """Process the prompt.

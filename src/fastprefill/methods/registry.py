@@ -29,19 +29,86 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.errors import ConfigError
-from fastprefill.methods.base import Method
+from fastprefill.methods.auto import TuneProfile
+from fastprefill.methods.base import Method, PrefillOutput
 from fastprefill.methods.baselines import GemFilter, RandomDrop, StaticPruning
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import KVPrediction, KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.runahead import KVRunahead, SequenceParallel
 
-__all__ = ["METHODS", "MethodEntry", "convert", "make_method", "method_names", "parse_spec"]
+__all__ = ["METHODS", "AutoMethod", "MethodEntry", "convert", "make_method", "method_names", "parse_spec"]
+
+
+@dataclass
+class AutoMethod(Method):
+    """Choose the method per prompt from a tuning profile (``fastprefill tune`` writes one).
+
+    :meth:`resolve` maps a prompt's length to its bucket's method spec (built once per spec);
+    the engine runs that method, and its :meth:`describe` names the choice (``Timing.method``).
+
+    Args:
+        profile: path of a :class:`~fastprefill.methods.auto.TuneProfile` JSON file.
+
+    Raises:
+        ConfigError: a missing or damaged profile, a bucket spec that does not build; at the
+            first prompt, a model or tokenizer other than the profile's (fingerprints).
+    """
+
+    name: ClassVar[str] = "auto"
+
+    profile: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.profile:
+            raise ConfigError("auto needs a tuning profile: --method auto:profile=FILE (made by `fastprefill tune`)")
+        self._profile = TuneProfile.load(self.profile)
+        self._methods = {b.method: make_method(b.method) for b in self._profile.buckets}
+        self._checked: weakref.WeakKeyDictionary[PreTrainedModel, bool] = weakref.WeakKeyDictionary()
+
+    @property
+    def tune_profile(self) -> TuneProfile:
+        return self._profile
+
+    def check_model(self, model: PreTrainedModel) -> None:  # type: ignore[override]
+        """The model must be the one the profile was measured on (weights fingerprint, once per model)."""
+        from fastprefill.models.fingerprint import weights_fingerprint
+
+        if model in self._checked:
+            return
+        if weights_fingerprint(model) != self._profile.fingerprint:
+            raise ConfigError(f"the tuning profile {self.profile} was made for {self._profile.model!r}, whose "
+                              "weights differ from this model's; tune this model (fastprefill tune --model ...)")
+        self._checked[model] = True
+
+    def check_tokenizer(self, tokenizer: object) -> None:
+        """Raise :class:`ConfigError` unless ``tokenizer`` is the profile's (its fingerprint)."""
+        from fastprefill.models.fingerprint import tokenizer_fingerprint
+
+        if tokenizer_fingerprint(tokenizer) != self._profile.tokenizer_fingerprint:
+            raise ConfigError(f"the tuning profile {self.profile} was made with another tokenizer than this "
+                              f"model's ({self._profile.model!r}); tune with this model's tokenizer")
+
+    def resolve(self, model: PreTrainedModel, prompt_len: int) -> Method:
+        self.check_model(model)
+        return self._methods[self._profile.bucket(prompt_len).method]
+
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
+        """Prefill with the method :meth:`resolve` chooses for this prompt."""
+        return self.resolve(model, int(input_ids.shape[1])).prefill(model, input_ids, prefix)
+
+    def describe(self) -> str:
+        return f"auto({Path(self.profile).name})"
 
 
 @dataclass(frozen=True)
@@ -66,6 +133,7 @@ METHODS: dict[str, MethodEntry] = {
     "runahead": MethodEntry(KVRunahead, "KV-Runahead over procs ranks (options: procs, partition, table, timeout_s)"),
     "tsp": MethodEntry(SequenceParallel, "all-gather sequence-parallel prefill, KV-Runahead's baseline "
                                          "(options: procs, timeout_s)"),
+    "auto": MethodEntry(AutoMethod, "the method a tuning profile chooses per prompt length (options: profile)"),
 }
 
 
