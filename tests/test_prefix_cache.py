@@ -54,6 +54,7 @@ def test_full_prefill_over_a_cached_prefix_is_exact(tiny_model, share, expect_hi
     hf = tiny_model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 48:].tolist()
     assert res.token_ids == hf
     assert res.timing.cached_tokens == expect_hit
+    assert res.timing.prefix_cache == ("hit" if expect_hit else "miss")
     assert res.timing.token_layers == (48 - expect_hit) * 4 and res.timing.total_token_layers == 48 * 4
 
 
@@ -139,6 +140,7 @@ def test_methods_without_prefix_support_run_the_whole_prompt(tiny_llama):
     generate(tiny_llama, None, prompt, max_new_tokens=1, prefix_cache=cache)
     res = generate(tiny_llama, None, prompt, RandomDrop(keep=0.5), max_new_tokens=3, prefix_cache=cache)
     assert res.timing.cached_tokens == 0 and res.timing.stored_tokens == 0
+    assert res.timing.prefix_cache == "not used: random takes no cached prefix"
     cache.clear()
     res = generate(tiny_llama, None, prompt, KVRunahead(procs=1), max_new_tokens=3, stop_at_eos=False,
                    prefix_cache=cache)

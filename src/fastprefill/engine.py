@@ -61,6 +61,8 @@ class Timing:
             FLOPs, method counters), as the method reported it.
         decode_extra: counters the method's own decoder gathered (``Decoder.stats``).
         cached_tokens: prompt tokens whose K/V came from a prefix cache (not computed).
+        prefix_cache: what the prefix cache did: ``"off"`` (none given), ``"hit"``, ``"miss"``,
+            or ``"not used: <method> takes no cached prefix"`` (the whole prompt ran).
         stored_tokens: tokens this generation added to the prefix cache.
         prefix_lookup_s: of ``ttft_s``, the seconds spent looking the prompt up in the prefix cache
             (and assembling the hit's K/V).
@@ -77,6 +79,7 @@ class Timing:
     stats: ComputeStats
     decode_extra: dict[str, Any] = field(default_factory=dict)
     cached_tokens: int = 0
+    prefix_cache: str = "off"
     stored_tokens: int = 0
     prefix_lookup_s: float = 0.0
     prefix_store_s: float = 0.0
@@ -120,6 +123,7 @@ class Timing:
             "extra": self.extra,
             "token_layer_fraction": self.token_layer_fraction,
             "cached_tokens": self.cached_tokens,
+            "prefix_cache": self.prefix_cache,
             "stored_tokens": self.stored_tokens,
             "prefix_lookup_s": self.prefix_lookup_s,
             "prefix_store_s": self.prefix_store_s,
@@ -412,6 +416,9 @@ def stream(
             stats=out.stats,
             decode_extra=dict(decoder.stats()),
             cached_tokens=timed.cached_tokens,
+            prefix_cache=("off" if prefix_cache is None else
+                          f"not used: {method.name} takes no cached prefix" if not method.takes_prefix else
+                          "hit" if timed.cached_tokens else "miss"),
             stored_tokens=stored,
             prefix_lookup_s=timed.lookup_s,
             prefix_store_s=store_s,
