@@ -303,3 +303,23 @@ def test_bad_inputs_are_config_errors(calibrated, tiny_llama, tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(ConfigError, match="sha256"):
         make_method(f"kvp-prefix:predictor={broken}")
+
+
+def test_calibrated_fill_in_the_pruning_loop_is_kvp_prefix(calibrated, tiny_qwen2):
+    """LazyLLM's fill=calibrated:DIR with one cut after layer l - 1 keeping the last W tokens gives
+    the calibrated kvp-prefix's logits; a checkpoint of another source layer is refused."""
+    from fastprefill.methods.lazyllm import LazyLLM
+
+    out, _ = calibrated
+    ids = _ids(30, 13)
+    lazy = LazyLLM(schedule=((0, 0.01),), options={"keep_recent": 5, "revival": "none", "fill": f"calibrated:{out}"})
+    with torch.inference_mode():
+        got = lazy.prefill(tiny_qwen2, ids)
+        want = KVPrefix(predictor=str(out), tail=5).prefill(tiny_qwen2, ids)
+        zero = LazyLLM(schedule=((0, 0.01),), options={"keep_recent": 5, "revival": "none",
+                                                        "fill": "zero-shot"}).prefill(tiny_qwen2, ids)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+    assert float((zero.logits - got.logits).abs().max()) > 1e-4  # the calibrated maps are really used
+    wrong = LazyLLM(schedule=((1, 0.01),), options={"revival": "none", "fill": f"calibrated:{out}"})
+    with pytest.raises(ConfigError, match="maps from layer 1.*layer 2 needed"):
+        wrong.prefill(tiny_qwen2, ids)

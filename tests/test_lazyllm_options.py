@@ -349,3 +349,39 @@ def test_late_schedules_compute_at_most_47_percent(layers):
     for name in LATE_SCHEDULES:
         sched = resolve_depth_schedule(PRESETS[name], layers)
         assert schedule_token_layers(sched, layers, 2048) / (layers * 2048) <= 0.47, name
+
+
+# --- fill policies: pruned tokens keep predicted K/V rows at later layers -------------------------
+@pytest.mark.parametrize(("layer", "tail"), [(1, 4), (2, 7)])
+def test_fill_with_the_last_w_kept_is_kvp_prefix(tiny_model, layer, tail):
+    """One cut after layer l - 1 keeping only the last W tokens, the others filled with kvp-prefix's
+    zero-shot maps from the cut's hidden state, is kvp-prefix(layer=l, tail=W): the same logits and
+    greedy tokens."""
+    from fastprefill.methods.kv_prediction.prefix import KVPrefix
+
+    ids = _ids(30, 12)
+    lazy = LazyLLM(schedule=((layer - 1, 0.01),), options={"keep_recent": tail, "revival": "none", "fill": "zero-shot"})
+    with torch.inference_mode():
+        run = lazy.run(tiny_model, ids)
+        want = KVPrefix(layer=layer, tail=tail).prefill(tiny_model, ids)
+    assert run.state.selected[0].tolist() == list(range(30 - tail, 30))
+    torch.testing.assert_close(run.output.logits, want.logits, atol=1e-5, rtol=0)
+    got = generate(tiny_model, None, ids, lazy, max_new_tokens=6, stop_at_eos=False)
+    ref = generate(tiny_model, None, ids, KVPrefix(layer=layer, tail=tail), max_new_tokens=6, stop_at_eos=False)
+    assert got.token_ids == ref.token_ids
+    assert run.output.stats.extra["filled_token_layers"] == (30 - tail) * (4 - layer)
+    assert run.output.exact_tokens == 0  # nothing filled or pruned is exact: a prefix cache keeps none of it
+    # and without the fill the same cut drops the pruned tokens: other logits
+    with torch.inference_mode():
+        drop = LazyLLM(schedule=((layer - 1, 0.01),), options={"keep_recent": tail}).prefill(tiny_model, ids)
+    assert float((drop.logits - want.logits).abs().max()) > 1e-3
+
+
+def test_fill_refusals(tiny_llama):
+    with pytest.raises(ConfigError, match="needs revival=none"):
+        LazyLLM(schedule=((1, 0.5),), options={"fill": "zero-shot"})
+    with pytest.raises(ConfigError, match="not a policy"):
+        LazyLLM(schedule=((1, 0.5),), options={"fill": "calibrated", "revival": "none"})
+    lazy = LazyLLM(schedule=((0, 0.5), (1, 0.3)), options={"fill": "zero-shot", "revival": "none"})
+    with pytest.raises(ConfigError, match="one-cut schedules"):
+        lazy.prefill(tiny_llama, _ids(20, 1))

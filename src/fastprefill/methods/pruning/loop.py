@@ -45,7 +45,9 @@ import torch
 from transformers import DynamicCache
 
 from fastprefill.cache import PositionKVCache, layer_kv
+from fastprefill.errors import ConfigError
 from fastprefill.methods.base import ComputeStats, PrefillOutput
+from fastprefill.methods.pruning.fill import FillMaps
 from fastprefill.methods.pruning.options import PruneOptions
 from fastprefill.methods.pruning.schedule import Schedule, keep_count
 from fastprefill.methods.pruning.scorers import AttentionScorer, Scorer
@@ -168,15 +170,19 @@ def progressive_prefill(
     kept: list[int] = []
     kept_positions: list[torch.Tensor] = []
     acc: torch.Tensor | None = None  # (R,) scores summed over the stage so far (accumulate)
+    if opts.fill.active and len(schedule) > 1:
+        raise ConfigError(f"fill={opts.fill} supports one-cut schedules; this one cuts {len(schedule)} times")
+    filled_from, filled_token_layers = ad.num_layers, 0  # layers from which pruned tokens have filled rows
     with torch.inference_mode(), ad.attention_scope():
         hidden = ad.embed(input_ids[:, p:])  # (1, R, D)
         cos, sin = ad.rotary(hidden, rows[None])  # (1, R, d) each
         for layer in range(ad.num_layers):
             r = int(rows.numel())
             scores: dict[int, torch.Tensor] | None = {} if layer in scored else None
-            # an empty layer cache and ascending rows: mask=None (causal kernel) is exact;
-            # over a prefix the rows are not the first keys, so the mask goes by position
-            mask = causal_mask(rows, state.cache.key_positions_after(layer, rows)) if p else None
+            # an empty layer cache and ascending rows: mask=None (causal kernel) is exact; over a
+            # prefix or filled rows the rows are not the first keys, so the mask goes by position
+            mask = causal_mask(rows, state.cache.key_positions_after(layer, rows)) if p or layer >= filled_from \
+                else None
             hidden = run_rows(state, layer, hidden, rows, (cos, sin), mask, scores, scorer)
             token_layers += r
             flops += shape.layer_flops(r, r * p + causal_pairs(r))
@@ -198,6 +204,14 @@ def progressive_prefill(
                 drop = torch.ones(r, dtype=torch.bool, device=rows.device)
                 drop[keep] = False
                 state.aux.put(layer + 1, rows[drop], hidden[:, drop])
+                if opts.fill.active:
+                    maps = FillMaps(opts.fill, ad, layer + 1)
+                    for j, (k_j, v_j) in maps.fill(hidden[:, drop], rows[drop]).items():
+                        state.cache.stage(j, rows[drop])
+                        state.cache.update(k_j, v_j, j)
+                    filled_from = layer + 1
+                    filled_token_layers += int(drop.sum()) * (ad.num_layers - layer - 1)
+                    flops += maps.flops(int(drop.sum()))
                 hidden = hidden.index_select(1, keep)
                 cos, sin = cos.index_select(1, keep), sin.index_select(1, keep)
                 rows = rows[keep]
@@ -207,6 +221,8 @@ def progressive_prefill(
         logits = ad.head(hidden[:, -1:])[0, -1]
     flops += shape.head_flops(1)
     extra: dict[str, Any] = {"kept_per_stage": kept, "schedule": [list(pair) for pair in schedule]}
+    if opts.fill.active:
+        extra["filled_token_layers"] = filled_token_layers
     if _RECORD_KEPT.get():
         extra["kept_positions"] = kept_positions
     stats = ComputeStats(token_layers=token_layers, total_token_layers=n * ad.num_layers, flops=flops, extra=extra)

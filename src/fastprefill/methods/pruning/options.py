@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fastprefill.errors import ConfigError
+from fastprefill.methods.pruning.fill import Fill
 
 __all__ = ["MAX_POOL_KERNEL", "MAX_SCORE_WINDOW", "REVIVAL_POLICIES", "PruneOptions", "Revival"]
 
@@ -102,6 +103,9 @@ class PruneOptions:
         decode_protect: at a decode step every stage's set also always holds every generated
             token (the sinks and the last ``keep_recent`` prompt tokens are kept anyway).
         revival: the decoding :class:`Revival` policy.
+        fill: what later layers keep of a pruned token (:class:`~fastprefill.methods.pruning.fill.Fill`;
+            ``none``, the paper: nothing). Any other needs ``revival=none`` and a one-cut
+            schedule.
 
     A cut keeps ``max(keep_count(keep, n), forced)`` tokens, ``forced`` being the protected
     ones present (the last token, sinks, recent, generated); the protected ones are always
@@ -115,6 +119,7 @@ class PruneOptions:
     accumulate: bool = False
     decode_protect: bool = False
     revival: Revival = field(default_factory=Revival)
+    fill: Fill = field(default_factory=Fill)
 
     def __post_init__(self) -> None:
         _check_int(self.score_window, "score_window", 1, MAX_SCORE_WINDOW)
@@ -126,6 +131,10 @@ class PruneOptions:
         _check_bool(self.accumulate, "accumulate")
         _check_bool(self.decode_protect, "decode_protect")
         object.__setattr__(self, "revival", Revival.parse(self.revival))
+        object.__setattr__(self, "fill", Fill.parse(self.fill))
+        if self.fill.active and self.revival.kind != "none":
+            raise ConfigError(f"fill={self.fill} needs revival=none: a revived token would have both a filled and "
+                              "an exact K/V row")
 
     def protected(self, positions: torch.Tensor, prompt_len: int, decoding: bool) -> torch.Tensor:
         """Bool ``(N,)``: which of ``positions`` ``(N,)`` a cut must keep (besides the newest token).
@@ -142,6 +151,7 @@ class PruneOptions:
         """The options that differ from the paper's, as ``key=value`` items joined by ``,``."""
         default = PruneOptions()
         items = [f"{name}={getattr(self, name)}" for name in
-                 ("score_window", "pool_kernel", "sinks", "keep_recent", "accumulate", "decode_protect", "revival")
+                 ("score_window", "pool_kernel", "sinks", "keep_recent", "accumulate", "decode_protect", "revival",
+                  "fill")
                  if getattr(self, name) != getattr(default, name)]
         return ",".join(items)
