@@ -35,6 +35,7 @@ import argparse
 import functools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from fastprefill.bench.ceiling import ceiling_summary, selection_ceiling
 from fastprefill.bench.records import FULL, environment, write_rows
@@ -103,10 +104,11 @@ def revival_methods(presets: Sequence[str], revivals: Sequence[str]) -> dict[str
 
 def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: str,
              max_new_tokens: int | None = None, stop_at_eos: bool = True,
-             choose=None) -> None:
+             choose=None, gate=None) -> None:
     """Run ``task`` through :func:`run_benchmark` (``<name>.{jsonl,md,png}``), then write the
     paired rows (``<name>.summary.jsonl``); ``choose`` (a rule of
-    :mod:`fastprefill.bench.selection`) picks among the methods, recorded in the header."""
+    :mod:`fastprefill.bench.selection`) picks among the methods, recorded in the header;
+    ``gate`` (:func:`fill_gate`) is recorded under ``fill_gate``."""
     name = args.name or name
     model, tok = _load(args.model)
     methods = methods_fn(ModelShape.from_config(model.config).num_layers)
@@ -126,8 +128,60 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
     if choose is not None:
         header["selection"] = choose(summaries)
         print(describe_choice(header["selection"]))
+    if gate is not None:
+        header["fill_gate"] = gate(summaries)
+        for row in header["fill_gate"]:
+            print(f"{row['budget']} {row['policy']:<11} first token {row['first_token']:.0%} "
+                  f"[{row['first_token_ci'][0]:.0%}, {row['first_token_ci'][1]:.0%}] vs none "
+                  f"{row['none_first_token']:.0%}; TTFT x{row['ttft_over_none']:.3f} of none: "
+                  f"{'PASSES' if row['passes'] else 'fails'}")
     write_paired_rows(Path(args.out) / f"{name}.summary.jsonl", header, summaries)
     print(markdown_table(summaries))
+
+
+#: fill-gate: one cut at this relative depth under the snap selection, pruned tokens dropped or filled.
+FILL_DEPTH = 0.3
+
+
+def fill_methods(keeps: Sequence[float], policies: Sequence[str]) -> dict[str, Method]:
+    """One-cut LazyLLM at :data:`FILL_DEPTH` keeping each of ``keeps`` (snap selection, no revival)
+    under each fill policy (``none``, ``zero-shot``, ``calibrated:DIR``), named
+    ``lazyllm-k<keep %>/<policy kind>``."""
+    from fastprefill.methods.pruning.fill import Fill
+
+    out: dict[str, Method] = {}
+    for keep in keeps:
+        for policy in policies:
+            fill = Fill.parse(policy)
+            out[f"lazyllm-k{round(100 * keep):02d}/{fill.kind}"] = LazyLLM(
+                depth_schedule=((FILL_DEPTH, keep),), selection="snap", label=f"cut{round(100 * FILL_DEPTH)}k{round(100 * keep):02d}+snap",
+                options={"revival": "none", "fill": policy})
+    return out
+
+
+def fill_gate(summaries: Sequence[Any], confidence: float = 0.95, ttft_slack: float = 0.05) -> list[dict[str, Any]]:
+    """The dev gate per (length, budget, policy): passes when the lower end of the policy's
+    first-token agreement interval (Wilson) beats ``none``'s point estimate at the same budget and
+    its median TTFT is at most ``1 + ttft_slack`` times ``none``'s."""
+    from fastprefill.tune import wilson
+
+    by = {(s.length, s.method): s for s in summaries}
+    rows = []
+    for (length, method), s in sorted(by.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
+        budget, _, policy = method.partition("/")
+        none = by.get((length, f"{budget}/none"))
+        if not policy or policy == "none" or none is None or s.first_token_agreement is None:
+            continue
+        hits = round(s.first_token_agreement * s.n_paired)
+        low, high = wilson(hits, s.n_paired, confidence)
+        ttft_ratio = s.ttft_median_s / none.ttft_median_s
+        passed = low > (none.first_token_agreement or 0.0) and ttft_ratio <= 1 + ttft_slack
+        rows.append({"length": length, "budget": budget, "policy": policy, "n": s.n_paired,
+                     "first_token": s.first_token_agreement, "first_token_ci": [low, high],
+                     "none_first_token": none.first_token_agreement, "ttft_over_none": ttft_ratio,
+                     "token_layer_fraction": s.token_layer_fraction,
+                     "none_token_layer_fraction": none.token_layer_fraction, "passes": passed})
+    return rows
 
 
 def cmd_equivalence(args: argparse.Namespace) -> None:
@@ -204,7 +258,7 @@ def cmd_ceiling(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["equivalence", "curve", "needle", "decode", "sweep", "fidelity-sweep", "speed",
-                                        "ceiling"])
+                                        "ceiling", "fill-gate"])
     ap.add_argument("--model", default=None, help="zoo name (default depends on the command)")
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--n", type=int, default=None, help="samples per length")
@@ -236,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ceiling: the deep oracle scores at layer floor(depth * L) of the full model")
     ap.add_argument("--answer-tokens", type=int, default=None,
                     help="fidelity-sweep: tokens per answer (default: the task's); 1 screens the first token only")
+    ap.add_argument("--keeps", type=float, nargs="+", default=[0.25, 0.10],
+                    help=f"fill-gate: keep fractions of the one cut at depth {FILL_DEPTH} (about 50%% and 40%% of "
+                         "token-layers computed exactly)")
+    ap.add_argument("--fills", nargs="+", default=["none", "zero-shot"],
+                    help="fill-gate: fill policies (none, zero-shot, calibrated:DIR with maps from the cut's layer + 1)")
     ap.add_argument("--new-tokens", type=int, default=None,
                     help="tokens generated per run, EOS ignored (default: 16 for equivalence, 64 for decode)")
     return ap
@@ -252,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         "fidelity-sweep": ("qwen2.5-coder-0.5b", [2048], 40),
         "speed": ("smollm2-135m", [2048], 4),
         "ceiling": ("qwen2.5-coder-0.5b", [2048], 16),
+        "fill-gate": ("qwen2.5-coder-0.5b", [2048], 48),
     }[args.command]
     args.presets = args.presets or {"needle": ["default"], "ceiling": ["cut30k20+snap"]}.get(
         args.command, ["gentle", "default", "aggressive"])
@@ -283,6 +343,10 @@ def main(argv: list[str] | None = None) -> None:
             cmd_task(args, f"lazyllm_sweep_{tag}",
                      lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=SWEEP[k], label=k) for k in args.schedules},
                      "dev", "multidoc-qa", choose=choose_default)
+        elif args.command == "fill-gate":
+            cmd_task(args, f"lazyllm_fill_gate_{tag}", lambda L: fill_methods(args.keeps, args.fills), "dev",
+                     "multidoc-qa", max_new_tokens=args.answer_tokens,
+                     gate=fill_gate)
         elif args.command == "fidelity-sweep":
             cmd_task(args, f"lazyllm_fidelity_sweep_{tag}", lambda L: fidelity_methods(args.candidates),
                      "dev", "multidoc-qa", max_new_tokens=args.answer_tokens, choose=choose_by_fidelity)
