@@ -28,7 +28,7 @@ Subcommands:
   at ``--layer``; the checkpoint's ``config.json`` holds the held-out errors (relative, R²) of the
   zero-shot and the fitted maps.
 - ``distill``: KL distillation of a least-squares kvp-prefix checkpoint
-  (:func:`~fastprefill.methods.kv_prediction.prefix_distill.distill_prefix`) on dev task prompts
+  (:func:`~fastprefill.methods.kv_prediction.prefix.distill.distill_prefix`) on dev task prompts
   other than the l-sweep's and the calibration's; writes ``kvp_distill_<checkpoint>.json``.
 - ``l-sweep``: kvp-prefix at several ``l`` beside full prefill on dev prompts
   (:func:`fastprefill.bench.kvp.l_sweep`): first-token agreement, median first-token KL and TTFT
@@ -75,22 +75,22 @@ from fastprefill.distributed.runtime import set_threads
 from fastprefill.errors import FastprefillError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
-from fastprefill.methods.kv_prediction.aux import check_tokenizers
-from fastprefill.methods.kv_prediction.prefix import KVPrefix, PrefixCalibration, calibrate_prefix
-from fastprefill.methods.kv_prediction.prefix_distill import (
-    DEFAULT_HELDOUT,
-    DEFAULT_TRAIN,
-    DISTILL_SEED,
-    PrefixDistillation,
-    distill_on_dev,
-)
-from fastprefill.methods.kv_prediction.train import (
+from fastprefill.methods.kv_prediction.auxiliary.models import check_tokenizers
+from fastprefill.methods.kv_prediction.auxiliary.train import (
     TrainConfig,
     error_summary,
     fit_least_squares,
     kv_relative_errors,
     train_kvp,
     training_corpus,
+)
+from fastprefill.methods.kv_prediction.prefix import KVPrefix, PrefixCalibration, calibrate_prefix
+from fastprefill.methods.kv_prediction.prefix.distill import (
+    DEFAULT_HELDOUT,
+    DEFAULT_TRAIN,
+    DISTILL_SEED,
+    PrefixDistillation,
+    distill_on_dev,
 )
 from fastprefill.methods.registry import make_method
 from fastprefill.models import zoo

@@ -26,14 +26,14 @@ from fastprefill.methods.kv_prediction import (
     default_layer_map,
     validate_layer_map,
 )
-from fastprefill.methods.kv_prediction.checkpoint import read_checkpoint
-from fastprefill.methods.kv_prediction.train import (
+from fastprefill.methods.kv_prediction.auxiliary.train import (
     TrainConfig,
     base_logits_on_kv,
     fit_least_squares,
     kv_relative_errors,
     train_kvp,
 )
+from fastprefill.methods.kv_prediction.checkpoint import read_checkpoint
 from fastprefill.models.kv import prefix_kv, rotate_keys, unrotate_keys
 from fastprefill.models.shape import ModelShape
 

@@ -14,15 +14,15 @@ from fastprefill.bench.kvp import GATE_V_ERROR, dev_gate, exclude_calibration, l
 from fastprefill.cli import demo_prefix_layer, main
 from fastprefill.errors import ConfigError
 from fastprefill.methods.kv_prediction import AuxSpec, KVPrediction, KVPredictor
-from fastprefill.methods.kv_prediction.corpus import calibration_corpus
-from fastprefill.methods.kv_prediction.prefix import KVPrefix
-from fastprefill.methods.kv_prediction.train import (
+from fastprefill.methods.kv_prediction.auxiliary.train import (
     TrainConfig,
     error_summary,
     fit_least_squares,
     kv_relative_errors,
     train_kvp,
 )
+from fastprefill.methods.kv_prediction.corpus import calibration_corpus
+from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.registry import make_method
 from fastprefill.models.kv import attention_inputs, prefix_kv
 from fastprefill.models.shape import ModelShape

@@ -19,9 +19,9 @@ from fastprefill.methods.kv_prediction.prefix import (
     PrefixCalibration,
     PrefixPredictor,
     calibrate_prefix,
-    choose_rank,
     prefix_errors,
 )
+from fastprefill.methods.kv_prediction.prefix.calibrate import choose_rank
 from fastprefill.methods.registry import make_method
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.kv import prefix_kv, rotate_keys

@@ -10,7 +10,7 @@ import torch
 from fastprefill.errors import ConfigError
 from fastprefill.methods.kv_prediction.checkpoint import read_checkpoint
 from fastprefill.methods.kv_prediction.prefix import KVPrefix, PrefixCalibration, calibrate_prefix
-from fastprefill.methods.kv_prediction.prefix_distill import (
+from fastprefill.methods.kv_prediction.prefix.distill import (
     PrefixDistillation,
     _Maps,
     _tail_logprobs,
@@ -172,7 +172,7 @@ def test_bad_inputs(tiny_qwen2, lsq, targets, tmp_path):
 
 def test_distillation_prompts_keep_out_sweep_and_calibration_prompts(smollm2):
     from fastprefill.data.tasks import get_task
-    from fastprefill.methods.kv_prediction.prefix_distill import distillation_prompts
+    from fastprefill.methods.kv_prediction.prefix.distill import distillation_prompts
 
     _, tok = smollm2
     sweep = {s.id for s in get_task("humaneval-completion").build(tok, None, 4, split="dev", seed=0)}

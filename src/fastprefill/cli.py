@@ -331,7 +331,7 @@ def _distill_prefix(args: argparse.Namespace) -> int:
     """``train-kvp --variant prefix --distill-from DIR``: KL distillation of calibrated maps."""
     import time
 
-    from fastprefill.methods.kv_prediction.prefix_distill import (
+    from fastprefill.methods.kv_prediction.prefix.distill import (
         DEFAULT_HELDOUT,
         DEFAULT_TRAIN,
         PrefixDistillation,
@@ -356,7 +356,7 @@ def cmd_train_kvp(args: argparse.Namespace) -> int:
 
     from fastprefill.distributed.runtime import set_threads
     from fastprefill.methods.kv_prediction import AuxSpec
-    from fastprefill.methods.kv_prediction.train import TrainConfig, train_kvp
+    from fastprefill.methods.kv_prediction.auxiliary.train import TrainConfig, train_kvp
 
     if args.variant == "prefix":
         args.steps = 120 if args.steps is None else args.steps

@@ -26,8 +26,8 @@ from fastprefill.bench.runner import first_token_kl
 from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import KVPrediction
+from fastprefill.methods.kv_prediction.auxiliary.train import error_summary, kv_relative_errors
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
-from fastprefill.methods.kv_prediction.train import error_summary, kv_relative_errors
 
 __all__ = ["GATE_KL", "GATE_V_ERROR", "GateResult", "dev_gate", "exclude_calibration", "l_sweep"]
 

@@ -30,14 +30,14 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import ComputeStats, Method, ModelDecoder, PrefillOutput
 from fastprefill.methods.full import FullPrefill
-from fastprefill.methods.kv_prediction.aux import (
+from fastprefill.methods.kv_prediction.auxiliary.models import (
     AuxSpec,
     check_tokenizers,
     tokenizer_fingerprint,
     weights_fingerprint,
 )
+from fastprefill.methods.kv_prediction.auxiliary.predictor import KVPredictor
 from fastprefill.methods.kv_prediction.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from fastprefill.methods.kv_prediction.predictor import KVPredictor
 from fastprefill.models.adapters import require_layer_loop
 from fastprefill.models.kv import cache_from_kv
 from fastprefill.models.shape import ModelShape
@@ -54,7 +54,7 @@ class KVPrediction(Method):
         aux_spec: where the aux model comes from: :meth:`AuxSpec.model` (KVP-C, ``aux`` required)
             or :meth:`AuxSpec.layer_drop` (KVP-LP, built from the base at the first prefill).
         aux: the aux model for KVP-C (same tokenizer as the base; check with
-            :func:`~fastprefill.methods.kv_prediction.aux.check_tokenizers`).
+            :func:`~fastprefill.methods.kv_prediction.auxiliary.models.check_tokenizers`).
         base_fingerprint: :func:`weights_fingerprint` of the base the predictor was trained for;
             when set, the first prefill on a base refuses any other model.
         meta: checkpoint metadata (model names, λ, step, ...), written back by :meth:`save`.
@@ -239,7 +239,7 @@ def _read_checkpoint(
         check_tokenizers(base_tokenizer, aux_tokenizer)
     for tok in (aux_tokenizer, base_tokenizer):
         if tok is not None and recorded_tok is not None and tokenizer_fingerprint(tok) != recorded_tok:
-            from fastprefill.methods.kv_prediction.aux import TokenizerMismatchError
+            from fastprefill.methods.kv_prediction.auxiliary.models import TokenizerMismatchError
 
             raise TokenizerMismatchError(
                 f"tokenizer differs from the one the predictor at {path} was trained with "

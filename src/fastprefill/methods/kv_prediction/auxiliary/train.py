@@ -57,12 +57,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.cache import ReplayCache
 from fastprefill.errors import ConfigError, check_fields
-from fastprefill.methods.kv_prediction.aux import (
+from fastprefill.methods.kv_prediction.auxiliary.method import KVPrediction
+from fastprefill.methods.kv_prediction.auxiliary.models import (
     AuxSpec,
     check_tokenizers,
     tokenizer_fingerprint,
     weights_fingerprint,
 )
+from fastprefill.methods.kv_prediction.auxiliary.predictor import SOURCES, KVPredictor
 from fastprefill.methods.kv_prediction.checkpoint import (
     CheckpointError,
     atomic_write_bytes,
@@ -70,8 +72,6 @@ from fastprefill.methods.kv_prediction.checkpoint import (
     write_checkpoint,
 )
 from fastprefill.methods.kv_prediction.corpus import calibration_corpus, training_corpus
-from fastprefill.methods.kv_prediction.method import KVPrediction
-from fastprefill.methods.kv_prediction.predictor import SOURCES, KVPredictor
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.kv import prefix_kv, rotate_keys
 from fastprefill.models.shape import ModelShape

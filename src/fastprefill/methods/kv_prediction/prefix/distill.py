@@ -1,12 +1,12 @@
 """KL distillation of kvp-prefix maps (SwiftKV's second step, arXiv 2410.03960, applied to the
-maps only): start from a least-squares checkpoint (:func:`~.prefix.calibrate_prefix`) and refine
+maps only): start from a least-squares checkpoint (:func:`~.calibrate.calibrate_prefix`) and refine
 its corrections so that the base, reading the predicted KV, gives the same next-token
 distributions as its own full prefill.
 
 **Objective.** For a prompt cut at ``t`` tokens (its end, or a random earlier point) the base's
 exact states are computed once, before training, without gradients: ``h_l`` ``(1, T, D)`` (the
 input of layer ``l``) and the last layer's output ``h_L`` ``(1, T, D)``. A training step runs
-kvp-prefix exactly as :meth:`~.prefix.KVPrefix.prefill` does with ``tail = W``: the maps predict
+kvp-prefix exactly as :meth:`~.method.KVPrefix.prefill` does with ``tail = W``: the maps predict
 K/V of rows ``0..t-W-1`` at every layer ``j >= l`` from ``h_l``, and the last ``W`` rows run
 through layers ``l..L-1`` over them. The loss is the mean over those ``W`` rows of
 ``KL(softmax(head(h_L)) || softmax(head(tail)))``; only the corrections get gradients (the base
@@ -16,7 +16,7 @@ answer token's distribution, which is what the tasks score.
 **Parameters.** The checkpoint's own layout: per later layer ``j`` and for K and V either the
 rank-``r`` factors ``a`` ``(D + 1, r)``, ``b`` ``(r, H_kv*d)`` or the full ``delta``
 ``(D + 1, H_kv*d)``; trained in float32, stored in float16 as before, so
-:class:`~.prefix.KVPrefix` loads the result unchanged.
+:class:`~.method.KVPrefix` loads the result unchanged.
 
 **Selection.** Every ``eval_every`` steps the mean tail KL on held-out prompts (cut at their end)
 is measured; the checkpoint keeps the best maps (step 0 is the least-squares maps, so the result
@@ -42,13 +42,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.errors import ConfigError, check_fields
 from fastprefill.methods.kv_prediction.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from fastprefill.methods.kv_prediction.prefix import (
-    VARIANT,
-    KVPrefix,
-    PrefixPredictor,
-    exact_hidden,
-    predicted_tail,
-)
+from fastprefill.methods.kv_prediction.prefix.calibrate import exact_hidden
+from fastprefill.methods.kv_prediction.prefix.method import KVPrefix, predicted_tail
+from fastprefill.methods.kv_prediction.prefix.predictor import VARIANT, PrefixPredictor
 from fastprefill.models.adapters import DecoderAdapter
 
 __all__ = [
@@ -308,7 +304,7 @@ def distill_prefix(
 
     Args:
         model: the base the checkpoint was calibrated for (frozen here).
-        predictor: the least-squares checkpoint directory (:func:`~.prefix.calibrate_prefix`).
+        predictor: the least-squares checkpoint directory (:func:`~.calibrate.calibrate_prefix`).
         out_dir: the new checkpoint directory (another directory than ``predictor``).
         config: :class:`PrefixDistillation`.
         train: :func:`prefix_targets` of the training prompts (each longer than ``tail``).
@@ -319,7 +315,7 @@ def distill_prefix(
         progress: a tqdm bar.
 
     Returns:
-        :class:`~.prefix.KVPrefix` loaded from ``out_dir`` (the best maps on ``heldout``).
+        :class:`~.method.KVPrefix` loaded from ``out_dir`` (the best maps on ``heldout``).
 
     Raises:
         ConfigError: ``out_dir`` equal to ``predictor``, no training prompts, a prompt not longer
@@ -462,7 +458,7 @@ def distill_on_dev(
     ``seed``; the checkpoint's own ``task_ids`` are excluded) and :func:`distill_prefix`.
 
     Returns:
-        The distilled :class:`~.prefix.KVPrefix` and ``{"train_prompts": {"specs", "n", "tokens"},
+        The distilled :class:`~.method.KVPrefix` and ``{"train_prompts": {"specs", "n", "tokens"},
         "heldout_prompts": {"specs", "n"}, "exact_states_seconds"}``.
     """
     source = read_distill_source(predictor)
