@@ -28,6 +28,7 @@ from fastprefill.errors import (
 )
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
 from fastprefill.methods.full import FullPrefill
+from fastprefill.prefix_cache import PrefixCache
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [  # noqa: PLE0604 - *_LAZY adds its keys, all strings
     "MissingPackageError",
     "ModelNotFoundError",
     "PrefillOutput",
+    "PrefixCache",
     "PromptError",
     "StreamEvent",
     "Timing",
