@@ -205,8 +205,11 @@ def _bench_config(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, key, None)
         if value not in (None, []):
             cfg[key] = value
-    if cfg["name"] is None:
-        cfg["name"] = f"{cfg['model']}_{cfg['task']}"
+    from fastprefill.bench.records import result_name
+
+    # a stem named by --name or the config is used as it is; the default never replaces a file
+    cfg["name"] = result_name(cfg["out"], f"{cfg['model']}_{cfg['task']}", name=cfg["name"],
+                              resume=getattr(args, "resume", False))
     return cfg
 
 
@@ -477,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int)
     p.add_argument("--max-new-tokens", type=_positive)
     p.add_argument("--out", help="output directory (default benchmarks/results)")
-    p.add_argument("--name", help="result file stem")
+    p.add_argument("--name", help="result file stem (default <model>_<task>, or <model>_<task>-runN when that "
+                   "exists: a run replaces an existing file only when --name or the config names it)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run's <name>.jsonl")
     p.add_argument("--device")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
