@@ -248,83 +248,13 @@ def _bench_verify(results: str) -> int:
 
 
 # --- demo --------------------------------------------------------------------------------------
-def demo_prefix_layer(num_layers: int) -> int:
-    """The demo's kvp-prefix depth: two thirds of the layers run exactly, rounded up. The demo's
-    choice, so that it runs with no file; not a measured optimum (``benchmarks/kvp_bench.py
-    l-sweep`` measures the trade-off)."""
-    return -(-2 * num_layers // 3)
-
-
-def demo_methods(model: Any, prompt_len: int) -> list[tuple[str, Any]]:
-    """(label, method) pairs the demo runs beside full prefill, the baselines at LazyLLM's budget."""
-    from fastprefill.methods.baselines import matched_baselines
-    from fastprefill.methods.lazyllm import LazyLLM
-    from fastprefill.models.shape import ModelShape
-
-    lazy = LazyLLM.preset("default")
-    baselines = matched_baselines(lazy, ModelShape.from_config(model.config).num_layers, prompt_len)
-    from fastprefill.methods.kv_prediction.prefix import KVPrefix
-
-    layers = ModelShape.from_config(model.config).num_layers
-    return [
-        (f"KV Prediction, kvp-prefix zero-shot, l={demo_prefix_layer(layers)} of {layers}",
-         KVPrefix(layer=demo_prefix_layer(layers))),
-        ("LazyLLM (default preset)", lazy),
-        ("static pruning, same budget", baselines["static"]),
-        ("random drop, same budget", baselines["random"]),
-        ("GemFilter, same budget", baselines["gemfilter"]),
-    ]
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-
-    from fastprefill.data.tasks import get_task
+    from fastprefill.demo import run_demo
     from fastprefill.distributed.runtime import set_threads
-    from fastprefill.engine import generate
-    from fastprefill.methods.full import FullPrefill
 
     set_threads(args.threads)
     model, tok = _load(args.model, args.device, args.dtype)
-    task = get_task("multidoc-qa")
-    sample = task.build(tok, args.length, 1, split="test", seed=args.seed)[0]
-    n = len(sample.input_ids)
-    console.print(f"[bold]Multi-document QA[/bold]: {n} prompt tokens, model {args.model}, {args.threads} threads")
-    console.print(f"Question: {sample.meta.get('question', '?')}   Gold answer: {' | '.join(sample.answers)}")
-    runs: list[tuple[str, Any]] = [("full prefill (reference)", FullPrefill()), *demo_methods(model, n)]
-    table = Table(title="same prompt, greedy, same answer budget (one run each; warm-up excluded)")
-    for col in ("method", "answer", "F1", "TTFT (s)", "speedup", "token-layers"):
-        table.add_column(col)
-    generate(model, tok, sample.input_ids, FullPrefill(), max_new_tokens=2)  # warm-up, not shown
-    base_ttft = 0.0
-    for label, method in runs:
-        res = generate(model, tok, sample.input_ids, method, max_new_tokens=args.max_new_tokens)
-        t = res.timing
-        base_ttft = base_ttft or t.ttft_s
-        f1 = task.score(sample, res.text)["score"]
-        table.add_row(label, " ".join(res.text.split())[:60], f"{100 * f1:.0f}", f"{t.ttft_s:.3f}",
-                      f"{base_ttft / t.ttft_s:.2f}x", f"{100 * t.token_layer_fraction:.0f}%")
-    notes: list[str] = []
-    if args.procs > 1:
-        from fastprefill.distributed.pool import RankPool
-        from fastprefill.methods.registry import make_method
-
-        ra_method = make_method(f"runahead:procs={args.procs},partition=searched")
-        with (console.status(f"KV-Runahead: starting {args.procs} ranks (model loading is not timed) ..."),
-              RankPool(args.model, args.procs, threads_per_rank=max(1, args.threads // args.procs)) as pool):
-            pool.generate(sample.input_ids, ra_method, 2)  # warm-up, not shown
-            ra = pool.generate(sample.input_ids, ra_method, args.max_new_tokens)
-        f1 = task.score(sample, ra.text)["score"]
-        table.add_row(f"KV-Runahead ({args.procs} ranks)", " ".join(ra.text.split())[:60], f"{100 * f1:.0f}",
-                      f"{ra.ttft_s:.3f}", f"{base_ttft / ra.ttft_s:.2f}x", "100%")
-        notes.append("KV-Runahead's TTFT is the driver's clock: dispatch and all communication included.")
-    console.print(table)
-    notes.append("KV Prediction here is kvp-prefix with zero-shot maps at the demo's choice of l (not a measured "
-                 "optimum); calibrated maps: `fastprefill train-kvp --variant prefix --model NAME --layer L --out DIR`, "
-                 "the aux-model variant: `fastprefill train-kvp --help`, then --method kvp:predictor=DIR.")
-    for note in notes:
-        console.print(f"[dim]{note}[/dim]")
-    console.print("[dim]One prompt, one run each: medians over many prompts are in benchmarks/results/.[/dim]")
-    return 0
+    return run_demo(model, tok, args, console)
 
 
 def _distill_prefix(args: argparse.Namespace) -> int:
@@ -492,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=_positive, default=24)
     p.add_argument("--procs", type=int, default=2, help="KV-Runahead ranks (0 or 1 to skip it)")
+    p.add_argument("--repeats", type=_positive, default=3,
+                   help="timed runs per method after one untimed warm-up; the table shows their median and range")
     model_args(p)
     p.set_defaults(func=cmd_demo)
 
