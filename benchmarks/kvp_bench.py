@@ -1,5 +1,6 @@
-"""KV Prediction benchmarks (issue 5). Results go to ``--out`` (default ``benchmarks/results/``);
-checkpoints to ``benchmarks/checkpoints/``. Run the timing subcommands on a quiet machine.
+"""KV Prediction benchmarks. Results go to ``--out`` (default ``benchmarks/results/``), under
+``--name`` or a default stem that never replaces an existing result
+(:func:`fastprefill.bench.records.result_name`); checkpoints to ``benchmarks/checkpoints/``. Run the timing subcommands on a quiet machine.
 
 Pairs (``--pair``):
 
@@ -59,7 +60,7 @@ from tqdm.auto import tqdm
 
 from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ablation
 from fastprefill.bench.kvp import dev_gate, exclude_calibration, l_sweep, lsweep_table
-from fastprefill.bench.records import FULL, RecordLog, environment, write_json, write_rows
+from fastprefill.bench.records import FULL, RecordLog, environment, result_name, write_json, write_rows
 from fastprefill.bench.report import (
     merge_eval_summaries,
     plot_layer_errors,
@@ -173,7 +174,7 @@ def cmd_rope(args: argparse.Namespace) -> None:
             # errors of rotated keys are comparable: RoPE is orthogonal, so ||K|| is the same
             result[name] = [(a / b) ** 0.5 for a, b in zip(num, den)]
     result["mean"] = {k: statistics.mean(result[k]) for k in ("pre_rotation", "rotated")}
-    out = write_json(Path(args.out) / f"kvp_rope_{args.pair}.json", result)
+    out = write_json(Path(args.out) / f"{result_name(args.out, f'kvp_rope_{args.pair}')}.json", result)
     print(json.dumps(result["mean"], indent=2), "->", out)
 
 
@@ -196,7 +197,7 @@ def cmd_ablate(args: argparse.Namespace) -> None:
               "aux": cfg["aux"].get("name") or cfg["aux"]["spec"], "task": args.task, "split": args.split,
               "length": args.length, "n": len(samples), "sink": args.sink,
               "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
-    stem = str(Path(args.out) / (args.name or f"kvp_ablation_{Path(args.predictor).name}"))  # names hold dots
+    stem = str(Path(args.out) / result_name(args.out, f"kvp_ablation_{Path(args.predictor).name}", name=args.name))
     write_json(stem + ".json", {"header": header, "rows": rows, "kv_errors": {**errors, **error_summary(errors)},
                                 "heldout_by_phase": cfg.get("heldout_errors", {})})
     md = Path(stem + ".md")
@@ -287,7 +288,8 @@ def cmd_lsweep(args: argparse.Namespace) -> None:
               "length": args.length, "n": len(samples), "seed": args.seed, "layers": args.layers,
               "predictors": predictors, "tails": args.tails, "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
               **environment(args.threads)}
-    stem = str(Path(args.out) / (args.name or f"kvp_lsweep_{args.model}_{args.task}_{args.length}"))  # names hold dots
+    stem = str(Path(args.out) / result_name(args.out, f"kvp_lsweep_{args.model}_{args.task}_{args.length}",
+                                            name=args.name))  # names hold dots: no with_suffix
     write_rows(stem + ".jsonl", header, rows)
     Path(stem + ".md").write_text(lsweep_table(header, rows))
     print(Path(stem + ".md").read_text())
@@ -306,7 +308,7 @@ def cmd_gate(args: argparse.Namespace) -> None:
               "source": cfg.get("source", "kv"), "task": args.task, "split": "dev", "length": args.length,
               "n": len(samples), "heldout_tokens": args.seq_len * args.heldout_seqs,
               "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
-    stem = str(Path(args.out) / (args.name or f"kvp_gate_{Path(args.predictor).name}"))
+    stem = str(Path(args.out) / result_name(args.out, f"kvp_gate_{Path(args.predictor).name}", name=args.name))
     write_json(stem + ".json", {"header": header, "gate": result.to_json()})
     Path(stem + ".md").write_text(f"# KV Prediction dev gate: {Path(args.predictor).name}\n\n"
                                   f"Command: `{header['command']}`\n\n{result.describe()}\n")
@@ -375,7 +377,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
               "methods": {n: list(v) for n, v in specs.items()},
               "method_describe": {n: m.describe() for n, m in methods.items()}, "references": refs,
               "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
-    stem = str(Path(args.out) / (args.name or f"kvp_{args.task}" + (f"_{length}" if length else "")))
+    stem = str(Path(args.out) / result_name(args.out, f"kvp_{args.task}" + (f"_{length}" if length else ""),
+                                            name=args.name, resume=args.resume))
     log = RecordLog(stem + ".jsonl", header, resume=args.resume, overwrite=False, match=EVAL_MATCH)
     records = list(log.records) + run_samples(
         models[args.model], tok, task, samples, methods, length=length, max_new_tokens=budget,

@@ -1,5 +1,6 @@
-"""LazyLLM benchmarks (issue 3). Each subcommand writes JSON lines into ``--out`` (default
-``benchmarks/results/``).
+"""LazyLLM benchmarks. Each subcommand writes JSON lines into ``--out`` (default
+``benchmarks/results/``), under ``--name`` or a default stem that never replaces an existing
+result (:func:`fastprefill.bench.records.result_name`).
 
 Subcommands (run on a quiet machine; the commands that made the committed results are in
 ``benchmarks/README`` / the report):
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fastprefill.bench.ceiling import ceiling_summary, selection_ceiling
-from fastprefill.bench.records import FULL, environment, write_rows
+from fastprefill.bench.records import FULL, environment, result_name, write_rows
 from fastprefill.bench.report import markdown_table, write_paired_rows
 from fastprefill.bench.runner import Unscored, random_samples, run_benchmark, run_samples
 from fastprefill.bench.selection import (
@@ -109,7 +110,7 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
     paired rows (``<name>.summary.jsonl``); ``choose`` (a rule of
     :mod:`fastprefill.bench.selection`) picks among the methods, recorded in the header;
     ``gate`` (:func:`fill_gate`) is recorded under ``fill_gate``."""
-    name = args.name or name
+    name = result_name(args.out, name, name=args.name, resume=args.resume)
     model, tok = _load(args.model)
     methods = methods_fn(ModelShape.from_config(model.config).num_layers)
     records = run_benchmark(
@@ -207,7 +208,7 @@ def cmd_equivalence(args: argparse.Namespace) -> None:
                      "ttft_lazy_s": b.timing.ttft_s, "ttft_ratio_lazy_over_full": b.timing.ttft_s / a.timing.ttft_s})
         print(rows[-1])
     header = {"bench": "lazyllm-equivalence", "model": args.model, **environment(args.threads)}
-    write_rows(Path(args.out) / "lazyllm_equivalence.jsonl", header, rows)
+    write_rows(Path(args.out) / f"{result_name(args.out, 'lazyllm_equivalence', name=args.name)}.jsonl", header, rows)
 
 
 def cmd_speed(args: argparse.Namespace) -> None:
@@ -223,7 +224,7 @@ def cmd_speed(args: argparse.Namespace) -> None:
             for s in summarize(records)]
     for row in rows:
         print(row)
-    write_rows(Path(args.out) / f"lazyllm_speed_{args.model}_{length}.jsonl",
+    write_rows(Path(args.out) / f"{result_name(args.out, f'lazyllm_speed_{args.model}_{length}', name=args.name)}.jsonl",
                {"bench": "lazyllm-speed", "model": args.model, **environment(args.threads)}, rows)
 
 
@@ -252,7 +253,8 @@ def cmd_ceiling(args: argparse.Namespace) -> None:
               f"gold kept {row['gold_kept_share_mean']:.0%}  token-layers {row['token_layer_fraction_mean']:.0%}")
     header = {"bench": "lazyllm-ceiling", "task": "multidoc-qa", "split": "dev", "seed": args.seed, "n": args.n,
               "model": args.model, "probe_depth": args.probe_depth, "summary": summary, **env}
-    write_rows(Path(args.out) / f"{args.name or 'lazyllm_ceiling_' + args.model}.jsonl", header, rows)
+    write_rows(Path(args.out) / f"{result_name(args.out, 'lazyllm_ceiling_' + args.model, name=args.name)}.jsonl",
+               header, rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--baselines", nargs="+", default=["random", "static"], choices=["random", "static", "gemfilter"],
                     help="curve: the matched baselines run at each preset's token budget")
     ap.add_argument("--name", default=None,
-                    help="result file stem (default lazyllm_<command>_<model>_<lengths>)")
+                    help="result file stem (default lazyllm_<command>_<model>_<lengths>, with -runN added when "
+                         "that exists: only a named stem or --resume reuses a file)")
     ap.add_argument("--out", default=str(RESULTS), help="output directory (default benchmarks/results)")
     ap.add_argument("--resume", action="store_true",
                     help="curve/needle/decode/sweep: continue an interrupted run's <name>.jsonl, or extend it to a larger --n")

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fastprefill.bench.records import FULL, Record, RecordLog, environment, save_records
+from fastprefill.bench.records import FULL, Record, RecordLog, environment, result_name, save_records
 from fastprefill.bench.report import markdown_table, write_paired_rows
 from fastprefill.bench.runner import first_token_kl
 from fastprefill.bench.summary import summarize
@@ -84,7 +84,7 @@ class Bench:
         self.args = args
         self.model, self.tok = zoo.load(args.model)
         self.max_new = args.max_new_tokens
-        name = args.name or f"prefix_{kind}_{args.model}"
+        name = result_name(args.out, f"prefix_{kind}_{args.model}", name=args.name, resume=args.resume)
         header = {"task": f"prefix-{kind} (SQuAD v2 documents)", "warmup": 1, "kind": kind, "model": args.model, "lengths": args.lengths, "n": args.n,
                   "questions": args.questions, "turns": args.turns, "max_new_tokens": args.max_new_tokens,
                   "block_tokens": args.block_tokens, "cache_mb": args.cache_mb, "cache_docs": args.cache_docs,

@@ -22,24 +22,29 @@ import json
 import sys
 from pathlib import Path
 
+from fastprefill.bench.records import result_name
 from fastprefill.methods.runahead import CostModel, PartitionPlan, search_partition
 from fastprefill.models.shape import ModelShape
 
 LLAMA_7B = ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
                       intermediate_size=11008, vocab_size=32000, max_positions=16384)
 PAPER = {300e9: ">1.4x", 10e9: ">1.6x"}
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--bandwidths-gbs", type=float, nargs="+", default=[300.0, 10.0])
     ap.add_argument("--tflops", type=float, default=125.0, help="sustained fp16 TFLOP/s per GPU")
     ap.add_argument("--latency-us", type=float, default=10.0)
-    ap.add_argument("--md", default="benchmarks/results/runahead_projection.md")
-    ap.add_argument("--out", default="benchmarks/results/runahead_projection.jsonl")
-    args = ap.parse_args()
+    ap.add_argument("--md", default=None, help="markdown table (default: beside the default --out)")
+    ap.add_argument("--out", default=None, help="JSON lines, appended to (default benchmarks/results/"
+                    "runahead_projection.jsonl, or runahead_projection-runN.jsonl when that exists)")
+    args = ap.parse_args(argv)
+    stem = RESULTS / result_name(RESULTS, "runahead_projection")  # a rerun never replaces a committed file
+    args.out, args.md = args.out or f"{stem}.jsonl", args.md or f"{stem}.md"
     rows = []
     for bw in args.bandwidths_gbs:
         cost = CostModel.from_flops(LLAMA_7B, args.tflops * 1e12, bw * 1e9, latency_s=args.latency_us * 1e-6)
@@ -78,7 +83,7 @@ def main() -> None:
             f"{1e3 * r['runahead_even_s']:.1f} | {1e3 * r['runahead_searched_s']:.1f} | "
             f"{r['tsp_s'] / r['runahead_searched_s']:.2f}x | {r['paper_vs_tsp']} |"
         )
-    lines += ["", "Command: `python benchmarks/runahead_projection.py " + " ".join(sys.argv[1:]) + "`", ""]
+    lines += ["", "Command: `python benchmarks/runahead_projection.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`", ""]
     Path(args.md).write_text("\n".join(lines))
     print("\n".join(lines))
 

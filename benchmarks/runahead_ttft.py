@@ -43,9 +43,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from fastprefill.bench.records import result_name
 from fastprefill.distributed.pool import RankPool
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.runahead import KVRunahead, SequenceParallel
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _prompt(vocab: int, length: int, seed: int) -> list[int]:
@@ -84,9 +87,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=7, help="measured runs per configuration")
     ap.add_argument("--warmup", type=int, default=2, help="discarded runs per configuration")
     ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--out", default="benchmarks/results/runahead_ttft.jsonl")
-    ap.add_argument("--md", default="benchmarks/results/runahead_ttft.md")
+    ap.add_argument("--out", default=None, help="JSON lines, appended to (default benchmarks/results/runahead_ttft"
+                    ".jsonl, or runahead_ttft-runN.jsonl when that exists)")
+    ap.add_argument("--md", default=None, help="markdown table (default: beside the default --out)")
     args = ap.parse_args()
+    stem = RESULTS / result_name(RESULTS, "runahead_ttft")  # a rerun never replaces a committed file
+    args.out, args.md = args.out or f"{stem}.jsonl", args.md or f"{stem}.md"
     cores = len(os.sched_getaffinity(0))
     if cores < 2:
         raise SystemExit("this benchmark needs 2 CPU cores (one per rank)")

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import openai
 
-from fastprefill.bench.records import environment, write_json, write_rows
+from fastprefill.bench.records import environment, result_name, write_json, write_rows
 from fastprefill.data.tasks import Sample, get_task
 from fastprefill.distributed.runtime import free_port, set_threads
 from fastprefill.engine import generate
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    stem = args.name or "serve_load_" + "_".join(args.models)
+    stem = result_name(out, "serve_load_" + "_".join(args.models), name=args.name)
     write_rows(out / f"{stem}.jsonl", header, [dataclasses.asdict(r) for r in records])
     rows = summarize(records)
     write_json(out / f"{stem}.summary.json", rows)

@@ -103,7 +103,7 @@ def test_budgets_match_lazyllm(tiny_qwen2):
 
 def test_matched_baselines_spend_lazyllm_budget_and_feed_the_demo(tiny_qwen2):
     """One place builds the baselines at LazyLLM's budget; the CLI demo takes them from there."""
-    from fastprefill.cli import demo_methods
+    from fastprefill.demo import demo_methods
 
     n, layers = 64, 4
     lazy = LazyLLM(schedule=((0, 0.5), (2, 0.25)))

@@ -120,3 +120,125 @@ def test_serve_command_answers_over_http(smollm2):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, proc.stderr.read().decode()
+
+
+# --- what a new user meets first ----------------------------------------------------------------
+def _help(capsys, monkeypatch, *argv: str) -> str:
+    monkeypatch.setenv("COLUMNS", "2000")  # one help line per option: names are never wrapped
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_is_plain_text_and_lists_every_method_and_task(capsys, monkeypatch):
+    from fastprefill.data.tasks import TASKS
+    from fastprefill.methods.registry import METHODS
+
+    texts = {cmd: _help(capsys, monkeypatch, *cmd.split()) for cmd in ("", "generate", "bench", "demo", "models")}
+    for cmd, text in texts.items():
+        assert "``" not in text and ":func:" not in text, cmd
+    method_help = next(ln for ln in texts["generate"].splitlines() if ln.strip().startswith("--method"))
+    assert all(name in method_help for name in METHODS), method_help
+    task_help = next(ln for ln in texts["bench"].splitlines() if ln.strip().startswith("--task"))
+    assert all(name in task_help for name in TASKS), task_help
+    assert "gemfilter" in method_help and "humaneval-completion" in task_help
+
+
+def test_version(capsys):
+    from fastprefill import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"fastprefill {__version__}"
+
+
+def test_a_model_that_cannot_be_fetched_is_one_line_and_status_2():
+    env = {"HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "fastprefill.cli", "generate", "hi", "--model", "no-such-org/no-such-model"],
+                         capture_output=True, timeout=300, check=False,
+                         env={**os.environ, **env, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    lines = [ln for ln in out.stderr.decode().splitlines() if ln.strip()]
+    assert out.returncode == 2, out.stderr.decode()
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert all(hint in lines[0] for hint in ("no-such-org/no-such-model", "HF_HUB_OFFLINE=1", "local model folder",
+                                             zoo.DEFAULT_MODEL))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("warm", [True, False])
+def test_generate_times_after_an_untimed_warm_up(capsys, monkeypatch, smollm2, warm):
+    from fastprefill import engine
+
+    calls: list[tuple[str, int]] = []
+    real_generate, real_stream = engine.generate, engine.stream
+
+    def spy_generate(model, tok, prompt, method=None, max_new_tokens=64, **kw):
+        calls.append(("generate", max_new_tokens))
+        return real_generate(model, tok, prompt, method, max_new_tokens, **kw)
+
+    def spy_stream(model, tok, prompt, method=None, max_new_tokens=64, **kw):
+        calls.append(("stream", max_new_tokens))
+        return real_stream(model, tok, prompt, method, max_new_tokens, **kw)
+
+    monkeypatch.setattr(engine, "generate", spy_generate)
+    monkeypatch.setattr(engine, "stream", spy_stream)
+    argv = ["generate", "What is 2+2?", "--max-new-tokens", "3", "--threads", "1", "--method", "lazyllm"]
+    assert main(argv + ([] if warm else ["--no-warmup"])) == 0
+    err = capsys.readouterr().err
+    if warm:  # the warm-up runs the same method (one token, untimed) before the timed stream
+        assert calls[0] == ("generate", 1) and calls[-1] == ("stream", 3)
+        assert [c for c in calls if c[0] == "generate"] == [("generate", 1)]
+        assert "excludes an untimed warm-up run of" in err
+    else:
+        assert calls == [("stream", 3)] and "includes one-time start-up costs" in err
+
+
+@pytest.mark.integration
+def test_generate_json_reports_the_warm_up_apart(capsys):
+    assert main(["generate", "--json", "--max-new-tokens", "2", "--threads", "1", "Hi"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["warmup_s"] > 0 and got["timing"]["ttft_s"] > 0
+    assert main(["generate", "--json", "--no-warmup", "--max-new-tokens", "2", "--threads", "1", "Hi"]) == 0
+    assert json.loads(capsys.readouterr().out)["warmup_s"] is None
+
+
+def test_spread_is_the_median_and_the_range():
+    from fastprefill.demo import spread
+
+    assert spread([3.0, 1.0, 2.0]) == "2.000 [1.000, 3.000]"
+    assert spread([1.5, 2.5], 2, "x") == "2.00x [1.50, 2.50]"
+
+
+@pytest.mark.integration
+def test_demo_repeats_each_method_after_a_warm_up_and_shows_median_and_range(capsys, monkeypatch, smollm2):
+    """Timings are scripted (a fake engine call) so the table's medians and ranges can be checked."""
+    from types import SimpleNamespace
+
+    from fastprefill import engine
+    from fastprefill.demo import demo_methods
+
+    calls: list[tuple[str, int]] = []
+    ttft = {"FullPrefill": [9.0, 4.0, 6.0, 5.0]}  # per method class: warm-up first, then the timed runs
+
+    def fake_generate(model, tok, ids, method, max_new_tokens=64, **kw):
+        name = type(method).__name__
+        calls.append((name, max_new_tokens))
+        series = ttft.get(name, [9.0, 2.0, 3.0, 2.5])
+        t = series[sum(c[0] == name for c in calls) - 1]
+        timing = SimpleNamespace(ttft_s=t, token_layer_fraction=0.5)
+        return SimpleNamespace(text="Paris", timing=timing)
+
+    monkeypatch.setattr(engine, "generate", fake_generate)
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["demo", "--length", "512", "--repeats", "3", "--procs", "0", "--threads", "1",
+                 "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    model, _ = smollm2
+    n_methods = 1 + len(demo_methods(model, 512))
+    assert len(calls) == 4 * n_methods
+    assert [n for _, n in calls[:n_methods]] == [1] * n_methods  # one warm-up run each, first
+    assert [n for _, n in calls[n_methods:2 * n_methods]] == [5] * n_methods  # the first timed run answers
+    assert "median and range of 3 runs" in out
+    assert "5.000 [4.000, 6.000]" in out  # full prefill: the warm-up's 9.0 is not counted
+    assert "2.500 [2.000, 3.000]" in out and "2.00x [2.00, 2.00]" in out  # ratios 2.0, 2.0, 2.0

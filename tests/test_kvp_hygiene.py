@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fastprefill.bench.kvp import GATE_V_ERROR, dev_gate, exclude_calibration, l_sweep
-from fastprefill.cli import demo_prefix_layer, main
+from fastprefill.cli import main
+from fastprefill.demo import demo_prefix_layer
 from fastprefill.errors import ConfigError
 from fastprefill.methods.kv_prediction import AuxSpec, KVPrediction, KVPredictor
 from fastprefill.methods.kv_prediction.auxiliary.train import (
@@ -175,7 +176,7 @@ def test_demo_prefix_layer():
 
 
 def test_demo_shows_kv_prediction(tiny_qwen2):
-    from fastprefill.cli import demo_methods
+    from fastprefill.demo import demo_methods
 
     methods = [m for _, m in demo_methods(tiny_qwen2, 64)]
     assert KVPrefix(layer=3) in methods

@@ -113,6 +113,10 @@ def _read_prompt(args: argparse.Namespace) -> bytes:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Answer one prompt. Unless ``--no-warmup``, one untimed run of the same method on the same
+    prompt (one new token) comes first, so the TTFT shown excludes one-time start-up costs."""
+    import time
+
     from fastprefill.distributed.runtime import set_threads
     from fastprefill.engine import generate, stream
     from fastprefill.methods.base import DistributedMethod
@@ -122,44 +126,60 @@ def cmd_generate(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     # --procs/--partition/--timeout reach only the methods that have them (runahead, tsp)
     method = make_method(args.method, {"procs": args.procs, "partition": args.partition, "timeout_s": args.timeout})
+    chat = not args.raw
+    warmup_s = None
     if isinstance(method, DistributedMethod):
-        from fastprefill.distributed.pool import generate_distributed
+        from fastprefill.distributed.pool import RankPool, required_ranks
 
-        result = generate_distributed(
-            args.model, prompt, method, max_new_tokens=args.max_new_tokens, chat=not args.raw,
-            threads_per_rank=args.threads_per_rank, pin=args.pin,
-        )
+        with RankPool(args.model, required_ranks(method), threads_per_rank=args.threads_per_rank, pin=args.pin,
+                      timeout_s=method.timeout_s) as pool:
+            if not args.no_warmup:
+                t0 = time.perf_counter()
+                pool.generate(prompt, method, 1, chat=chat)
+                warmup_s = time.perf_counter() - t0
+            result = pool.generate(prompt, method, args.max_new_tokens, chat=chat)
         t = result.timing
         if args.json:
             _print_json({"model": args.model, "method": method.describe(), "procs": method.procs, "text": result.text,
-                         "token_ids": result.token_ids, "driver_ttft_s": result.ttft_s, "timing": t})
+                         "token_ids": result.token_ids, "driver_ttft_s": result.ttft_s, "warmup_s": warmup_s,
+                         "timing": t})
             return 0
         console.print(result.text, highlight=False, markup=False)
         err_console.print(
             f"[dim]{method.describe()} on {method.procs} ranks: TTFT {result.ttft_s:.3f} s (driver clock, dispatch "
-            f"and all communication included) for {t['prompt_tokens']} prompt tokens[/dim]"
+            f"and all communication included) for {t['prompt_tokens']} prompt tokens; {_warmup_note(warmup_s)}[/dim]"
         )
         return 0
     model, tok = _load(args.model, args.device, args.dtype)
+    if not args.no_warmup:
+        t0 = time.perf_counter()
+        generate(model, tok, prompt, method, 1, chat=chat)
+        warmup_s = time.perf_counter() - t0
     if args.json:
-        res = generate(model, tok, prompt, method, args.max_new_tokens, chat=not args.raw)
+        res = generate(model, tok, prompt, method, args.max_new_tokens, chat=chat)
         _print_json({"model": args.model, "method": res.timing.method, "text": res.text,
-                     "token_ids": res.token_ids, "timing": res.timing.to_dict()})
+                     "token_ids": res.token_ids, "warmup_s": warmup_s, "timing": res.timing.to_dict()})
         return 0
     timing = None
-    for event in stream(model, tok, prompt, method, args.max_new_tokens, chat=not args.raw):
+    for event in stream(model, tok, prompt, method, args.max_new_tokens, chat=chat):
         console.print(event.text, end="", soft_wrap=True, highlight=False, markup=False)
         timing = event.timing
     console.print()
-    _print_timing(timing)
+    _print_timing(timing, warmup_s)
     return 0
 
 
-def _print_timing(timing: Any) -> None:
+def _warmup_note(warmup_s: float | None) -> str:
+    if warmup_s is None:
+        return "no warm-up (--no-warmup): the TTFT includes one-time start-up costs"
+    return f"excludes an untimed warm-up run of {warmup_s:.2f} s"
+
+
+def _print_timing(timing: Any, warmup_s: float | None) -> None:
     dec = f"{1000 * timing.decode_s_per_token:.1f} ms/token" if timing.decode_s_per_token else "—"
     err_console.print(
-        f"[dim]{timing.method}: TTFT {timing.ttft_s:.3f} s for {timing.prompt_tokens} prompt tokens, "
-        f"decode {dec}, token-layers computed {100 * timing.token_layer_fraction:.0f}%, "
+        f"[dim]{timing.method}: TTFT {timing.ttft_s:.3f} s for {timing.prompt_tokens} prompt tokens "
+        f"({_warmup_note(warmup_s)}), decode {dec}, token-layers computed {100 * timing.token_layer_fraction:.0f}%, "
         f"prefill {timing.prefill_flops / 1e9:.1f} GFLOP[/dim]"
     )
 
@@ -208,8 +228,11 @@ def _bench_config(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, key, None)
         if value not in (None, []):
             cfg[key] = value
-    if cfg["name"] is None:
-        cfg["name"] = f"{cfg['model']}_{cfg['task']}"
+    from fastprefill.bench.records import result_name
+
+    # a stem named by --name or the config is used as it is; the default never replaces a file
+    cfg["name"] = result_name(cfg["out"], f"{cfg['model']}_{cfg['task']}", name=cfg["name"],
+                              resume=getattr(args, "resume", False))
     return cfg
 
 
@@ -248,83 +271,13 @@ def _bench_verify(results: str) -> int:
 
 
 # --- demo --------------------------------------------------------------------------------------
-def demo_prefix_layer(num_layers: int) -> int:
-    """The demo's kvp-prefix depth: two thirds of the layers run exactly, rounded up. The demo's
-    choice, so that it runs with no file; not a measured optimum (``benchmarks/kvp_bench.py
-    l-sweep`` measures the trade-off)."""
-    return -(-2 * num_layers // 3)
-
-
-def demo_methods(model: Any, prompt_len: int) -> list[tuple[str, Any]]:
-    """(label, method) pairs the demo runs beside full prefill, the baselines at LazyLLM's budget."""
-    from fastprefill.methods.baselines import matched_baselines
-    from fastprefill.methods.lazyllm import LazyLLM
-    from fastprefill.models.shape import ModelShape
-
-    lazy = LazyLLM(preset="default")
-    baselines = matched_baselines(lazy, ModelShape.from_config(model.config).num_layers, prompt_len)
-    from fastprefill.methods.kv_prediction.prefix import KVPrefix
-
-    layers = ModelShape.from_config(model.config).num_layers
-    return [
-        (f"KV Prediction, kvp-prefix zero-shot, l={demo_prefix_layer(layers)} of {layers}",
-         KVPrefix(layer=demo_prefix_layer(layers))),
-        ("LazyLLM (default preset)", lazy),
-        ("static pruning, same budget", baselines["static"]),
-        ("random drop, same budget", baselines["random"]),
-        ("GemFilter, same budget", baselines["gemfilter"]),
-    ]
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-
-    from fastprefill.data.tasks import get_task
+    from fastprefill.demo import run_demo
     from fastprefill.distributed.runtime import set_threads
-    from fastprefill.engine import generate
-    from fastprefill.methods.full import FullPrefill
 
     set_threads(args.threads)
     model, tok = _load(args.model, args.device, args.dtype)
-    task = get_task("multidoc-qa")
-    sample = task.build(tok, args.length, 1, split="test", seed=args.seed)[0]
-    n = len(sample.input_ids)
-    console.print(f"[bold]Multi-document QA[/bold]: {n} prompt tokens, model {args.model}, {args.threads} threads")
-    console.print(f"Question: {sample.meta.get('question', '?')}   Gold answer: {' | '.join(sample.answers)}")
-    runs: list[tuple[str, Any]] = [("full prefill (reference)", FullPrefill()), *demo_methods(model, n)]
-    table = Table(title="same prompt, greedy, same answer budget (one run each; warm-up excluded)")
-    for col in ("method", "answer", "F1", "TTFT (s)", "speedup", "token-layers"):
-        table.add_column(col)
-    generate(model, tok, sample.input_ids, FullPrefill(), max_new_tokens=2)  # warm-up, not shown
-    base_ttft = 0.0
-    for label, method in runs:
-        res = generate(model, tok, sample.input_ids, method, max_new_tokens=args.max_new_tokens)
-        t = res.timing
-        base_ttft = base_ttft or t.ttft_s
-        f1 = task.score(sample, res.text)["score"]
-        table.add_row(label, " ".join(res.text.split())[:60], f"{100 * f1:.0f}", f"{t.ttft_s:.3f}",
-                      f"{base_ttft / t.ttft_s:.2f}x", f"{100 * t.token_layer_fraction:.0f}%")
-    notes: list[str] = []
-    if args.procs > 1:
-        from fastprefill.distributed.pool import RankPool
-        from fastprefill.methods.registry import make_method
-
-        ra_method = make_method(f"runahead:procs={args.procs},partition=searched")
-        with (console.status(f"KV-Runahead: starting {args.procs} ranks (model loading is not timed) ..."),
-              RankPool(args.model, args.procs, threads_per_rank=max(1, args.threads // args.procs)) as pool):
-            pool.generate(sample.input_ids, ra_method, 2)  # warm-up, not shown
-            ra = pool.generate(sample.input_ids, ra_method, args.max_new_tokens)
-        f1 = task.score(sample, ra.text)["score"]
-        table.add_row(f"KV-Runahead ({args.procs} ranks)", " ".join(ra.text.split())[:60], f"{100 * f1:.0f}",
-                      f"{ra.ttft_s:.3f}", f"{base_ttft / ra.ttft_s:.2f}x", "100%")
-        notes.append("KV-Runahead's TTFT is the driver's clock: dispatch and all communication included.")
-    console.print(table)
-    notes.append("KV Prediction here is kvp-prefix with zero-shot maps at the demo's choice of l (not a measured "
-                 "optimum); calibrated maps: `fastprefill train-kvp --variant prefix --model NAME --layer L --out DIR`, "
-                 "the aux-model variant: `fastprefill train-kvp --help`, then --method kvp:predictor=DIR.")
-    for note in notes:
-        console.print(f"[dim]{note}[/dim]")
-    console.print("[dim]One prompt, one run each: medians over many prompts are in benchmarks/results/.[/dim]")
-    return 0
+    return run_demo(model, tok, args, console)
 
 
 def _distill_prefix(args: argparse.Namespace) -> int:
@@ -459,8 +412,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(registry: Any) -> str:
+    """The names of a registry, comma-separated, for a help text."""
+    return ", ".join(registry)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastprefill", description=__doc__.split("\n\n")[0])
+    from fastprefill import __version__
+    from fastprefill.data.tasks import TASKS
+    from fastprefill.methods.registry import METHODS
+
+    parser = argparse.ArgumentParser(
+        prog="fastprefill", description="Faster time to first token for Hugging Face causal LMs: LazyLLM, "
+        "KV-Runahead and KV Prediction, measured against plain prefill.")
+    parser.add_argument("--version", action="version", version=f"fastprefill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p: argparse.ArgumentParser, default_model: bool = True) -> None:
@@ -479,8 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer a prompt and print its TTFT")
     p.add_argument("prompt", nargs="?", help="the prompt text ('-' or omitted: stdin)")
     p.add_argument("--file", help="read the prompt from this file")
-    p.add_argument("--method", default="full", help="full, lazyllm[:preset=NAME], static, random, kvp:predictor=DIR, kvp-prefix:layer=L, "
-                   "kvp-prefix:predictor=DIR, runahead, tsp")
+    p.add_argument("--method", default="full",
+                   help=f"a method spec NAME[:key=value,...]; NAME is one of {_names(METHODS)} (e.g. "
+                   "lazyllm:preset=default, static:keep=0.5, kvp-prefix:layer=20, kvp:predictor=DIR)")
     p.add_argument("--max-new-tokens", type=_positive, default=64)
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--procs", type=_positive, default=2, help="ranks for --method runahead / tsp")
@@ -490,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", action="store_true", help="pin each rank to its own core (runahead/tsp)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a silent rank is an error")
     p.add_argument("--json", action="store_true", help="print the answer, token ids and timing as one JSON object")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="time the first run (by default an untimed one-token run of the same method comes first)")
     model_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -513,17 +481,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "compare with their committed summaries")
     p.add_argument("--config", help="TOML file with any of: " + ", ".join(BENCH_KEYS))
     p.add_argument("--model")
-    p.add_argument("--task", help="multidoc-qa, singledoc-qa, needle, humaneval")
+    p.add_argument("--task", help=f"one of {_names(TASKS)}")
     p.add_argument("--lengths", nargs="+", help="prompt lengths in tokens")
     p.add_argument("--n", type=_positive, help="samples per length")
-    p.add_argument("--method", dest="methods", action="append", default=[], help="method spec (repeatable)")
+    p.add_argument("--method", dest="methods", action="append", default=[],
+                   help=f"method spec NAME[:key=value,...], NAME one of {_names(METHODS)} (repeatable)")
     p.add_argument("--split", choices=["dev", "test"])
     p.add_argument("--seed", type=int)
     p.add_argument("--threads", type=_threads)
     p.add_argument("--warmup", type=int)
     p.add_argument("--max-new-tokens", type=_positive)
     p.add_argument("--out", help="output directory (default benchmarks/results)")
-    p.add_argument("--name", help="result file stem")
+    p.add_argument("--name", help="result file stem (default <model>_<task>, or <model>_<task>-runN when that "
+                   "exists: a run replaces an existing file only when --name or the config names it)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run's <name>.jsonl")
     p.add_argument("--device")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
@@ -534,6 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=_positive, default=24)
     p.add_argument("--procs", type=int, default=2, help="KV-Runahead ranks (0 or 1 to skip it)")
+    p.add_argument("--repeats", type=_positive, default=3,
+                   help="timed runs per method after one untimed warm-up; the table shows their median and range")
     model_args(p)
     p.set_defaults(func=cmd_demo)
 

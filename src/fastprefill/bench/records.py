@@ -7,7 +7,8 @@ and appends each record as soon as it exists, so an interrupted run keeps what i
 ``resume=True`` continues it, skipping the ``(sample, method)`` pairs already on disk.
 
 Summary files (rows of dicts under a header, or one JSON document) are written with
-:func:`write_rows` and :func:`write_json`, atomically.
+:func:`write_rows` and :func:`write_json`, atomically. :func:`result_name` chooses a run's file
+stem, so that a rerun with default settings never replaces a committed result.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "environment",
     "load_records",
     "read_rows",
+    "result_name",
     "save_records",
     "write_json",
     "write_rows",
@@ -66,6 +68,30 @@ class Record:
     metrics: dict[str, float]
     output: str
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: The files a result stem may own (``<stem><suffix>``).
+RESULT_SUFFIXES = (".jsonl", ".md", ".png", ".json", ".summary.json", ".summary.jsonl")
+
+
+def result_name(out_dir: str | Path, default: str, *, name: str | None = None, resume: bool = False) -> str:
+    """The file stem a benchmark run writes under ``out_dir``.
+
+    A stem the user named (``name``) is taken as it is, and so is ``default`` when resuming: the
+    caller then replaces or continues that file, as it was asked to. Otherwise a run never
+    replaces another run's files: ``default`` if no ``<default><suffix>`` of
+    :data:`RESULT_SUFFIXES` exists in ``out_dir``, else the first free ``<default>-run2``,
+    ``<default>-run3``, ...
+    """
+    if name:
+        return name
+    if resume:
+        return default
+    stem, k = default, 1
+    while any((Path(out_dir) / f"{stem}{suffix}").exists() for suffix in RESULT_SUFFIXES):
+        k += 1
+        stem = f"{default}-run{k}"
+    return stem
 
 
 def command_line() -> str:

@@ -587,20 +587,29 @@ def load(
     Hugging Face id ``owner/name`` (needs the hub).
 
     Raises:
-        ModelNotFoundError: a bare name that is not in the zoo, or a path that is no folder.
+        ModelNotFoundError: a bare name that is not in the zoo, a path that is no folder, or a
+            Hugging Face id that cannot be fetched (offline, or no such model).
         UnsupportedModelError: the model is not a decoder-only causal LM.
         MissingPackageError, ChecksumError: see ``prepare``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = _resolve_source(name_or_path, cache_dir, progress)
-    config = AutoConfig.from_pretrained(source)
-    _check_causal_lm(config, source)
     try:
+        config = AutoConfig.from_pretrained(source)
+        _check_causal_lm(config, source)
         model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as exc:  # hub unreachable, no such id, or files missing: one line, not the hub's traceback
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(
+            f"cannot load model {source!r} ({reason}). Give a zoo name ({', '.join(ZOO)}; see `fastprefill "
+            "models`), a local model folder, or a Hugging Face id that exists; without network, set HF_HUB_OFFLINE=1 "
+            "to use only models already in the Hugging Face cache.") from exc
+    except UnsupportedModelError:
+        raise
     except ValueError as exc:
         raise UnsupportedModelError(f"AutoModelForCausalLM cannot load {source}: {exc}") from exc
-    tokenizer = AutoTokenizer.from_pretrained(source)
     model.to(device)
     model.eval()
     return model, tokenizer
