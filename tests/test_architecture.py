@@ -35,7 +35,7 @@ import pytest
 #: ``fastprefill/__init__.py`` itself. The most specific entry wins (an exact name over a
 #: ``.*`` entry, a longer ``.*`` entry over a shorter one).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors",),
+    ("errors", "text"),
     ("models.shape",),
     ("models.*", "data.*", "distributed", "distributed.runtime"),
     ("cache",),

@@ -191,6 +191,40 @@ def test_chat_whole_and_streamed_equal_the_engine(client, ref):
     assert chunks[-1].usage.fastprefill["method"] == "full"
 
 
+def _split_characters(tok, ids: list[int], text: str) -> set[str]:
+    """Characters of ``text`` that the tokens ``ids`` spread over more than one token: where a
+    prefix of ``ids`` decodes to text ending in U+FFFD that the whole decode has as a real character."""
+    split = set()
+    for k in range(1, len(ids)):
+        prefix = tok.decode(ids[:k], skip_special_tokens=True)
+        whole = len(prefix.rstrip("\ufffd"))
+        if whole < len(prefix) and whole < len(text) and text[whole] != "\ufffd":
+            split.add(text[whole])
+    return split
+
+
+NON_ASCII = [  # (prompt, max_tokens): answers with characters smollm2-135m spreads over tokens
+    ("Напиши одно предложение", 4),
+    ("Reply with three emoji only: 🎉🔥", 6),
+    ("Write the characters 龘 and 𠀀 and 鬱 twice.", 6),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("prompt", "n"), NON_ASCII, ids=["russian", "emoji", "cjk"])
+def test_streamed_non_ascii_text_equals_the_whole_answer(client, ref, smollm2, prompt, n):
+    _, tok = smollm2
+    want = ref(prompt, n)
+    assert _split_characters(tok, want.token_ids, want.text), want.text  # else the test proves nothing
+    whole = client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=n)
+    assert whole.choices[0].message.content == want.text
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=n, stream=True))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == want.text, deltas
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, stream=True)
+    assert "".join(c.choices[0].text for c in text) == ref(prompt, n, chat=False).text
+
+
 @pytest.mark.integration
 def test_per_request_method_in_the_fastprefill_field(client, ref):
     prompt = "The three primary colours are"

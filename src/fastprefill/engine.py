@@ -24,6 +24,7 @@ from fastprefill.errors import ConfigError, PromptError
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import check_causal_lm
+from fastprefill.text import IncrementalText
 
 __all__ = [
     "GenerationResult",
@@ -309,7 +310,10 @@ def stream(
 ) -> Iterator[StreamEvent]:
     """Greedy generation as an iterator of :class:`StreamEvent` (one per token).
 
-    The last event carries the :class:`Timing`. See :func:`generate` for the arguments.
+    Each event's ``text`` is the text new since the last event, whole characters only (a
+    character split over tokens comes with the token that completes it, see
+    :class:`~fastprefill.text.IncrementalText`); the texts add up to :func:`generate`'s. The last
+    event carries the :class:`Timing`. See :func:`generate` for the arguments.
     """
     method = method if method is not None else FullPrefill()
     input_ids = prepare_prompt(model, tokenizer, prompt, method, max_new_tokens=max_new_tokens, chat=chat)
@@ -321,11 +325,11 @@ def stream(
     first_logits = out.logits.detach().reshape(-1).to("cpu", torch.float32, copy=True)  # (V,)
     generated = [token]
     decode_time = 0.0
-    prev_text = ""
+    pending = IncrementalText()  # deltas hold back a character split over tokens
     with torch.inference_mode():
         while True:
             text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
-            delta, prev_text = text[len(prev_text):], text
+            delta = pending.push(text)
             done = token in eos or len(generated) >= max_new_tokens or (stop is not None and stop(text))
             if done:
                 break
@@ -347,7 +351,7 @@ def stream(
             stats=out.stats,
             decode_extra=dict(method.decode_stats(out.state)),
         )
-        yield StreamEvent(token, delta, len(generated) - 1, timing, first_logits)
+        yield StreamEvent(token, delta + pending.flush(), len(generated) - 1, timing, first_logits)
 
 
 def generate(
