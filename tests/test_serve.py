@@ -167,6 +167,29 @@ def test_a_multi_rank_default_method_is_refused_at_start(tiny_llama):
     assert MethodTable(tiny_llama, "gemfilter:keep=0.5,select_layer=1", ()).get(None)[0] == "gemfilter"
 
 
+def test_cheap_malformed_bodies_are_400s_with_a_clear_message():
+    def refused(body: bytes) -> APIError:
+        with pytest.raises(APIError) as info:
+            req = parse_request(body, CompletionRequest)
+            req.check_greedy()
+            req.single_prompt(49152)
+        assert info.value.status == 400
+        return info.value
+
+    deep = b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert "nested too deeply" in refused(deep).message
+    assert "nested too deeply" in refused(b"[" * 100_000).message
+    assert "not valid JSON" in refused(b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}").message
+    huge = refused(b'{"model": "m", "prompt": [1, %d]}' % 2**70)
+    assert huge.param == "prompt" and "prompt ids must lie in [0, 49152)" in huge.message
+    assert "[0, 49152)" in refused(b'{"model": "m", "prompt": [[5, -1]]}').message
+    for field, value in (("temperature", b"NaN"), ("temperature", b"Infinity"), ("top_p", b"NaN"),
+                         ("presence_penalty", b"-Infinity")):
+        err = refused(b'{"model": "m", "prompt": "x", "%s": %s}' % (field.encode(), value))
+        assert err.param == field and "finite number" in err.message, err.message
+    assert parse_request(b'{"model": "m", "prompt": [1, 2]}', CompletionRequest).single_prompt(3) == [1, 2]
+
+
 # --- integration -------------------------------------------------------------------------------
 @pytest.mark.integration
 def test_chat_whole_and_streamed_equal_the_engine(client, ref):
