@@ -38,7 +38,7 @@ import pytest
 #: ``fastprefill/__init__.py`` itself. The most specific entry wins (an exact name over a
 #: ``.*`` entry, a longer ``.*`` entry over a shorter one).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors",),
+    ("errors", "text"),
     ("models.shape",),
     ("models.*", "data.*", "distributed", "distributed.runtime"),
     ("cache", "prefix_cache"),
@@ -60,7 +60,9 @@ MAX_LINES = 600
 #: Modules over :data:`MAX_LINES` today, tolerated while they are being split (paths under
 #: ``src/fastprefill``). One that is short enough must be removed from here (the test says so).
 LONG_MODULES: frozenset[str] = frozenset({
+    "cli.py",  # being split
     "models/zoo.py",  # being split
+    "serve/app.py",  # being split
 })
 
 # --------------------------------------------------------------------------- the graph

@@ -415,8 +415,8 @@ def test_launch_local_pool_json(capsys, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--method", "full", "--procs", "2"], "runs on 1 rank(s), but --procs is 2"),
-        (["--method", "runahead:procs=3", "--procs", "2"], "runs on 3 rank(s), but --procs is 2"),
+        (["--method", "full", "--procs", "2"], "runs on one process, but --procs is 2"),
+        (["--method", "runahead:procs=3", "--procs", "2"], "needs procs=3 ranks, but --procs is 2"),
         (["--method", "lazy"], "unknown method"),
         (["--device", "cuda"], "runs on CPU"),
         (["--prompt-ids", "1 x"], "--prompt-ids"),
@@ -429,6 +429,24 @@ def test_launch_refuses_bad_arguments_before_starting(capsys, argv, match):
         base[argv[i]] = argv[i + 1]
     assert launch.main([x for kv in base.items() for x in kv]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_launch_under_torchrun_checks_every_method_before_any_work(capsys, monkeypatch):
+    """``--method runahead --method full`` on 2 ranks: full is refused (exit 2) before the
+    process group, the model or the first method's run."""
+    def no_work(*_, **__):
+        raise AssertionError("work started before every method was checked")
+
+    for name in ("init_group", "use_loopback", "set_threads"):
+        monkeypatch.setattr(launch, name, no_work)
+    monkeypatch.setattr("fastprefill.models.load", no_work)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    argv = ["--model", "random:llama", "--prompt-ids", "1 2 3", "--method", "runahead", "--method", "full"]
+    assert launch.main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "full runs on one process, but torchrun started 2 ranks" in out.err
 
 
 # --- the real model ---------------------------------------------------------------------------------

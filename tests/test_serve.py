@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+import unicodedata
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,12 +24,17 @@ from urllib.parse import urlparse
 
 import openai
 import pytest
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
+from fastprefill.distributed.runtime import free_port
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
-from fastprefill.methods.registry import make_method
+from fastprefill.methods.base import DistributedMethod
+from fastprefill.methods.registry import METHODS, make_method
 from fastprefill.serve import ServeConfig, background, create_app
+from fastprefill.serve.app import EXIT_GRACE_S, MULTI_RANK_METHODS, PER_REQUEST_METHODS
+from fastprefill.serve.limits import NFC_MERGE, NFKC_MERGE, longest_token_chars, prompt_char_limit
 from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_request, prompt_bytes
 from fastprefill.serve.worker import StopText
 
@@ -36,11 +47,15 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _http(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict | str]:
+def _http(url: str, method: str, path: str, body: bytes | Iterator[bytes] | None = None,
+          headers: dict[str, str] | None = None) -> tuple[int, dict | str]:
+    """``(status, JSON body or text)``; a ``body`` iterator is sent chunked (no Content-Length)."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
     try:
-        conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+        conn.request(method, path, body=body, headers={**({"Content-Type": "application/json"} if body else {}),
+                                                       **(headers or {})},
+                     encode_chunked=body is not None and not isinstance(body, bytes))
         resp = conn.getresponse()
         raw = resp.read().decode()
         ctype = resp.getheader("Content-Type", "")
@@ -95,11 +110,17 @@ def ref(smollm2):
 
 
 @pytest.fixture(scope="module")
-def served(smollm2) -> Iterator[str]:
-    """The main server: default method full, a queue of 32, a generous timeout."""
+def served_app(smollm2) -> FastAPI:
+    """The main server's app: default method full, a queue of 32, a generous timeout, the
+    default limits."""
     model, tok = smollm2
-    app = create_app(model, tok, ServeConfig(MODEL, queue_size=32, timeout_s=600))
-    with background(app) as url:
+    return create_app(model, tok, ServeConfig(MODEL, queue_size=32, timeout_s=600))
+
+
+@pytest.fixture(scope="module")
+def served(served_app) -> Iterator[str]:
+    """The main server's URL."""
+    with background(served_app) as url:
         yield url
 
 
@@ -153,9 +174,67 @@ def test_prompt_bytes_keeps_invalid_input_invalid():
 
 
 def test_serve_config_refuses_bad_limits():
-    for bad in ({"queue_size": 0}, {"timeout_s": 0}, {"max_tokens": True}):
+    for bad in ({"queue_size": 0}, {"timeout_s": 0}, {"max_tokens": True}, {"max_body_mb": 0},
+                {"max_body_mb": math.inf}, {"drain_timeout_s": -1}, {"drain_timeout_s": math.nan}):
         with pytest.raises(ConfigError):
             ServeConfig(MODEL, **bad)
+    assert ServeConfig(MODEL, max_body_mb=0.5, drain_timeout_s=0).max_body_bytes == 2**19
+
+
+def test_cheap_malformed_bodies_are_400s_with_a_clear_message():
+    def refused(body: bytes) -> APIError:
+        with pytest.raises(APIError) as info:
+            req = parse_request(body, CompletionRequest)
+            req.check_greedy()
+            req.single_prompt(49152)
+        assert info.value.status == 400
+        return info.value
+
+    deep = b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert "nested too deeply" in refused(deep).message
+    assert "nested too deeply" in refused(b"[" * 100_000).message
+    assert "not valid JSON" in refused(b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}").message
+    huge = refused(b'{"model": "m", "prompt": [1, %d]}' % 2**70)
+    assert huge.param == "prompt" and "prompt ids must lie in [0, 49152)" in huge.message
+    assert "[0, 49152)" in refused(b'{"model": "m", "prompt": [[5, -1]]}').message
+    for field, value in (("temperature", b"NaN"), ("temperature", b"Infinity"), ("top_p", b"NaN"),
+                         ("presence_penalty", b"-Infinity")):
+        err = refused(b'{"model": "m", "prompt": "x", "%s": %s}' % (field.encode(), value))
+        assert err.param == field and "finite number" in err.message, err.message
+    assert parse_request(b'{"model": "m", "prompt": [1, 2]}', CompletionRequest).single_prompt(3) == [1, 2]
+
+
+def test_the_multi_rank_methods_are_the_distributed_ones():
+    assert MULTI_RANK_METHODS <= set(METHODS) and not MULTI_RANK_METHODS & PER_REQUEST_METHODS
+    assert all(isinstance(make_method(name), DistributedMethod) for name in MULTI_RANK_METHODS)
+    assert not any(isinstance(make_method(name), DistributedMethod) for name in PER_REQUEST_METHODS)
+
+
+def test_the_merge_factors_are_the_longest_unicode_decompositions():
+    chars = [chr(c) for c in range(sys.maxunicode + 1) if not 0xD800 <= c < 0xE000]
+    assert max(len(unicodedata.normalize("NFD", c)) for c in chars) == NFC_MERGE
+    assert max(len(unicodedata.normalize("NFKD", c)) for c in chars) == NFKC_MERGE
+
+
+def test_tokenizers_that_drop_or_fuse_text_get_no_character_bound():
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
+    from tokenizers.models import BPE, WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    def fast(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+    vocab = {"[UNK]": 0, "a": 1, "ab": 2, "b": 3}
+    words = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()  # drops spaces: "a" + a million spaces is 1 token
+    assert longest_token_chars(fast(words)) is None
+    byte_bpe = Tokenizer(BPE(vocab, [("a", "b")], byte_fallback=True))
+    assert longest_token_chars(fast(byte_bpe)) == 5  # "[UNK]"
+    byte_bpe.normalizer = normalizers.NFKC()
+    assert longest_token_chars(fast(byte_bpe)) == 5 * NFKC_MERGE
+    byte_bpe.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.StripAccents()])
+    assert longest_token_chars(fast(byte_bpe)) is None  # "a" + any number of combining marks is "a"
+    assert longest_token_chars(fast(Tokenizer(BPE(vocab, [("a", "b")], unk_token="[UNK]", fuse_unk=True)))) is None
 
 
 def test_a_multi_rank_default_method_is_refused_at_start(tiny_llama):
@@ -165,6 +244,71 @@ def test_a_multi_rank_default_method_is_refused_at_start(tiny_llama):
         with pytest.raises(ConfigError, match="several ranks"):
             MethodTable(tiny_llama, spec, ())
     assert MethodTable(tiny_llama, "gemfilter:keep=0.5,select_layer=1", ()).get(None)[0] == "gemfilter"
+
+
+def test_a_closed_worker_fails_the_waiting_jobs_and_refuses_new_ones():
+    import asyncio
+
+    import torch
+
+    from fastprefill.serve.metrics import ServeMetrics
+    from fastprefill.serve.worker import Failed, Job, Worker
+
+    metrics = ServeMetrics()
+    worker = Worker(None, None, metrics, capacity=2)  # never started: the jobs stay queued
+    loop = asyncio.new_event_loop()
+    try:
+        def job() -> Job:
+            return Job(torch.tensor([[1, 2]]), make_method("full"), "full", 4, (), False, False, 0.0, 1e9,
+                       metrics, loop)
+
+        waiting = [job(), job()]
+        for j in waiting:
+            worker.submit(j)
+        worker.close(APIError(503, "the server is shutting down", kind="server_error"))
+        loop.run_until_complete(asyncio.sleep(0))  # deliver the posted events
+        for j in waiting:
+            event = j.events.get_nowait()
+            assert isinstance(event, Failed) and event.error.status == 503 and j.cancelled
+        for _ in range(2):  # every later submission, each with an error of its own
+            with pytest.raises(APIError) as info:
+                worker.submit(job())
+            assert info.value.status == 503 and info.value.message == "the server is shutting down"
+    finally:
+        loop.close()
+    samples = {s.labels["outcome"]: s.value for f in text_string_to_metric_families(metrics.render().decode())
+               for s in f.samples if s.name == "fastprefill_requests_total"}
+    assert samples == {"shutting_down": 2.0}
+
+
+ADVERSARIAL = [  # texts that pack many characters into few tokens, or that a normalizer shrinks
+    " " * 5000, "\n" * 5000, "\t" * 3000, "#" * 5000, "-" * 5000, "=" * 5000, "0" * 5000,
+    "e\u0301" * 2000, "\u1100\u1161\u11a8" * 1000, "\u1f82" * 500, "ﬃ" * 1000, "🎉" * 1000, "龘𠀀" * 500,
+    "<|im_start|>" * 300, "the " * 2000,
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_no_text_has_more_characters_than_its_tokens_times_the_bound(name, smollm2):
+    from transformers import AutoTokenizer
+
+    from fastprefill.models import zoo
+
+    if name == MODEL:
+        tok = smollm2[1]
+    elif zoo.is_prepared(name):
+        tok = AutoTokenizer.from_pretrained(str(zoo.entry_dir(name)))
+    else:
+        pytest.skip(f"{name} is not prepared (scripts/setup.sh --models)")
+    longest = longest_token_chars(tok)
+    assert longest is not None and prompt_char_limit(tok, 100) == 100 * longest
+    vocab_longest = max(tok.get_vocab(), key=len)
+    texts = [*ADVERSARIAL, tok.convert_tokens_to_string([vocab_longest]) * 50]
+    for text in texts:
+        n = len(tok(text)["input_ids"])
+        assert len(text) <= n * longest, (text[:20], len(text), n, longest)
+        assert len(tok(text, add_special_tokens=False)["input_ids"]) * longest >= len(text)
 
 
 # --- integration -------------------------------------------------------------------------------
@@ -189,6 +333,40 @@ def test_chat_whole_and_streamed_equal_the_engine(client, ref):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
     assert chunks[-1].usage.fastprefill["method"] == "full"
+
+
+def _split_characters(tok, ids: list[int], text: str) -> set[str]:
+    """Characters of ``text`` that the tokens ``ids`` spread over more than one token: where a
+    prefix of ``ids`` decodes to text ending in U+FFFD that the whole decode has as a real character."""
+    split = set()
+    for k in range(1, len(ids)):
+        prefix = tok.decode(ids[:k], skip_special_tokens=True)
+        whole = len(prefix.rstrip("\ufffd"))
+        if whole < len(prefix) and whole < len(text) and text[whole] != "\ufffd":
+            split.add(text[whole])
+    return split
+
+
+NON_ASCII = [  # (prompt, max_tokens): answers with characters smollm2-135m spreads over tokens
+    ("Напиши одно предложение", 4),
+    ("Reply with three emoji only: 🎉🔥", 6),
+    ("Write the characters 龘 and 𠀀 and 鬱 twice.", 6),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("prompt", "n"), NON_ASCII, ids=["russian", "emoji", "cjk"])
+def test_streamed_non_ascii_text_equals_the_whole_answer(client, ref, smollm2, prompt, n):
+    _, tok = smollm2
+    want = ref(prompt, n)
+    assert _split_characters(tok, want.token_ids, want.text), want.text  # else the test proves nothing
+    whole = client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=n)
+    assert whole.choices[0].message.content == want.text
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=n, stream=True))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == want.text, deltas
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, stream=True)
+    assert "".join(c.choices[0].text for c in text) == ref(prompt, n, chat=False).text
 
 
 @pytest.mark.integration
@@ -248,6 +426,8 @@ BAD = [  # (create kwargs, status, words in the message)
     ({"extra_body": {"fastprefill": {"method": "nosuch"}}}, 400, "unknown method"),
     ({"extra_body": {"fastprefill": {"method": "lazyllm:preset=nosuch"}}}, 400, "preset"),
     ({"extra_body": {"fastprefill": {"method": "kvp:predictor=/tmp"}}}, 400, "--allow-method"),
+    ({"extra_body": {"fastprefill": {"method": "runahead"}}}, 400, "not available in this server"),
+    ({"extra_body": {"fastprefill": {"method": "tsp:procs=2"}}}, 400, "not available in this server"),
     ({"extra_body": {"fastprefill": {"speed": "max"}}}, 400, "unsupported field"),
     ({"messages": _user("")}, 400, "empty"),
     ({"messages": _user("nul \x00 inside")}, 400, "NUL"),
@@ -287,13 +467,213 @@ def test_invalid_utf8_and_broken_bodies_get_400_never_500(served, client, ref):
         (b'', "/v1/chat/completions", "JSON"),
         (b'{"model": "smollm2-135m", "prompt": [1, 2, 99999999]}', "/v1/completions", "prompt ids"),
         (b'{"model": "smollm2-135m", "prompt": ["a", "b"]}', "/v1/completions", "one prompt"),
+        (b'{"model": "smollm2-135m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "/v1/completions",
+         "nested too deeply"),
+        (b'{"model": "smollm2-135m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "/v1/chat/completions",
+         "nested too deeply"),
+        (b'{"model": "smollm2-135m", "prompt": [1, %d]}' % 2**70, "/v1/completions", "prompt ids must lie in"),
+        (b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": ' + b"7" * 5000 + b"}", "/v1/completions",
+         "not valid JSON"),
+        (b'{"model": "smollm2-135m", "prompt": "x", "temperature": NaN}', "/v1/completions", "finite number"),
     ]
+    errors = _metric(served, "fastprefill_requests_total", outcome="error")
+    bad = _metric(served, "fastprefill_requests_total", outcome="bad_request")
     for body, path, words in cases:
         status, answer = _http(served, "POST", path, body)
-        assert status == 400, (body, answer)
-        assert words in answer["error"]["message"], (body, answer)
+        assert status == 400, (body[:80], answer)
+        assert words in answer["error"]["message"], (body[:80], answer)
+    assert _metric(served, "fastprefill_requests_total", outcome="error") == errors
+    assert _metric(served, "fastprefill_requests_total", outcome="bad_request") - bad == len(cases)
     r = client.completions.create(model=MODEL, prompt="café au lait is", max_tokens=3)
     assert r.choices[0].text == ref("café au lait is", 3, chat=False).text
+
+
+@pytest.mark.integration
+def test_multi_rank_methods_are_refused_without_recommending_a_failing_restart(client):
+    for spec in ("runahead", "runahead:procs=2,partition=searched", "tsp"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=1,
+                                      extra_body={"fastprefill": {"method": spec}})
+        message = info.value.body["message"]
+        assert "several processes" in message and "not available in this server" in message, message
+        assert "--allow-method" not in message and "fastprefill.launch" in message
+
+
+@pytest.mark.integration
+def test_models_retrieve_and_unknown_ids(client, served):
+    listed = client.models.list().data[0]
+    got = client.models.retrieve(MODEL)
+    assert got.id == MODEL and got.model_dump() == listed.model_dump()
+    assert got.context_length == 8192
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.body["type"] == "not_found_error" and "not served here" in info.value.body["message"]
+    status, body = _http(served, "GET", "/v1/models/org/" + MODEL)  # ids with a slash are ids, not routes
+    assert status == 404 and body["error"]["param"] == "model"
+
+
+@pytest.mark.integration
+def test_unknown_routes_wrong_methods_and_bad_parameters_answer_in_openai_shape(served, served_app):
+    def openai_error(status: int, body: object, code: int) -> dict:
+        assert status == code, body
+        assert isinstance(body, dict) and set(body) == {"error"}, body
+        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == code
+        return body["error"]
+
+    status, body = _http(served, "GET", "/v1/nope")
+    assert "no such route" in openai_error(status, body, 404)["message"]
+    assert "POST /v1/chat/completions" in body["error"]["message"]
+    status, body = _http(served, "POST", "/v2/chat/completions", b"{}")
+    openai_error(status, body, 404)
+    u = urlparse(served)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    try:
+        conn.request("GET", "/v1/chat/completions")
+        resp = conn.getresponse()
+        error = openai_error(resp.status, json.loads(resp.read()), 405)
+        assert resp.getheader("Allow") == "POST" and "use POST" in error["message"]
+    finally:
+        conn.close()
+
+    @served_app.get("/v1/probe/{n}")  # a typed path parameter: FastAPI's own validation
+    async def probe(n: int) -> dict:
+        return {"n": n}
+
+    assert _http(served, "GET", "/v1/probe/3") == (200, {"n": 3})
+    status, body = _http(served, "GET", "/v1/probe/three")
+    assert "integer" in openai_error(status, body, 400)["message"]
+
+
+@pytest.mark.integration
+def test_an_unexpected_failure_is_a_counted_500_in_openai_shape(client, served, served_app, monkeypatch):
+    server = served_app.state.server
+
+    def broken(*_):
+        raise RuntimeError("a bug")
+
+    errors = _metric(served, "fastprefill_requests_total", outcome="error")
+    monkeypatch.setattr(server, "prompt_ids", broken)
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=stream)
+        assert info.value.body == {"message": "internal error (RuntimeError); the server log has the details",
+                                   "type": "server_error", "param": None, "code": 500}
+    assert _metric(served, "fastprefill_requests_total", outcome="error", method="full") - errors == 2
+    monkeypatch.setattr(server, "health", broken)  # outside the completion routes too
+    status, body = _http(served, "GET", "/health")
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert _metric(served, "fastprefill_requests_total", outcome="error") - errors == 3
+    monkeypatch.undo()
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices[0].finish_reason == "length"
+
+
+@pytest.mark.integration
+def test_metrics_report_decode_seconds_per_token_by_method(client, served):
+    name = "fastprefill_decode_seconds_per_token"
+    before = {m: (_metric(served, name + "_count", method=m), _metric(served, name + "_sum", method=m))
+              for m in ("full", "lazyllm")}
+    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4,
+                                  extra_body={"fastprefill": {"method": LAZY, "ignore_eos": True}})
+    per_token = r.usage.fastprefill["decode_s_per_token"]
+    assert per_token > 0
+    assert _metric(served, name + "_count", method="lazyllm") - before["lazyllm"][0] == 1
+    assert _metric(served, name + "_sum", method="lazyllm") - before["lazyllm"][1] == pytest.approx(per_token)
+    assert _metric(served, name + "_count", method="full") == before["full"][0]  # the other method's untouched
+
+
+@pytest.mark.integration
+def test_a_10mb_prompt_is_refused_at_once_while_a_small_request_is_answered(client, served, ref):
+    too_large = _metric(served, "fastprefill_requests_total", outcome="too_large")
+    refused: list = []
+
+    def huge() -> None:
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as info:
+            _client(served).completions.create(model=MODEL, prompt="word " * (2 * 2**20), max_tokens=1)
+        refused.append((time.monotonic() - t0, info.value))
+
+    thread = threading.Thread(target=huge)
+    thread.start()
+    small = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=2)
+    thread.join(60)
+    assert small.choices[0].text == ref("The sky is", 2, chat=False).text
+    (seconds, err), = refused
+    assert err.status_code == 413 and "--max-body-mb" in err.body["message"] and seconds < 1.0, (seconds, err)
+    assert _metric(served, "fastprefill_requests_total", outcome="too_large") - too_large == 1
+
+
+@pytest.mark.integration
+def test_the_body_limit_holds_for_chunked_uploads_and_passes_what_fits(smollm2, ref):
+    model, tok = smollm2
+    with background(create_app(model, tok, ServeConfig(MODEL, max_body_mb=0.25))) as url:
+        over = [b'{"model": "smollm2-135m", "prompt": "', *[b"x" * 65536] * 5, b'"}']
+        status, body = _http(url, "POST", "/v1/completions", iter(over))  # no Content-Length: counted as it comes
+        assert status == 413 and "262144 bytes" in body["error"]["message"], body
+        status, body = _http(url, "POST", "/v1/completions", b"".join(over))
+        assert status == 413 and body["error"]["type"] == "invalid_request_error"
+        fits = [b'{"model": "smollm2-135m", ', b'"prompt": "The sky is", ', b'"max_tokens": 2}']
+        status, body = _http(url, "POST", "/v1/completions", iter(fits))
+        assert status == 200 and body["choices"][0]["text"] == ref("The sky is", 2, chat=False).text
+        assert _metric(url, "fastprefill_requests_total", outcome="too_large") == 2
+
+
+@pytest.mark.integration
+def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, served, served_app, monkeypatch):
+    import fastprefill.serve.app as app_module
+
+    limit = served_app.state.server.max_prompt_chars
+    assert limit is not None and limit < 2**20
+    real = app_module.prepare_prompt
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "prepare_prompt", counted)
+    over = "a" * (limit + 1)
+    for send in (lambda: client.completions.create(model=MODEL, prompt=over, max_tokens=1),
+                 lambda: client.chat.completions.create(model=MODEL, messages=_user(over), max_tokens=1),
+                 lambda: client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+                     {"role": "system", "content": "Be brief."}, {"role": "user", "content": over}])):
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as info:
+            send()
+        assert "characters" in info.value.body["message"] and time.monotonic() - t0 < 1.0, info.value.body
+    assert calls == []  # refused on the character count alone
+    with pytest.raises(openai.BadRequestError, match="exceeds the model's context"):  # under the bound: tokenized
+        client.completions.create(model=MODEL, prompt="a " * 9000, max_tokens=1)
+    assert calls
+
+
+@pytest.mark.integration
+def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref, monkeypatch):
+    import fastprefill.serve.app as app_module
+
+    real = app_module.prepare_prompt
+    slow_started = threading.Event()
+
+    def slow_for_long_prompts(model, tok, prompt, *args, **kwargs):
+        if len(prompt) > 10_000:  # stands for a tokenization that takes seconds
+            slow_started.set()
+            time.sleep(4)
+        return real(model, tok, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(app_module, "prepare_prompt", slow_for_long_prompts)
+    long_done = threading.Event()
+
+    def long_request() -> None:
+        with pytest.raises(openai.BadRequestError):
+            _client(served).completions.create(model=MODEL, prompt="a " * 20_000, max_tokens=1)
+        long_done.set()
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert slow_started.wait(60)
+    small = [client.completions.create(model=MODEL, prompt="The sky is", max_tokens=2) for _ in range(2)]
+    assert not long_done.is_set()  # answered while the long one was still being checked
+    thread.join(60)
+    assert long_done.is_set() and all(r.choices[0].text == ref("The sky is", 2, chat=False).text for r in small)
 
 
 @pytest.mark.integration
@@ -403,6 +783,84 @@ def test_a_request_over_its_timeout_gets_504_and_the_generation_stops(smollm2):
         _wait(url, _idle)
         assert _metric(url, "fastprefill_requests_total", outcome="timeout") == 2
         assert _metric(url, "fastprefill_completion_tokens_total") < 1000
+
+
+def _sse_data(resp: http.client.HTTPResponse) -> Iterator[str]:
+    """The ``data:`` payloads of a server-sent event stream, as they arrive."""
+    while line := resp.readline():
+        text = line.decode().strip()
+        if text.startswith("data: "):
+            yield text[len("data: "):]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_sigterm_drains_the_stream_answers_the_waiting_and_exits_in_time(tmp_path):
+    drain_s, n = 3.0, 1000
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "fastprefill.cli", "serve", "--port", str(port), "--threads", "1",
+                             "--queue", "2", "--drain-timeout", str(drain_s), "--log-level", "warning"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if _http(url, "GET", "/health")[0] == 200:
+                    break
+            except ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.5)
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps({
+            "model": MODEL, "prompt": "Tell me a long story.", "max_tokens": n, "stream": True,
+            "stream_options": {"include_usage": True}, "fastprefill": {"ignore_eos": True}}).encode(),
+            headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        events = _sse_data(resp)
+        first = json.loads(next(events))
+        assert first["choices"][0]["text"] is not None  # generating now
+        waiting: list = []
+        body = json.dumps({"model": MODEL, "prompt": "Say hello.", "max_tokens": 3}).encode()
+        waiter = threading.Thread(target=lambda: waiting.append(_http(url, "POST", "/v1/completions", body)))
+        waiter.start()
+        _wait(url, lambda h: h["queue"]["waiting"] == 1)
+
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        waiter.join(30)
+        (status, answer), = waiting
+        assert status == 503 and "shutting down" in answer["error"]["message"], answer
+        status, answer = _http(url, "POST", "/v1/completions", body)  # a new request while the stream drains
+        assert status == 503 and "shutting down" in answer["error"]["message"], answer
+        status, health = _http(url, "GET", "/health")
+        assert status == 503 and health["status"] == "draining"
+
+        rest = list(events)
+        conn.close()
+        assert rest and rest[-1] == "[DONE]", rest[-3:]
+        last = json.loads(rest[-2])
+        if "error" in last:  # cut at the drain timeout: an error event, then [DONE]
+            assert last["error"]["code"] == 503 and "shut down before" in last["error"]["message"]
+        else:  # or finished in time: every token
+            assert last["usage"]["completion_tokens"] == n
+        proc.wait(drain_s + EXIT_GRACE_S)
+        exited = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    output = (tmp_path / "server.log").read_text()
+    assert proc.returncode == 0, output
+    assert exited <= drain_s + EXIT_GRACE_S and "Traceback" not in output, (exited, output)
 
 
 def test_load_benchmark_summary_counts_overhead_and_throughput(load_bench):

@@ -190,7 +190,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fastprefill.serve import ServeConfig, create_app, run
 
     config = ServeConfig(model_name=args.model, method=args.method, allow_methods=tuple(args.allow_method),
-                         queue_size=args.queue, timeout_s=args.timeout, max_tokens=args.max_tokens)
+                         queue_size=args.queue, timeout_s=args.timeout, max_tokens=args.max_tokens,
+                         max_body_mb=args.max_body_mb, drain_timeout_s=args.drain_timeout)
     set_threads(args.threads)
     model, tok = _load(args.model, args.device, args.dtype)
     app = create_app(model, tok, config)
@@ -199,7 +200,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         err_console.print(f"[yellow]warning:[/yellow] listening on {args.host}: the server has no authentication")
     err_console.print(f"serving {args.model} ({app.state.server.health()['method']}) at http://{args.host}:{args.port}/v1"
-                      f"; queue {args.queue}, timeout {args.timeout:g} s, {args.threads} threads", highlight=False)
+                      f"; queue {args.queue}, timeout {args.timeout:g} s, bodies up to {args.max_body_mb:g} MiB, "
+                      f"drain {args.drain_timeout:g} s on SIGTERM, {args.threads} threads", highlight=False)
     run(app, args.host, args.port, log_level=args.log_level)
     return 0
 
@@ -471,6 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", type=_positive, default=16, help="requests that may wait while one generates")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queue wait included")
     p.add_argument("--max-tokens", type=_positive, default=256, help="tokens when a request gives no max_tokens")
+    p.add_argument("--max-body-mb", type=float, default=8.0,
+                   help="largest request body in MiB; a larger one is refused with 413 before it is read")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT: refuse new requests (503), answer waiting ones 503, let the running "
+                        "generation go on for up to S seconds (then end it with an error), and exit; a second "
+                        "signal exits at once")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     model_args(p)
     p.set_defaults(func=cmd_serve)

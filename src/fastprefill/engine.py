@@ -25,6 +25,7 @@ from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import check_causal_lm
 from fastprefill.prefix_cache import PrefixCache
+from fastprefill.text import IncrementalText
 
 __all__ = [
     "GenerationResult",
@@ -367,7 +368,10 @@ def stream(
 ) -> Iterator[StreamEvent]:
     """Greedy generation as an iterator of :class:`StreamEvent` (one per token).
 
-    The last event carries the :class:`Timing`. See :func:`generate` for the arguments.
+    Each event's ``text`` is the text new since the last event, whole characters only (a
+    character split over tokens comes with the token that completes it, see
+    :class:`~fastprefill.text.IncrementalText`); the texts add up to :func:`generate`'s. The last
+    event carries the :class:`Timing`. See :func:`generate` for the arguments.
     """
     method = method if method is not None else FullPrefill()
     input_ids = prepare_prompt(model, tokenizer, prompt, method, max_new_tokens=max_new_tokens, chat=chat)
@@ -382,11 +386,11 @@ def stream(
     decoder = decoder_for(model, out)
     generated = [token]
     decode_time = 0.0
-    prev_text = ""
+    pending = IncrementalText()  # deltas hold back a character split over tokens
     with torch.inference_mode():
         while True:
             text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
-            delta, prev_text = text[len(prev_text):], text
+            delta = pending.push(text)
             done = token in eos or len(generated) >= max_new_tokens or (stop is not None and stop(text))
             if done:
                 break
@@ -423,7 +427,7 @@ def stream(
             prefix_lookup_s=timed.lookup_s,
             prefix_store_s=store_s,
         )
-        yield StreamEvent(token, delta, len(generated) - 1, timing, first_logits)
+        yield StreamEvent(token, delta + pending.flush(), len(generated) - 1, timing, first_logits)
 
 
 def generate(

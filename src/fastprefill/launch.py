@@ -29,6 +29,9 @@ Two ways to run, chosen by the environment:
     on this machine (gloo over 127.0.0.1, CPU only), TTFT measured on the driver.
 
 ``--method`` may be repeated: the methods run in turn on the same ranks, the model loaded once.
+Every method is built and checked against the number of ranks before any work starts, and
+every request is validated before the first one runs, so a bad spec anywhere in the list is
+refused before any answer is printed.
 ``--json`` prints one JSON object per method on stdout (under torchrun, from the last rank only):
 ``first_token_id``, ``token_ids``, ``text``, ``ttft_s`` (with ``ttft_clock``: ``"driver"``
 for the local pool, dispatch included; ``"last rank"`` under torchrun, from the barrier),
@@ -100,10 +103,15 @@ class _Reporter:
             torch.save(self.logits, self.args.save_logits)
 
 
-def _methods(args: argparse.Namespace, procs: int) -> list[Method]:
+def _methods(args: argparse.Namespace, procs: int, group: str) -> list[Method]:
+    """Every ``--method``, built and checked to run on ``procs`` ranks (``group`` names them)."""
+    from fastprefill.distributed.pool import check_ranks
     from fastprefill.methods.registry import make_method
 
-    return [make_method(spec, {"procs": procs, "timeout_s": args.timeout}) for spec in args.method or ["runahead"]]
+    methods = [make_method(spec, {"procs": procs, "timeout_s": args.timeout}) for spec in args.method or ["runahead"]]
+    for method in methods:
+        check_ranks(method, procs, group)
+    return methods
 
 
 def _torchrun(args: argparse.Namespace) -> int:
@@ -115,7 +123,7 @@ def _torchrun(args: argparse.Namespace) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(args.device, local)
-    methods = _methods(args, world)
+    methods = _methods(args, world, f"torchrun started {world} ranks")
     prompt = _prompt(args)
     set_threads(args.threads)
     if device.type == "cuda":
@@ -126,9 +134,9 @@ def _torchrun(args: argparse.Namespace) -> int:
     report = _Reporter(args)
     try:
         model, tok = load(args.model, device=device)
-        for method in methods:
-            req = Request(prompt, method, args.max_new_tokens, args.chat)
-            ids = check_request(model, tok, req, world)
+        requests = [Request(prompt, method, args.max_new_tokens, args.chat) for method in methods]
+        checked = [check_request(model, tok, req, world) for req in requests]  # all, before any runs
+        for method, req, ids in zip(methods, requests, checked, strict=True):
             dist.barrier()  # every rank starts the request together
             out = run_rank(model, tok, rank, world, req, ids)
             if rank == world - 1:
@@ -141,15 +149,12 @@ def _torchrun(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from fastprefill.distributed.pool import RankPool, required_ranks
+    from fastprefill.distributed.pool import RankPool
 
     if args.device not in ("auto", "cpu"):
         raise ConfigError(f"--device {args.device}: the local pool runs on CPU (gloo); use torchrun for CUDA")
-    methods = _methods(args, args.procs)
+    methods = _methods(args, args.procs, f"--procs is {args.procs}")
     prompt = _prompt(args)
-    for method in methods:
-        if required_ranks(method) != args.procs:
-            raise ConfigError(f"{method.describe()} runs on {required_ranks(method)} rank(s), but --procs is {args.procs}")
     report = _Reporter(args)
     with RankPool(args.model, args.procs, threads_per_rank=args.threads, pin=args.pin,
                   timeout_s=args.timeout) as pool:

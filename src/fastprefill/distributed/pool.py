@@ -56,6 +56,7 @@ __all__ = [
     "RankPool",
     "RankPoolError",
     "Request",
+    "check_ranks",
     "check_request",
     "generate_distributed",
     "required_ranks",
@@ -120,6 +121,19 @@ def required_ranks(method: Method) -> int:
     return method.procs if isinstance(method, DistributedMethod) else 1
 
 
+def check_ranks(method: Method, world: int, group: str) -> None:
+    """Refuse ``method`` unless it runs on ``world`` ranks; ``group`` says what has ``world``
+    ranks, for the message (``"this group has 2"``).
+
+    Raises:
+        ConfigError: ``required_ranks(method) != world``.
+    """
+    need = required_ranks(method)
+    if need != world:
+        what = f"needs procs={need} ranks" if isinstance(method, DistributedMethod) else "runs on one process"
+        raise ConfigError(f"{method.describe()} {what}, but {group}")
+
+
 def check_request(model: Any, tokenizer: Any, request: Request, world: int) -> torch.Tensor:
     """Validate ``request`` for a group of ``world`` ranks; return its ``(1, T)`` ids.
 
@@ -135,10 +149,7 @@ def check_request(model: Any, tokenizer: Any, request: Request, world: int) -> t
     method = request.method
     if not isinstance(method, Method):
         raise ConfigError(f"method must be a fastprefill Method, got {type(method).__name__}")
-    need = required_ranks(method)
-    if need != world:
-        what = f"needs procs={need} ranks" if isinstance(method, DistributedMethod) else "runs on one process"
-        raise ConfigError(f"{method.describe()} {what}, but this group has {world}")
+    check_ranks(method, world, f"this group has {world}")
     return prepare_prompt(model, tokenizer, request.prompt, method, max_new_tokens=request.max_new_tokens,
                           chat=request.chat)
 

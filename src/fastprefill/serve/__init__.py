@@ -1,8 +1,10 @@
 """An OpenAI-compatible HTTP server over one model, with the prefill method chosen per request.
 
-``fastprefill serve --model NAME`` runs :func:`create_app` under uvicorn; ``app.py`` holds the
-routes, ``worker.py`` the one generation thread and its bounded queue, ``protocol.py`` the wire
-format, ``metrics.py`` the Prometheus series.
+``fastprefill serve --model NAME`` runs :func:`create_app` under uvicorn (:func:`run`, which
+drains on SIGTERM); ``app.py`` holds the routes, ``worker.py`` the one generation thread and its
+bounded queue, ``protocol.py`` the wire format, ``limits.py`` the body-size and prompt-length
+limits checked before any model work, ``metrics.py`` the Prometheus series. The user's page is
+``docs/serving.md``.
 """
 
 from __future__ import annotations

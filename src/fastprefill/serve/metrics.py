@@ -2,8 +2,9 @@
 can live in one process).
 
 Every series is labelled by ``method``: the registry name of the request's method (``full``,
-``lazyllm``, ...; ``invalid`` when the request named none that exists), a bounded set whatever
-the requests send. The full setting (``lazyllm[four-stage]``) is in each response's usage block.
+``lazyllm``, ...; ``invalid`` when the request named none that exists or was refused before its
+method was known), a bounded set whatever the requests send. The full setting
+(``lazyllm[four-stage]``) is in each response's usage block.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class ServeMetrics:
                                          m, registry=r)
         self.completion_tokens = Counter("fastprefill_completion_tokens",
                                          "tokens generated (stopped generations included)", m, registry=r)
-        self.requests = Counter("fastprefill_requests", "requests by outcome: ok, bad_request, queue_full, "
-                                "timeout, cancelled (client gone), error", [*m, "outcome"], registry=r)
+        self.requests = Counter("fastprefill_requests", "requests by outcome: ok, bad_request, too_large, "
+                                "queue_full, timeout, cancelled (client gone), shutting_down, error",
+                                [*m, "outcome"], registry=r)
         self.waiting = Gauge("fastprefill_queue_waiting", "requests waiting for the worker", registry=r)
         self.busy = Gauge("fastprefill_busy", "1 while the worker generates", registry=r)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,14 +25,16 @@ __all__ = [
     "FastprefillOptions",
     "chunk_body",
     "completion_body",
+    "describe_errors",
     "parse_request",
     "prompt_bytes",
     "sse",
     "usage_block",
 ]
 
-#: HTTP status -> the ``outcome`` label of ``fastprefill_requests_total``.
-OUTCOMES = {400: "bad_request", 404: "bad_request", 429: "queue_full", 504: "timeout", 500: "error"}
+#: HTTP status -> the ``outcome`` label of ``fastprefill_requests_total`` (any other: ``error``).
+OUTCOMES = {400: "bad_request", 404: "bad_request", 413: "too_large", 429: "queue_full", 503: "shutting_down",
+            504: "timeout"}
 
 
 class APIError(Exception):
@@ -109,11 +112,11 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     fastprefill: FastprefillOptions = Field(default_factory=FastprefillOptions)
     # accepted and ignored: decoding is greedy, so a seed changes nothing
@@ -182,19 +185,28 @@ class CompletionRequest(_Common):
         if self.logprobs is not None:
             raise APIError(400, "logprobs: not supported", param="logprobs")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of the request (a list of several prompts is refused)."""
+    def single_prompt(self, vocab_size: int = 2**63) -> str | list[int]:
+        """The one prompt of the request: text, or token ids each in ``[0, vocab_size)`` (by
+        default the int64 range: no larger integer can be a token id).
+
+        Raises:
+            APIError: 400 for a list of several prompts, or an id out of range.
+        """
         p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)) or not p:
-            return p  # type: ignore[return-value]
-        if len(p) != 1:
-            raise APIError(400, f"prompt: one prompt per request, got a list of {len(p)}", param="prompt")
-        return p[0]  # type: ignore[return-value]
+        if not (isinstance(p, str) or (p and isinstance(p[0], int)) or not p):
+            if len(p) != 1:
+                raise APIError(400, f"prompt: one prompt per request, got a list of {len(p)}", param="prompt")
+            p = p[0]
+        if not isinstance(p, str) and p and not 0 <= min(p) <= max(p) < vocab_size:
+            raise APIError(400, f"prompt: prompt ids must lie in [0, {vocab_size}); got {min(p)}..{max(p)}",
+                           param="prompt")
+        return p  # type: ignore[return-value]
 
 
-def _describe(exc: ValidationError) -> str:
+def describe_errors(errors: Sequence[Any]) -> str:
+    """Up to three of pydantic's (or FastAPI's) validation errors as ``"field: problem"`` text."""
     problems = []
-    for err in exc.errors()[:3]:
+    for err in errors[:3]:
         where = ".".join(str(x) for x in err["loc"]) or "body"
         if err["type"] == "extra_forbidden":
             problems.append(f"{where}: unsupported field (this server does not implement it)")
@@ -207,11 +219,14 @@ def parse_request(raw: bytes, schema: type[_Common]) -> _Common:
     """Parse a JSON body into ``schema``.
 
     Raises:
-        APIError: 400 when the body is not a JSON object or does not fit the schema.
+        APIError: 400 when the body is not a JSON object, is nested too deeply for the parser,
+            holds a number too long to convert, or does not fit the schema.
     """
     try:
         data = json.loads(raw.decode("utf-8", "surrogateescape"))
-    except json.JSONDecodeError as exc:
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply to parse; a request needs only a few levels") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit
         raise APIError(400, f"the body is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
@@ -219,7 +234,7 @@ def parse_request(raw: bytes, schema: type[_Common]) -> _Common:
         return schema.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]["loc"]
-        raise APIError(400, _describe(exc), param=str(first[0]) if first else None) from None
+        raise APIError(400, describe_errors(exc.errors()), param=str(first[0]) if first else None) from None
 
 
 # --- responses ---------------------------------------------------------------------------------

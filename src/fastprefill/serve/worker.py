@@ -7,7 +7,10 @@ whose client has gone (:meth:`Job.cancel`) or whose deadline has passed. Events 
 request's event loop with ``call_soon_threadsafe``.
 
 Each job ends with exactly one outcome (:meth:`Job.resolve`: the first caller wins, the HTTP
-side for a timeout or a disconnect, the worker otherwise), counted once in the metrics.
+side for a timeout, a disconnect or a shutdown, the worker otherwise), counted once in the metrics.
+
+:meth:`Worker.close` starts a shutdown: the jobs still waiting fail with its error, later
+submissions are refused with it, and the worker thread ends after the job it is running.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from fastprefill.methods.base import Method
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError
 
-__all__ = ["Failed", "Finished", "Job", "StopText", "Token", "Worker"]
+__all__ = ["Failed", "Finished", "Job", "StopText", "Token", "Worker", "internal_error", "timeout_error"]
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +148,15 @@ class Job:
         self.metrics.requests.labels(self.label, outcome).inc()
         return True
 
+    def fail(self, error: APIError) -> None:
+        """End the job with ``error`` (its outcome label), unless it has an outcome already, and
+        stop its generation at the next token. Safe from any thread."""
+        if self.resolve(error.outcome):
+            self.post(Failed(error))
+        self.cancel()
+
     def post(self, event: Token | Finished | Failed) -> None:
-        """Hand an event to the request's event loop (from the worker thread)."""
+        """Hand an event to the request's event loop (from any thread)."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: the server is shutting down
@@ -164,6 +174,8 @@ class Worker:
         self.capacity = capacity
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=capacity)
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # submit against close
+        self.closed: APIError | None = None
         self.current: Job | None = None
         metrics.watch(lambda: self.waiting, lambda: float(self.current is not None))
 
@@ -175,18 +187,29 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name="fastprefill-worker", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what is queued and running, and wait for the thread to end."""
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
-        if self.current is not None:
-            self.current.cancel()
-        self._queue.put(None)
+    def close(self, error: APIError) -> None:
+        """Refuse new jobs with ``error``, fail the waiting ones with it, and let the thread end
+        after the job it is running (which goes on: see :meth:`Job.fail` to end it)."""
+        with self._lock:
+            if self.closed is not None:
+                return
+            self.closed = error
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.fail(error)
+            self._queue.put_nowait(None)  # the queue is empty and closed: there is room
+
+    def stop(self, error: APIError, timeout: float = 2.0) -> None:
+        """:meth:`close` with ``error``, fail the running job with it too, and wait up to
+        ``timeout`` seconds for the thread to end (it is a daemon: a prefill that cannot be
+        interrupted does not hold the process)."""
+        self.close(error)
+        if (job := self.current) is not None:
+            job.fail(error)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -194,13 +217,17 @@ class Worker:
         """Queue a job.
 
         Raises:
-            APIError: 429 when ``capacity`` jobs are already waiting.
+            APIError: 429 when ``capacity`` jobs are already waiting; the :meth:`close` error
+                once the worker is closed.
         """
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise APIError(429, f"the server is busy: its queue of {self.capacity} is full (one request "
-                                "generates at a time); retry later", kind="rate_limit_error") from None
+        with self._lock:
+            if (closed := self.closed) is not None:
+                raise APIError(closed.status, closed.message, kind=closed.kind, param=closed.param)
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                raise APIError(429, f"the server is busy: its queue of {self.capacity} is full (one request "
+                                    "generates at a time); retry later", kind="rate_limit_error") from None
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -208,13 +235,10 @@ class Worker:
             try:
                 self._execute(job)
             except FastprefillError as exc:  # refused by the engine: the request's fault
-                if job.resolve("bad_request"):
-                    job.post(Failed(APIError(400, str(exc))))
+                job.fail(APIError(400, str(exc)))
             except Exception as exc:  # a failed request must not stop the worker
                 log.exception("generation failed")
-                if job.resolve("error"):
-                    job.post(Failed(APIError(500, f"internal error ({type(exc).__name__}); the server log "
-                                                  "has the details", kind="server_error")))
+                job.fail(internal_error(exc))
             finally:
                 self.current = None
 
@@ -227,8 +251,7 @@ class Worker:
             job.resolve("cancelled")
             return
         if started > job.deadline:
-            if job.resolve("timeout"):
-                job.post(Failed(timeout_error(job.deadline - job.arrived)))
+            job.fail(timeout_error(job.deadline - job.arrived))
             return
         stop = StopText(job.stops)
         ids: list[int] = []
@@ -245,8 +268,7 @@ class Worker:
                 if timing is None and job.cancelled:
                     break
                 if timing is None and time.monotonic() > job.deadline:
-                    if job.resolve("timeout"):
-                        job.post(Failed(timeout_error(job.deadline - job.arrived)))
+                    job.fail(timeout_error(job.deadline - job.arrived))
                     break
         finally:
             events.close()
@@ -267,6 +289,12 @@ class Worker:
             text = stop.cut(self.tokenizer.decode(ids, skip_special_tokens=True))
             reason = "stop" if stop.hit or len(ids) < job.max_tokens else "length"
             job.post(Finished(text, len(ids), reason, timing, queue_wait))
+
+
+def internal_error(exc: BaseException) -> APIError:
+    """The 500 of an unexpected exception (its details go to the server log, not to the client)."""
+    return APIError(500, f"internal error ({type(exc).__name__}); the server log has the details",
+                    kind="server_error")
 
 
 def timeout_error(limit_s: float) -> APIError:

@@ -1,0 +1,45 @@
+"""IncrementalText on a fake byte-level tokenizer: one token per UTF-8 byte, decoded as HF's
+byte-level decoder does (``bytes.decode("utf-8", "replace")``), so every multi-byte character
+is split over tokens."""
+
+from __future__ import annotations
+
+from fastprefill.text import REPLACEMENT, IncrementalText
+
+
+def _stream(data: bytes) -> tuple[list[str], str]:
+    """Push the decode of each prefix of ``data`` (one byte = one token); the deltas and the final decode."""
+    inc = IncrementalText()
+    deltas = [inc.push(data[:k].decode("utf-8", "replace")) for k in range(1, len(data) + 1)]
+    return [*deltas, inc.flush()], data.decode("utf-8", "replace")
+
+
+def test_characters_split_over_tokens_come_whole_and_add_up_to_the_decode():
+    text = "Напиши 🎉 龘 𠀀 ok"
+    deltas, final = _stream(text.encode())
+    assert final == text
+    assert "".join(deltas) == text
+    assert not any(REPLACEMENT in d for d in deltas)
+    assert "🎉" in deltas and "𠀀" in deltas  # each sent once, whole, with its last byte
+    # the naive delta (decode[len(previous decode):]) is what this replaces: it loses characters
+    data, naive, prev = text.encode(), [], ""
+    for k in range(1, len(data) + 1):
+        cur = data[:k].decode("utf-8", "replace")
+        naive.append(cur[len(prev):])
+        prev = cur
+    assert "".join(naive) != text
+
+
+def test_a_sequence_ending_inside_a_character_flushes_the_decoders_replacement():
+    data = "ok 🎉".encode()[:-2]  # cut inside the emoji, as max_tokens may
+    deltas, final = _stream(data)
+    assert final == "ok " + REPLACEMENT
+    assert deltas[-1] == REPLACEMENT and "".join(deltas) == final
+
+
+def test_an_invalid_byte_in_the_middle_passes_through_as_the_final_decode_has_it():
+    data = b"a\x80b\xe4\xb8\xadc"  # a stray continuation byte, then a valid 3-byte character
+    deltas, final = _stream(data)
+    assert final == "a" + REPLACEMENT + "b中c"
+    assert "".join(deltas) == final
+    assert IncrementalText().flush() == ""
