@@ -17,7 +17,7 @@ from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.runahead import KVRunahead
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.adapters import DecoderAdapter, _suffix_causal_sdpa, causal_mask
 from fastprefill.models.random import random_model
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 
@@ -34,10 +34,27 @@ def _shared(base: torch.Tensor, keep: int, total: int, seed: int) -> torch.Tenso
 
 
 # --------------------------------------------------------------------------- exactness (tiny models)
-@pytest.mark.parametrize(("share", "expect_hit"), [(0, 0), (28, 24), (47, 40), (48, 47), (60, 47)])
+@pytest.mark.parametrize("prefix", [1, 5, 16, 30])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_suffix_attention_equals_the_masked_reference(prefix, heads):
+    """A suffix of 16 queries over ``prefix`` cached keys, padded-causal (short prefix) or
+    lower-right masked (long prefix), with and without grouped heads: the explicitly masked SDPA."""
+    h_q, h_kv = heads
+    g = torch.Generator().manual_seed(prefix)
+    q = torch.randn(1, h_q, 16, 8, generator=g)
+    k, v = (torch.randn(1, h_kv, prefix + 16, 8, generator=g) for _ in range(2))
+    pos = torch.arange(prefix + 16)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(h_q // h_kv, 1), v.repeat_interleave(h_q // h_kv, 1),
+        attn_mask=causal_mask(pos[prefix:], pos),
+    ).transpose(1, 2)
+    torch.testing.assert_close(_suffix_causal_sdpa(q, k, v, None), ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("share", "expect_hit"), [(0, 0), (10, 8), (28, 24), (47, 40), (48, 47), (60, 47)])
 def test_full_prefill_over_a_cached_prefix_is_exact(tiny_model, share, expect_hit):
-    """Prompts of 48 tokens sharing 0, 28 (the shared part ends mid-block: the hit is its 3 whole
-    blocks), 47 or all 48 tokens with a cached 48-token prompt, or being a strict prefix of a cached
+    """Prompts of 48 tokens sharing 0, 10 (a short hit: the suffix runs with padded causal
+    attention), 28 (the shared part ends mid-block: the hit is its 3 whole blocks), 47 or all 48 tokens with a cached 48-token prompt, or being a strict prefix of a cached
     64-token one (``share=60``): the logits equal full prefill's, the tokens transformers'
     ``generate``, and only the uncached part is computed (at least the last token)."""
     cache = PrefixCache(64 * MB, block_tokens=8)

@@ -10,6 +10,7 @@ keys and values: the same computation, so the same logits to float rounding.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -17,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput, prefix_length
+from fastprefill.models.adapters import fastprefill_attention, supports_layer_loop
 from fastprefill.models.shape import ModelShape, causal_pairs
 
 
@@ -30,7 +32,10 @@ class FullPrefill(Method):
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
         n, p = int(input_ids.shape[1]), prefix_length(prefix)
         cache = prefix if prefix is not None else DynamicCache(config=model.config)
-        out = model(input_ids=input_ids[:, p:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        # over a cached prefix, the suffix's causal attention without a T x N mask (layer-loop families)
+        scope = fastprefill_attention(model) if p and supports_layer_loop(model.config) else contextlib.nullcontext()
+        with scope:
+            out = model(input_ids=input_ids[:, p:], past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1].float()  # (V,)
         shape = ModelShape.from_config(model.config)
         stats = ComputeStats(

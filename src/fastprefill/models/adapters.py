@@ -80,6 +80,8 @@ def _fastprefill_sdpa(
     scorer: ScoreFn | None = kwargs.pop(SCORER_KWARG, None)
     if dropout == 0.0 and "position_bias" not in kwargs and _gqa_with_shared_mask(query, key, attention_mask):
         out = _gqa_masked_sdpa(query, key, value, attention_mask, scaling)
+    elif attention_mask is None and 1 < query.shape[2] < key.shape[2] and dropout == 0.0 and "position_bias" not in kwargs:
+        out = _suffix_causal_sdpa(query, key, value, scaling)
     else:
         out, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -129,6 +131,44 @@ def _gqa_masked_sdpa(
         )  # (B, H_q, T, d_v)
         return out.transpose(1, 2).contiguous()
     return _packed_gqa_sdpa(query, key, value, attention_mask, scaling)
+
+
+def _suffix_causal_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+) -> torch.Tensor:
+    """Causal attention of the last ``T`` of ``N`` positions: a prompt's suffix over a cached prefix.
+
+    transformers builds no mask for an attention function it does not know, so a model's own
+    forward over a cache of ``P = N - T`` exact tokens arrives here with ``attention_mask=None``
+    and ``T < N``: query row ``t`` may attend keys ``0 .. P + t``. A boolean mask for that costs
+    the fused CPU kernel the whole ``T x N`` rectangle, nearly twice a causal prefill's attention
+    when ``P`` is short (a chat template's system prompt), so such a hit would be slower than no
+    hit. While ``2T > N`` the queries are instead padded at the front with ``P`` zero rows,
+    attended with ``is_causal`` (``N^2 / 2`` pairs, the kernel's skipped upper triangle) and the
+    padding's rows dropped; the kept rows are the same computation. Past that, the lower-right
+    mask is the cheaper one.
+
+    Args:
+        query: ``(B, H_q, T, d)``; key, value: ``(B, H_kv, N, d)``, ``H_q`` a multiple of ``H_kv``.
+
+    Returns:
+        ``(B, T, H_q, d_v)``, the layout transformers' attention functions return.
+    """
+    b, h_q, t, d = query.shape
+    n = key.shape[2]
+    p = n - t
+    if 2 * t > n:
+        padded = torch.cat([query.new_zeros(b, h_q, p, d), query], dim=2)  # (B, H_q, N, d)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            padded, key, value, is_causal=True, scale=scaling, enable_gqa=h_q != key.shape[1]
+        )[:, :, p:]  # (B, H_q, T, d_v)
+        return out.transpose(1, 2).contiguous()
+    positions = torch.arange(n, device=query.device)
+    mask = causal_mask(positions[p:], positions)  # (1, 1, T, N)
+    if h_q != key.shape[1]:
+        return _gqa_masked_sdpa(query, key, value, mask, scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
 
 
 def _packed_gqa_sdpa(
@@ -342,19 +382,28 @@ class DecoderAdapter:
         b, t, _ = merged.shape
         return merged.view(b, t, self.shape.num_kv_heads, self.shape.head_dim).transpose(1, 2)
 
-    @contextlib.contextmanager
-    def attention_scope(self) -> Iterator[None]:
+    def attention_scope(self) -> contextlib.AbstractContextManager[None]:
         """Select the fastprefill attention function on this model, restoring the old one after."""
-        _ensure_registered()
-        configs = {id(m.config): m.config for m in self.model.modules() if hasattr(m, "config")}
-        previous = {key: cfg._attn_implementation for key, cfg in configs.items()}
-        try:
-            for cfg in configs.values():
-                cfg._attn_implementation = ATTENTION_NAME
-            yield
-        finally:
-            for key, cfg in configs.items():
-                cfg._attn_implementation = previous[key]
+        return fastprefill_attention(self.model)
+
+
+@contextlib.contextmanager
+def fastprefill_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Select the fastprefill attention function on ``model``, restoring the old one after.
+
+    Inside, the model's own forward over a cache of exact tokens (no mask given) runs its suffix
+    with :func:`_suffix_causal_sdpa`; plain full prefill uses it for a cached prefix.
+    """
+    _ensure_registered()
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    previous = {key: cfg._attn_implementation for key, cfg in configs.items()}
+    try:
+        for cfg in configs.values():
+            cfg._attn_implementation = ATTENTION_NAME
+        yield
+    finally:
+        for key, cfg in configs.items():
+            cfg._attn_implementation = previous[key]
 
 
 def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
