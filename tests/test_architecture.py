@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("distributed.pool",),
     ("bench.*", "tune"),
-    ("launch", "serve.*", "cli", "demo", "__init__"),
+    ("launch", "serve.*", "cli", "cli.*", "demo", "__init__"),
 )
 
 #: Tolerated violations, each ``"cycle: a, b, ..."`` (the modules of one strongly connected
@@ -60,7 +60,6 @@ MAX_LINES = 600
 #: Modules over :data:`MAX_LINES` today, tolerated while they are being split (paths under
 #: ``src/fastprefill``). One that is short enough must be removed from here (the test says so).
 LONG_MODULES: frozenset[str] = frozenset({
-    "cli.py",  # being split
     "models/zoo.py",  # being split
     "serve/app.py",  # being split
 })

@@ -1,0 +1,41 @@
+"""What every ``fastprefill`` subcommand shares: the two consoles, argument types, model loading."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+
+console = Console(stderr=False, soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+def _threads(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError("--threads must be >= 1")
+    return n
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be an integer >= 1")
+    return n
+
+
+def _load(model: str, device: str, dtype: str):
+    import torch
+
+    from fastprefill.models import zoo
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    with console.status(f"loading {model} ..."):
+        return zoo.load(model, device=device, dtype=torch_dtype)
+
+
+def _print_json(data: Any) -> None:
+    """One JSON document on stdout (plain print: no wrapping, no markup)."""
+    print(json.dumps(data, ensure_ascii=False))
