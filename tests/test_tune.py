@@ -69,6 +69,20 @@ def test_choose_picks_the_fastest_candidate_that_meets_the_bound():
     assert buckets[1].method == "full" and "under 1.1x" in buckets[1].reason
 
 
+def test_explicit_halves_override_the_hash():
+    """Prompts marked ``half`` (choose on one split, report on another) are split as marked: a
+    candidate perfect on the choosing prompts and wrong on every reported one is chosen, and its
+    held-out figure is the reported prompts' 0."""
+    prompts = [TunePrompt(f"p{i}", [1] * 500, "long", "choose" if i < 40 else "report") for i in range(60)]
+    records = [_rec("full", p.id, 1.0, 7) for p in prompts]
+    records += [_rec("c", p.id, 0.5, 7 if p.half == "choose" else 8) for p in prompts]
+    buckets, seen = choose(records, prompts, {"c": "lazyllm:preset=gentle"}, Target("first-token", 0.9), BUCKETS)
+    assert buckets[1].method == "lazyllm:preset=gentle" and buckets[1].n_choose == 40 and buckets[1].n_report == 20
+    assert buckets[1].fidelity == 0.0 and seen["long"][0].n == 40
+    with pytest.raises(ConfigError, match="half"):
+        TunePrompt("x", [1], "long", "train")
+
+
 def test_choose_refuses_too_few_prompts_and_an_unmet_target():
     prompts, records = _workload(20, {"good": 1.0}, {"good": 2.0})
     with pytest.raises(ConfigError, match=r"needs at least 35 there"):
@@ -170,3 +184,14 @@ def test_tune_end_to_end_on_smollm2(tmp_path, smollm2):
     assert out.with_suffix(".png").stat().st_size > 0 and out.with_suffix(".jsonl").exists()
     res = generate(model, tok, "Say hi.", make_method(f"auto:profile={out}"), max_new_tokens=2, chat=True)
     assert res.timing.method  # ran through the profile's choice
+    # another target over the same records: nothing runs again
+    records = out.with_suffix(".jsonl").read_text().splitlines()
+    other = tmp_path / "other.json"
+    code = main(["tune", "--model", "smollm2-135m", "--task", "multidoc-qa", "--lengths", "512", "--n", "12",
+                 "--target", "first-token=0.3", "--only", "--methods", "lazyllm:preset=keep-all",
+                 "lazyllm:preset=cut30k20+snap", "--min-speedup", "0.5", "--threads", "2", "--out", str(other),
+                 "--records", str(out.with_suffix(".jsonl")), "--resume"])
+    assert code == 0 and TuneProfile.load(other).target == Target("first-token", 0.3)
+    assert out.with_suffix(".jsonl").read_text().splitlines() == records
+    assert main(["tune", "--model", "smollm2-135m", "--task", "multidoc-qa", "--split", "dev",
+                 "--report-split", "dev"]) == 2

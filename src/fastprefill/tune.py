@@ -66,11 +66,17 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class TunePrompt:
-    """One prompt: ``id`` (stable; it decides the half), ``input_ids`` and its length bucket."""
+    """One prompt: ``id`` (stable), ``input_ids``, its length bucket, and its half: ``"choose"``,
+    ``"report"``, or ``None`` for the half a stable hash of the id gives (:func:`split_of_prompt`)."""
 
     id: str
     input_ids: list[int]
     bucket: str
+    half: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.half not in (None, "choose", "report"):
+            raise ConfigError(f"prompt {self.id}: half must be 'choose', 'report' or None, not {self.half!r}")
 
 
 @dataclass(frozen=True)
@@ -172,8 +178,10 @@ def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase,
 
 def task_prompts(task_name: str, tokenizer: PreTrainedTokenizerBase, lengths: Sequence[int], n: int,
                  split: str = "dev", seed: int = 0,
-                 buckets: Sequence[tuple[str, int | None]] = DEFAULT_BUCKETS) -> list[TunePrompt]:
-    """``n`` prompts of a packaged task at each of ``lengths`` (the task's own prompt format)."""
+                 buckets: Sequence[tuple[str, int | None]] = DEFAULT_BUCKETS,
+                 half: str | None = None) -> list[TunePrompt]:
+    """``n`` prompts of a packaged task at each of ``lengths`` (the task's own prompt format), all
+    in ``half`` (``None``: halves by hash). Ids are ``<split>:<sample id>@<length>``."""
     from fastprefill.data.tasks import get_task
 
     task = get_task(task_name)
@@ -182,7 +190,7 @@ def task_prompts(task_name: str, tokenizer: PreTrainedTokenizerBase, lengths: Se
         for sample in task.build(tokenizer, length, n, split=split, seed=seed):
             ids = list(sample.input_ids.reshape(-1).tolist()) if isinstance(sample.input_ids, torch.Tensor) \
                 else list(sample.input_ids)
-            out.append(TunePrompt(f"{sample.id}@{length}", ids, bucket_of(len(ids), buckets)))
+            out.append(TunePrompt(f"{split}:{sample.id}@{length}", ids, bucket_of(len(ids), buckets), half))
     return out
 
 
@@ -209,7 +217,8 @@ def measure(records: Sequence[Record], method: str, target: Target) -> Candidate
 def choose(records: Sequence[Record], prompts: Sequence[TunePrompt], methods: Mapping[str, str], target: Target,
            buckets: Sequence[tuple[str, int | None]] = DEFAULT_BUCKETS,
            min_speedup: float = 1.1) -> tuple[list[ProfileBucket], dict[str, list[Candidate]]]:
-    """Pick each bucket's method on the choosing half and measure it on the held-out half.
+    """Pick each bucket's method on the choosing half and measure it on the held-out half (each
+    prompt's ``half``, or halves by hash).
 
     Args:
         records: full prefill and every candidate on every prompt (record ``method`` = the
@@ -226,7 +235,7 @@ def choose(records: Sequence[Record], prompts: Sequence[TunePrompt], methods: Ma
         ConfigError: a bucket with prompts but fewer choosing ones than :func:`min_prompts`; no
             candidate meeting the target in any bucket (the closest is named).
     """
-    half = {p.id: split_of_prompt(p.id) for p in prompts}
+    half = {p.id: p.half or split_of_prompt(p.id) for p in prompts}
     bucket = {p.id: p.bucket for p in prompts}
     need = min_prompts(target)
     out: list[ProfileBucket] = []

@@ -404,7 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=_positive, nargs="+", default=[512, 1024, 2048, 4096],
                    help="--task: prompt lengths in tokens")
     p.add_argument("--n", type=_positive, default=80, help="--task: prompts per length (half choose, half report)")
-    p.add_argument("--split", choices=["dev", "test"], default="dev", help="--task: the split")
+    p.add_argument("--split", choices=["dev", "test"], default="dev",
+                   help="--task: the split (halves by hash, unless --report-split)")
+    p.add_argument("--report-split", choices=["dev", "test"], default=None,
+                   help="--task: choose on all of --split and report on --n prompts per length of this split")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", default="first-token=0.9",
                    help="first-token=S, identical=S (shares of prompts, lower interval end >= S) or kl=X "
@@ -417,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive, default=None,
                    help="tokens per run (default: 1 for first-token and kl targets, 32 for identical)")
     p.add_argument("--out", default="tune-profile.json", help="the profile (records beside it as .jsonl, plot as .png)")
+    p.add_argument("--records", default=None,
+                   help="the records file (default: --out with .jsonl); with --resume, runs already in it are "
+                        "reused, so one set of runs can be tuned for several targets")
     p.add_argument("--resume", action="store_true", help="continue the records of an interrupted tune")
     model_args(p)
     p.set_defaults(func=cmd_tune)

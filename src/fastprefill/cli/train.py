@@ -109,6 +109,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from fastprefill.tune import DEFAULT_CANDIDATES, load_prompts, plot_frontier, task_prompts, tune
 
     target = Target.parse(args.target, args.confidence)
+    if args.report_split and (args.prompts or args.report_split == args.split):
+        raise FastprefillError("--report-split takes a packaged --task and the split --split does not name")
     if (args.prompts is None) == (args.task is None):
         raise FastprefillError("give your prompts with --prompts FILE.jsonl, or a packaged task with --task NAME")
     specs = list(DEFAULT_CANDIDATES if not args.only else []) + list(args.methods or [])
@@ -121,15 +123,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if not method.supports(model.config):
             err_console.print(f"[dim]skipping {spec}: it does not support {model.config.model_type!r}[/dim]")
             del candidates[spec]
-    prompts = (load_prompts(args.prompts, tok) if args.prompts
-               else task_prompts(args.task, tok, args.lengths, args.n, split=args.split, seed=args.seed))
+    if args.prompts:
+        prompts = load_prompts(args.prompts, tok)
+    elif args.report_split:  # choose on one split, report on the other
+        prompts = (task_prompts(args.task, tok, args.lengths, args.n, split=args.split, seed=args.seed, half="choose")
+                   + task_prompts(args.task, tok, args.lengths, args.n, split=args.report_split, seed=args.seed,
+                                  half="report"))
+    else:
+        prompts = task_prompts(args.task, tok, args.lengths, args.n, split=args.split, seed=args.seed)
     out = Path(args.out)
-    records = out.with_suffix(".jsonl")
+    records = Path(args.records) if args.records else out.with_suffix(".jsonl")
     profile, seen = tune(model, tok, args.model, prompts, candidates, {k: k for k in candidates}, target,
                          records_path=records, threads=args.threads, resume=args.resume,
                          max_new_tokens=args.max_new_tokens, min_speedup=args.min_speedup,
-                         meta={"source": args.prompts or f"{args.task} ({args.split}, lengths {args.lengths}, "
-                                                          f"n={args.n})"})
+                         meta={"source": args.prompts or (
+                             f"{args.task} ({args.split} to choose, {args.report_split} to report, lengths "
+                             f"{args.lengths}, n={args.n} per split)" if args.report_split else
+                             f"{args.task} ({args.split}, lengths {args.lengths}, n={args.n})")})
     profile.save(out)
     plot = plot_frontier(seen, profile, out.with_suffix(".png"))
     table = Table(title=f"{args.model}: {target.describe()} ({target.confidence:.0%} interval)")
