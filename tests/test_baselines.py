@@ -17,16 +17,13 @@ from fastprefill.methods.baselines import (
 )
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import keep_count
-
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+from fastprefill.models.random import random_ids
 
 
 def test_random_subset_at_original_positions_matches_hf_forward(tiny_model):
     """Non-contiguous kept positions: equal to the model's forward on the subset with position_ids."""
     n = 31
-    ids = _ids(n, 2)
+    ids = random_ids(n, 2)
     method = RandomDrop(keep=0.4, seed=5)
     keep = method.choose(n)
     assert keep.numel() == keep_count(0.4, n) and int(keep[-1]) == n - 1
@@ -65,7 +62,7 @@ def test_random_scorer_keeps_the_subsets_of_a_seeded_randperm(n, keep, seed):
 
 def test_static_pruning_selects_top_attention_and_pays_for_selection(tiny_llama):
     n, s, keep = 24, 1, 0.25
-    ids = _ids(n, 3)
+    ids = random_ids(n, 3)
     eager = tiny_llama.config._attn_implementation
     try:
         tiny_llama.config._attn_implementation = "eager"
@@ -89,7 +86,7 @@ def test_static_pruning_selects_top_attention_and_pays_for_selection(tiny_llama)
 def test_budgets_match_lazyllm(tiny_qwen2):
     n, layers = 64, 4
     sched = ((0, 0.5), (2, 0.25))
-    ids = _ids(n, 4)
+    ids = random_ids(n, 4)
     with torch.inference_mode():
         lazy = LazyLLM(schedule=sched).prefill(tiny_qwen2, ids).stats.token_layers
         rd = RandomDrop(keep=equivalent_keep(sched, layers, n), seed=0).prefill(tiny_qwen2, ids).stats.token_layers
@@ -109,7 +106,7 @@ def test_matched_baselines_spend_lazyllm_budget_and_feed_the_demo(tiny_qwen2):
     lazy = LazyLLM(schedule=((0, 0.5), (2, 0.25)))
     methods = matched_baselines(lazy, layers, n, static_select_layer=0, gemfilter_select_layer=0)
     assert list(methods) == ["static", "random", "gemfilter"]
-    ids = _ids(n, 8)
+    ids = random_ids(n, 8)
     with torch.inference_mode():
         budget = lazy.prefill(tiny_qwen2, ids).stats.token_layers
         spent = {name: m.prefill(tiny_qwen2, ids).stats.token_layers for name, m in methods.items()}
@@ -153,7 +150,7 @@ def test_baseline_validation(factory, match):
 
 def test_static_select_layer_out_of_range(tiny_llama):
     with pytest.raises(ConfigError, match=r"allowed 0..3"):
-        StaticPruning(keep=0.5, select_layer=4).prefill(tiny_llama, _ids(8, 0))
+        StaticPruning(keep=0.5, select_layer=4).prefill(tiny_llama, random_ids(8, 0))
 
 
 # --- GemFilter ------------------------------------------------------------------------------------
@@ -202,7 +199,7 @@ def peaked_models(tiny_llama, tiny_qwen2):
 def test_gemfilter_selects_as_an_eager_computation_and_renumbers_positions(peaked_models, family, kernel):
     tiny_model = peaked_models[family]
     n, keep = 40, 0.3
-    ids = _ids(n, 9)
+    ids = random_ids(n, 9)
     k = keep_count(keep, n)
     with torch.inference_mode():
         want = _gemfilter_reference(tiny_model, ids, 1, k, kernel)
@@ -230,7 +227,7 @@ def test_gemfilter_pays_for_its_selection_pass(tiny_llama):
     from fastprefill.models.shape import ModelShape
 
     n, s, keep = 48, 2, 0.25
-    run = GemFilter(keep=keep, select_layer=s).run(tiny_llama, _ids(n, 10))
+    run = GemFilter(keep=keep, select_layer=s).run(tiny_llama, random_ids(n, 10))
     out = run.output
     shape = ModelShape.from_config(tiny_llama.config)
     k = keep_count(keep, n)
@@ -247,4 +244,4 @@ def test_gemfilter_selection_layer_and_validation(tiny_llama):
     assert GemFilter(select_layer=3).selection_layer(24) == 3
     assert GemFilter(keep=0.2, select_layer=3, kernel=7).describe() == "gemfilter[keep=0.2,select_layer=3,kernel=7]"
     with pytest.raises(ConfigError, match=r"select_layer 4 out of range.*allowed 0..3"):
-        GemFilter(keep=0.5, select_layer=4).prefill(tiny_llama, _ids(8, 0))
+        GemFilter(keep=0.5, select_layer=4).prefill(tiny_llama, random_ids(8, 0))

@@ -35,11 +35,8 @@ from fastprefill.methods.kv_prediction.auxiliary.train import (
 )
 from fastprefill.methods.kv_prediction.checkpoint import read_checkpoint
 from fastprefill.models.kv import prefix_kv, rotate_keys, unrotate_keys
+from fastprefill.models.random import random_ids
 from fastprefill.models.shape import ModelShape
-
-
-def _ids(n: int, seed: int, vocab: int = 128) -> torch.Tensor:
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 def _identity_method(model) -> KVPrediction:
@@ -64,7 +61,7 @@ def _compare_with_full(model, method, ids, steps=8, atol=1e-5):
 def test_identity_predictor_reproduces_base(tiny_model):
     """aux = copy of base, identity maps: logits equal base-only through prefill and 8 decode steps."""
     method = _identity_method(tiny_model)
-    out = _compare_with_full(tiny_model, method, _ids(23, 1))
+    out = _compare_with_full(tiny_model, method, random_ids(23, 1))
     s = out.stats
     assert s.token_layers == 4 and s.total_token_layers == 23 * 4  # the base ran one token per layer
     assert s.extra["aux_token_layers"] == 22 * 4
@@ -74,7 +71,7 @@ def test_identity_predictor_reproduces_base(tiny_model):
 
 
 def test_identity_through_engine_matches_full(tiny_llama):
-    ids = _ids(31, 2)
+    ids = random_ids(31, 2)
     full = generate(tiny_llama, None, ids, max_new_tokens=8, stop_at_eos=False)
     kvp = generate(tiny_llama, None, ids, method=_identity_method(tiny_llama), max_new_tokens=8, stop_at_eos=False)
     assert kvp.token_ids == full.token_ids
@@ -82,7 +79,7 @@ def test_identity_through_engine_matches_full(tiny_llama):
 
 
 def test_single_token_prompt_is_plain_prefill(tiny_llama):
-    _compare_with_full(tiny_llama, _identity_method(tiny_llama), _ids(1, 3), steps=2)
+    _compare_with_full(tiny_llama, _identity_method(tiny_llama), random_ids(1, 3), steps=2)
 
 
 def test_perturbed_predictor_changes_logits(tiny_llama):
@@ -90,7 +87,7 @@ def test_perturbed_predictor_changes_logits(tiny_llama):
     method = _identity_method(tiny_llama)
     with torch.no_grad():
         method.predictor.v_maps[2].bias.add_(0.5)
-    ids = _ids(23, 4)
+    ids = random_ids(23, 4)
     assert (method.prefill(tiny_llama, ids).logits - FullPrefill().prefill(tiny_llama, ids).logits).abs().max() > 1e-3
 
 
@@ -143,7 +140,7 @@ def test_drop_layers_shares_weights_and_matches_manual_loop(tiny_qwen2):
     assert aux.model.layers[1].mlp.up_proj.weight is tiny_qwen2.model.layers[2].mlp.up_proj.weight
     assert [l.self_attn.layer_idx for l in aux.model.layers] == [0, 1]
     assert tiny_qwen2.model.layers[2].self_attn.layer_idx == 2
-    ids = _ids(11, 5)
+    ids = random_ids(11, 5)
     with torch.no_grad():
         got = aux(ids).logits
         h = tiny_qwen2.model.embed_tokens(ids)
@@ -191,8 +188,8 @@ def test_pre_rotation_map_beats_rotated_map():
     base = AutoModelForCausalLM.from_config(LlamaConfig(**cfg, rope_theta=10000.0)).eval()
     aux = AutoModelForCausalLM.from_config(LlamaConfig(**cfg, rope_theta=100.0)).eval()
     aux.load_state_dict(base.state_dict())
-    train = [_ids(64, s) for s in range(8)]
-    held_out = [_ids(64, 50 + s) for s in range(3)]
+    train = [random_ids(64, s) for s in range(8)]
+    held_out = [random_ids(64, 50 + s) for s in range(3)]
 
     def rotated(model, ids):
         kv, _ = prefix_kv(model, ids)
@@ -237,7 +234,7 @@ class _ByteTokenizer:
 
 
 def _train_tiny(base, out, steps=4, resume=False, aux=None, **kw):
-    corpus = [_ids(32, 200 + s) for s in range(6)]
+    corpus = [random_ids(32, 200 + s) for s in range(6)]
     cfg = TrainConfig(lsq_tokens=6 * 32, steps=steps, seq_len=32, lr=1e-3, checkpoint_every=2)
     return train_kvp(base, aux or AuxSpec.layer_drop(2), out, tokenizer=_ByteTokenizer(), base_name="tiny",
                      config=cfg, corpus=corpus, resume=resume, progress=False, **kw)
@@ -246,7 +243,7 @@ def _train_tiny(base, out, steps=4, resume=False, aux=None, **kw):
 def test_training_forward_on_true_kv_is_the_base_forward(tiny_model):
     """The training loss's base pass (every layer on given KV) equals the base's own forward when
     given the base's own KV, and its gradient reaches the KV of earlier positions."""
-    ids = _ids(24, seed=3)
+    ids = random_ids(24, seed=3)
     with torch.no_grad():
         true_kv, _ = prefix_kv(tiny_model, ids)
         ref = tiny_model(ids).logits.float()
@@ -268,7 +265,7 @@ def test_train_lp_checkpoint_roundtrip_and_plot(tiny_llama, tmp_path):
     loaded = KVPrediction.load(tmp_path / "ck")
     for a, b in zip(loaded.predictor.parameters(), method.predictor.parameters()):
         assert torch.equal(a, b)
-    ids = _ids(20, 7)
+    ids = random_ids(20, 7)
     torch.testing.assert_close(loaded.prefill(tiny_llama, ids).logits, method.prefill(tiny_llama, ids).logits)
     loaded.save(tmp_path / "copy")
     again = KVPrediction.load(tmp_path / "copy")
@@ -276,7 +273,7 @@ def test_train_lp_checkpoint_roundtrip_and_plot(tiny_llama, tmp_path):
     # trained maps predict the base KV better than the untrained (random) initial maps
     aux = AuxSpec.layer_drop(2).build(tiny_llama)
     fresh = KVPredictor(ModelShape.from_config(aux.config), ModelShape.from_config(tiny_llama.config))
-    held = [_ids(32, 300)]
+    held = [random_ids(32, 300)]
     trained_err = kv_relative_errors(tiny_llama, aux, loaded.predictor, held)
     fresh_err = kv_relative_errors(tiny_llama, aux, fresh, held)
     assert sum(trained_err["k"]) < sum(fresh_err["k"]) and sum(trained_err["v"]) < sum(fresh_err["v"])
@@ -359,11 +356,11 @@ def test_wrong_base_is_refused(tiny_llama, tmp_path):
     with torch.no_grad():
         other.model.layers[0].mlp.up_proj.weight.mul_(1.01)
     with pytest.raises(CheckpointError, match="fingerprint"):
-        method.prefill(other, _ids(10, 8))
+        method.prefill(other, random_ids(10, 8))
     deeper = AutoModelForCausalLM.from_config(LlamaConfig(**{**tiny_llama.config.to_dict(), "num_hidden_layers": 6}))
     with pytest.raises(CheckpointError, match="base model of shape"):
-        method.prefill(deeper.eval(), _ids(10, 8))
-    method.prefill(tiny_llama, _ids(10, 8))  # the right base works
+        method.prefill(deeper.eval(), random_ids(10, 8))
+    method.prefill(tiny_llama, random_ids(10, 8))  # the right base works
 
 
 def test_tokenizer_mismatch_is_refused(tiny_llama, tmp_path):
@@ -393,7 +390,7 @@ def test_aux_alone_baseline_runs_the_aux_only(tiny_llama):
     """AuxAlone (the paper's baseline) equals full prefill + greedy decoding of the aux model."""
     from fastprefill.methods.kv_prediction import AuxAlone
 
-    ids = _ids(19, 9)
+    ids = random_ids(19, 9)
     method = AuxAlone(AuxSpec.layer_drop(2))
     got = generate(tiny_llama, None, ids, method=method, max_new_tokens=6, stop_at_eos=False)
     aux = AuxSpec.layer_drop(2).build(tiny_llama)

@@ -25,16 +25,12 @@ from fastprefill.methods.kv_prediction.prefix.calibrate import choose_rank
 from fastprefill.methods.registry import make_method
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.kv import prefix_kv, rotate_keys
-from fastprefill.models.random import random_model
+from fastprefill.models.random import random_ids, random_model
 from fastprefill.models.shape import ModelShape
 
 
-def _ids(n: int, seed: int, vocab: int = 128) -> torch.Tensor:
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
 def _corpus(n: int, length: int, seed: int) -> list[torch.Tensor]:
-    return [_ids(length, seed * 1000 + i) for i in range(n)]
+    return [random_ids(length, seed * 1000 + i) for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +46,7 @@ def calibrated(tmp_path_factory, tiny_qwen2):
 @pytest.mark.parametrize("n", [1, 2, 29])
 def test_all_layers_exact_equals_full_prefill(tiny_model, n):
     """l = L predicts nothing: logits equal full prefill within 1e-5, and so do 6 decode steps."""
-    ids = _ids(n, 3)
+    ids = random_ids(n, 3)
     got, want = make_method("kvp-prefix:layer=4").prefill(tiny_model, ids), FullPrefill().prefill(tiny_model, ids)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
     assert got.stats.token_layers == got.stats.total_token_layers == 4 * n
@@ -73,7 +69,7 @@ def test_zero_shot_map_is_the_layers_own_projection(tiny_model):
     """Zero-shot map of layer j on h_l is exactly k_proj_j(norm_j(h_l)) (and v_proj_j), and at
     j = l it is the layer's true pre-rotation K and V."""
     ad = DecoderAdapter(tiny_model)
-    ids = _ids(17, 4)
+    ids = random_ids(17, 4)
     with torch.no_grad():
         true_kv, _ = prefix_kv(tiny_model, ids)
         for l in range(4):
@@ -121,7 +117,7 @@ def _reference(model, ids, predictor, steps, tail=1):
 
 @pytest.mark.parametrize("layer", [0, 1, 2])
 def test_prefill_and_decode_agree_with_reference(tiny_model, layer):
-    ids = _ids(26, 5)
+    ids = random_ids(26, 5)
     method = make_method(f"kvp-prefix:layer={layer}")
     ref = _reference(tiny_model, ids, PrefixPredictor.zero_shot(tiny_model, layer), steps=6)
     out = method.prefill(tiny_model, ids)
@@ -136,7 +132,7 @@ def test_prefill_and_decode_agree_with_reference(tiny_model, layer):
 def test_exact_tail_agrees_with_reference(tiny_model, tail):
     """tail = W: the last W prompt tokens run every layer over the predicted rows (the model's own
     forward on them is the reference); prefill and decode match it, and the counts add up."""
-    ids = _ids(26, 5)
+    ids = random_ids(26, 5)
     method = make_method(f"kvp-prefix:layer=1,tail={tail}")
     ref = _reference(tiny_model, ids, PrefixPredictor.zero_shot(tiny_model, 1), steps=4, tail=tail)
     out = method.prefill(tiny_model, ids)
@@ -151,14 +147,14 @@ def test_exact_tail_agrees_with_reference(tiny_model, tail):
 
 
 def test_tail_covering_the_prompt_is_full_prefill(tiny_model):
-    ids = _ids(12, 8)
+    ids = random_ids(12, 8)
     got = make_method("kvp-prefix:layer=1,tail=12").prefill(tiny_model, ids)
     torch.testing.assert_close(got.logits, FullPrefill().prefill(tiny_model, ids).logits, atol=1e-5, rtol=0)
     assert got.stats.extra["predicted_layers"] == 0
 
 
 def test_engine_generate_and_stats(tiny_llama):
-    ids = _ids(31, 6)
+    ids = random_ids(31, 6)
     res = generate(tiny_llama, None, ids, method=make_method("kvp-prefix:layer=2"), max_new_tokens=6, stop_at_eos=False)
     assert len(res.token_ids) == 6
     shape = ModelShape.from_config(tiny_llama.config)
@@ -223,7 +219,7 @@ def test_checkpoint_records_layer_and_shape(calibrated, tiny_qwen2):
     assert not (out / "calib-stats.pt").exists()
     spec = make_method(f"kvp-prefix:predictor={out}")
     assert spec.layer == 1 and "l=1" in spec.describe()
-    ids = _ids(20, 10)
+    ids = random_ids(20, 10)
     torch.testing.assert_close(spec.prefill(tiny_qwen2, ids).logits, method.prefill(tiny_qwen2, ids).logits)
 
 
@@ -265,7 +261,7 @@ def test_calibration_resumes_after_a_kill(tmp_path, tiny_llama):
         calibrate_prefix(tiny_llama, tmp_path / "cut", cfg, corpus=corpus, heldout=[], progress=False)
     resumed = calibrate_prefix(tiny_llama, tmp_path / "cut", cfg, corpus=corpus, heldout=[], resume=True,
                                progress=False)
-    ids = _ids(21, 12)
+    ids = random_ids(21, 12)
     torch.testing.assert_close(resumed.prefill(tiny_llama, ids).logits, whole.prefill(tiny_llama, ids).logits,
                                atol=1e-6, rtol=0)
 
@@ -283,12 +279,12 @@ def test_bad_inputs_are_config_errors(calibrated, tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="not an integer"):
         make_method("kvp-prefix:layer=1,tail=lots")
     with pytest.raises(ConfigError, match=r"in \[0, 4\]"):
-        make_method("kvp-prefix:layer=5").prefill(tiny_llama, _ids(8, 0))
+        make_method("kvp-prefix:layer=5").prefill(tiny_llama, random_ids(8, 0))
     with pytest.raises(ConfigError, match="weights differ"):  # same shape, other weights
-        make_method(f"kvp-prefix:predictor={out}").prefill(tiny_llama, _ids(8, 0))
+        make_method(f"kvp-prefix:predictor={out}").prefill(tiny_llama, random_ids(8, 0))
     shallow = random_model("qwen2", num_hidden_layers=2)
     with pytest.raises(ConfigError, match="shape"):
-        make_method(f"kvp-prefix:predictor={out}").prefill(shallow, _ids(8, 0))
+        make_method(f"kvp-prefix:predictor={out}").prefill(shallow, random_ids(8, 0))
     with pytest.raises(ConfigError, match="calibrated for layer=1"):
         make_method(f"kvp-prefix:layer=2,predictor={out}")
     with pytest.raises(ConfigError, match="no KV Prediction checkpoint"):
@@ -311,7 +307,7 @@ def test_calibrated_fill_in_the_pruning_loop_is_kvp_prefix(calibrated, tiny_qwen
     from fastprefill.methods.lazyllm import LazyLLM
 
     out, _ = calibrated
-    ids = _ids(30, 13)
+    ids = random_ids(30, 13)
     lazy = LazyLLM(schedule=((0, 0.01),), options={"keep_recent": 5, "revival": "none", "fill": f"calibrated:{out}"})
     with torch.inference_mode():
         got = lazy.prefill(tiny_qwen2, ids)

@@ -19,25 +19,22 @@ from fastprefill.methods.kv_prediction.prefix.distill import (
     tail_kl,
 )
 from fastprefill.models.adapters import DecoderAdapter
-
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+from fastprefill.models.random import random_ids
 
 
 @pytest.fixture(scope="module")
 def lsq(tmp_path_factory, tiny_qwen2):
     """A least-squares kvp-prefix checkpoint at l = 1 (full rank) on the tiny qwen2."""
     out = tmp_path_factory.mktemp("distill") / "lsq"
-    calibrate_prefix(tiny_qwen2, out, PrefixCalibration(layer=1), corpus=[_ids(96, i) for i in range(12)],
+    calibrate_prefix(tiny_qwen2, out, PrefixCalibration(layer=1), corpus=[random_ids(96, i) for i in range(12)],
                      heldout=[], progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
 def targets(tiny_qwen2):
-    train = prefix_targets(tiny_qwen2, 1, [_ids(80, 100 + i) for i in range(4)], progress=False)
-    heldout = prefix_targets(tiny_qwen2, 1, [_ids(80, 200 + i) for i in range(2)], progress=False)
+    train = prefix_targets(tiny_qwen2, 1, [random_ids(80, 100 + i) for i in range(4)], progress=False)
+    heldout = prefix_targets(tiny_qwen2, 1, [random_ids(80, 200 + i) for i in range(2)], progress=False)
     return train, heldout
 
 
@@ -50,7 +47,7 @@ def _mean_kl(model, maps, targets, tail):
 @pytest.mark.parametrize("tail", [1, 8])
 def test_training_forward_is_kvp_prefix_prefill(tiny_qwen2, lsq, tail):
     """At the prompt's end the training forward's last row is KVPrefix(tail=W).prefill's logits."""
-    ids = _ids(70, 7)
+    ids = random_ids(70, 7)
     target = prefix_targets(tiny_qwen2, 1, [ids], progress=False)[0]
     _, state, _ = read_checkpoint(lsq)
     maps = _Maps(tiny_qwen2, 1, state)
@@ -64,7 +61,7 @@ def test_training_forward_is_kvp_prefix_prefill(tiny_qwen2, lsq, tail):
 
 def test_reference_rows_are_full_prefill(tiny_qwen2):
     """The targets' last layer output, through the head, is the model's own forward."""
-    ids = _ids(50, 3)
+    ids = random_ids(50, 3)
     target = prefix_targets(tiny_qwen2, 1, [ids], progress=False)[0]
     ad = DecoderAdapter(tiny_qwen2)
     with torch.no_grad():
@@ -97,7 +94,7 @@ def test_distillation_lowers_the_training_kl_and_keeps_the_best(tiny_qwen2, lsq,
             torch.testing.assert_close(new_state[key], value.to(torch.float16))
     assert "x-1" in config["task_ids"]
     assert method.bind(tiny_qwen2).describe() == "distilled"
-    assert KVPrefix(predictor=str(tmp_path / "d")).prefill(tiny_qwen2, _ids(40, 1)).logits.shape == (128,)
+    assert KVPrefix(predictor=str(tmp_path / "d")).prefill(tiny_qwen2, random_ids(40, 1)).logits.shape == (128,)
 
 
 def test_distillation_lowers_training_kl(tiny_qwen2, lsq, targets, tmp_path):
@@ -162,7 +159,7 @@ def test_bad_inputs(tiny_qwen2, lsq, targets, tmp_path):
     with pytest.raises(ConfigError, match="already distilled"):
         distill_prefix(tiny_qwen2, tmp_path / "c", tmp_path / "e", cfg, train, heldout, progress=False)
     full = tmp_path / "l4"
-    calibrate_prefix(tiny_qwen2, full, PrefixCalibration(layer=4), corpus=[_ids(64, 1)], heldout=[], progress=False)
+    calibrate_prefix(tiny_qwen2, full, PrefixCalibration(layer=4), corpus=[random_ids(64, 1)], heldout=[], progress=False)
     with pytest.raises(ConfigError, match="no maps to distill"):
         distill_prefix(tiny_qwen2, full, tmp_path / "g", cfg, train, heldout, progress=False)
     with pytest.raises(ConfigError, match="another model|differ|shape"):

@@ -21,10 +21,7 @@ from fastprefill.methods.pruning import (
 )
 from fastprefill.methods.registry import make_method
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
-
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+from fastprefill.models.random import random_ids
 
 
 def _decode_n(method, model, ids, n):
@@ -41,7 +38,7 @@ def _decode_n(method, model, ids, n):
 # --- equivalence --------------------------------------------------------------------------------
 def test_keep_all_counts_every_token_layer_once_and_revives_nothing(tiny_model):
     """Logit/token equality with full prefill is in test_method_table.py; here the counts."""
-    ids = _ids(41, 1)
+    ids = random_ids(41, 1)
     lazy = generate(tiny_model, None, ids, LazyLLM(preset="keep-all"), max_new_tokens=10, stop_at_eos=False)
     assert lazy.timing.token_layers == lazy.timing.total_token_layers == 41 * 4
     assert "revived_tokens_total" not in lazy.timing.extra  # nothing deferred: the model's own forward decodes
@@ -83,7 +80,7 @@ class _ForcedLazy(LazyLLM):
 
 def test_revival_resumes_from_aux_cache_at_the_right_layer(tiny_llama):
     n = 16
-    ids = _ids(n, 5)
+    ids = random_ids(n, 5)
     method = _ForcedLazy(schedule=((0, 0.25), (2, 0.25)))
     with torch.inference_mode():
         out = method.run(tiny_llama, ids)
@@ -118,7 +115,7 @@ def test_revival_resumes_from_aux_cache_at_the_right_layer(tiny_llama):
 def test_pruned_prefill_matches_masked_reference(tiny_model):
     """Gathered rows at original positions == all rows computed with pruned keys masked out."""
     n = 30
-    ids = _ids(n, 6)
+    ids = random_ids(n, 6)
     method = LazyLLM(schedule=((1, 0.4),))
     with torch.inference_mode():
         run = method.run(tiny_model, ids)
@@ -165,12 +162,12 @@ def test_schedule_validation(schedule, match):
 
 def test_validation_against_the_model(tiny_llama):
     with pytest.raises(ConfigError, match=r"out of range.*allowed 0..2"):
-        LazyLLM(schedule=((3, 0.5),)).prefill(tiny_llama, _ids(8, 0))
-    LazyLLM(schedule=((2, 0.5),)).prefill(tiny_llama, _ids(8, 0))  # the deepest allowed layer
+        LazyLLM(schedule=((3, 0.5),)).prefill(tiny_llama, random_ids(8, 0))
+    LazyLLM(schedule=((2, 0.5),)).prefill(tiny_llama, random_ids(8, 0))  # the deepest allowed layer
     with pytest.raises(PromptError, match="empty"):  # the engine validates every prompt, before prefill
         generate(tiny_llama, None, torch.zeros(1, 0, dtype=torch.long), LazyLLM(preset="keep-all"))
     with pytest.raises(ConfigError, match=r"out of range.*allowed 0..2"):  # ... and the schedule against the model
-        generate(tiny_llama, None, _ids(8, 0), LazyLLM(schedule=((3, 0.5),)))
+        generate(tiny_llama, None, random_ids(8, 0), LazyLLM(schedule=((3, 0.5),)))
     with pytest.raises(ConfigError, match="preset"):
         LazyLLM(preset="fastest")
     with pytest.raises(ConfigError, match="not both"):
@@ -186,7 +183,7 @@ def test_gemma3_refused():
                            num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(UnsupportedModelError, match="LazyLLM"):
-        LazyLLM(preset="keep-all").prefill(model, _ids(5, 0) % 64)
+        LazyLLM(preset="keep-all").prefill(model, random_ids(5, 0) % 64)
 
 
 def test_presets_and_spec_resolve():
@@ -204,14 +201,14 @@ def test_presets_and_spec_resolve():
 # --- the cost really shrinks --------------------------------------------------------------------
 def test_pruning_reduces_token_layers_by_the_expected_count(tiny_qwen2):
     n = 40
-    run, _ = _decode_n(LazyLLM(schedule=((0, 0.5), (2, 0.25))), tiny_qwen2, _ids(n, 7), 0)
+    run, _ = _decode_n(LazyLLM(schedule=((0, 0.5), (2, 0.25))), tiny_qwen2, random_ids(n, 7), 0)
     out = run.output
     # layer 0: 40, layers 1-2: 20, layer 3: 10
     assert out.stats.token_layers == 40 + 20 + 20 + 10 == schedule_token_layers(((0, 0.5), (2, 0.25)), 4, n)
     assert out.stats.total_token_layers == 160
     assert out.stats.extra["kept_per_stage"] == [20, 10]
     assert int(run.state.counter.counts.sum()) == 90  # rows really run, not just masked
-    full = FullPrefill().prefill(tiny_qwen2, _ids(n, 7)).stats
+    full = FullPrefill().prefill(tiny_qwen2, random_ids(n, 7)).stats
     assert out.stats.flops < full.flops
     assert len(run.state.aux) == 20 + 10  # every pruned token is waiting in the Aux Cache
 

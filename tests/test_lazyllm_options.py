@@ -23,13 +23,10 @@ from fastprefill.methods.pruning import (
 from fastprefill.methods.pruning.scorers import AttentionScorer, last_query_attention, window_attention
 from fastprefill.methods.registry import make_method
 from fastprefill.models.adapters import DecoderAdapter
-from fastprefill.models.random import random_model
+from fastprefill.models.random import random_ids, random_model
 
 FAMILIES = ("llama", "qwen2")
 
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +99,7 @@ def test_window_scores_equal_eager_attention(family, window, eager_models, tiny_
     """The last W queries' probabilities over the whole prompt, averaged over heads and queries,
     equal transformers' eager attention weights at every layer (W larger than T: all rows)."""
     model = {"llama": tiny_llama, "qwen2": tiny_qwen2}[family]
-    ids = _ids(37, 2)
+    ids = random_ids(37, 2)
     with torch.no_grad():
         eager = eager_models[family](ids, output_attentions=True).attentions
     ad = DecoderAdapter(model)
@@ -160,7 +157,7 @@ def test_prefill_selection_equals_eager_reimplementation(family, case, eager_mod
     model = {"llama": tiny_llama, "qwen2": tiny_qwen2}[family]
     opts = CASES[case]
     schedule = ((1, 0.5), (2, 0.25))
-    ids = _ids(40, 11)
+    ids = random_ids(40, 11)
     lazy = LazyLLM(schedule=schedule, options=opts)
     with torch.inference_mode():
         run = lazy.run(model, ids)
@@ -182,7 +179,7 @@ def test_prefill_selection_equals_eager_reimplementation(family, case, eager_mod
 def test_protected_tokens_raise_the_keep_count(tiny_llama):
     """More protected tokens than the keep count: all of them stay, and nothing else."""
     with torch.inference_mode():
-        run = LazyLLM(schedule=((1, 0.1),), options={"sinks": 5, "keep_recent": 6}).run(tiny_llama, _ids(30, 1))
+        run = LazyLLM(schedule=((1, 0.1),), options={"sinks": 5, "keep_recent": 6}).run(tiny_llama, random_ids(30, 1))
     out = run.output
     assert run.state.selected[0].tolist() == [0, 1, 2, 3, 4, *range(24, 30)]
     assert out.stats.extra["kept_per_stage"] == [11]
@@ -210,7 +207,7 @@ def test_decode_score_equals_eager_attention_of_the_new_token(family, eager_mode
     n, steps, p = 30, 5, 1
     lazy = _Recording(schedule=((p, 0.3),), options={"accumulate": True, "pool_kernel": 3, "sinks": 2,
                                                      "keep_recent": 3, "decode_protect": True, "score_window": 4})
-    ids = _ids(n, 21)
+    ids = random_ids(n, 21)
     with torch.inference_mode():
         out = lazy.prefill(model, ids)
         tokens = [int(out.logits.argmax())]
@@ -242,7 +239,7 @@ def test_decode_protect_keeps_sinks_recent_and_generated_in_every_stage(tiny_qwe
         lazy = LazyLLM(schedule=sched, options={"sinks": 2, "keep_recent": 3, "decode_protect": protect})
         missing = []
         with torch.inference_mode():
-            out = lazy.run(tiny_qwen2, _ids(n, 8))
+            out = lazy.run(tiny_qwen2, random_ids(n, 8))
             st, tok = out.state, int(out.output.logits.argmax())
             for step in range(steps):
                 tok = int(out.output.decoder.step(tok).argmax())
@@ -263,7 +260,7 @@ def test_decode_protect_keeps_sinks_recent_and_generated_in_every_stage(tiny_qwe
 def test_keep_everything_with_every_option_equals_full_and_generate(family, tiny_llama, tiny_qwen2):
     """Cuts that keep every token, all options on: full prefill's logits and transformers' tokens."""
     model = {"llama": tiny_llama, "qwen2": tiny_qwen2}[family]
-    ids = _ids(33, 4)
+    ids = random_ids(33, 4)
     lazy = LazyLLM(schedule=((0, 1.0), (2, 1.0)), options={"score_window": 8, "pool_kernel": 5, "sinks": 2,
                                                            "keep_recent": 4, "accumulate": True, "decode_protect": True})
     with torch.inference_mode():
@@ -359,7 +356,7 @@ def test_fill_with_the_last_w_kept_is_kvp_prefix(tiny_model, layer, tail):
     greedy tokens."""
     from fastprefill.methods.kv_prediction.prefix import KVPrefix
 
-    ids = _ids(30, 12)
+    ids = random_ids(30, 12)
     lazy = LazyLLM(schedule=((layer - 1, 0.01),), options={"keep_recent": tail, "revival": "none", "fill": "zero-shot"})
     with torch.inference_mode():
         run = lazy.run(tiny_model, ids)
@@ -384,4 +381,4 @@ def test_fill_refusals(tiny_llama):
         LazyLLM(schedule=((1, 0.5),), options={"fill": "calibrated", "revival": "none"})
     lazy = LazyLLM(schedule=((0, 0.5), (1, 0.3)), options={"fill": "zero-shot", "revival": "none"})
     with pytest.raises(ConfigError, match="one-cut schedules"):
-        lazy.prefill(tiny_llama, _ids(20, 1))
+        lazy.prefill(tiny_llama, random_ids(20, 1))

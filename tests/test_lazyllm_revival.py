@@ -13,15 +13,13 @@ from fastprefill.engine import decoder_for, generate
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.random import random_ids
 
 SCHEDULE = ((0, 0.5), (1, 0.25), (2, 0.1))
 POLICIES = ("all", "budget:0", "budget:2", "none", "catch-up")
 #: the policies with their own decode step (``none`` decodes with the model's forward)
 REVIVING = ("all", "budget:0", "budget:2", "catch-up")
 
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 def _run(model, lazy: LazyLLM, n: int = 40, steps: int = 8, seed: int = 4):
@@ -31,7 +29,7 @@ def _run(model, lazy: LazyLLM, n: int = 40, steps: int = 8, seed: int = 4):
     stage_of = torch.tensor([sum(layer > p for p, _ in sched) for layer in range(4)])  # (L,)
     deltas = []
     with torch.inference_mode():
-        run = lazy.run(model, _ids(n, seed))
+        run = lazy.run(model, random_ids(n, seed))
         out = run.output
         st, tok = run.state, int(out.logits.argmax())
         for step in range(steps):
@@ -74,7 +72,7 @@ def test_none_revives_nothing(tiny_model):
     nothing deferred is ever computed (the paper's policy does revive on this prompt: see the
     budget test)."""
     lazy = LazyLLM(schedule=SCHEDULE, options={"revival": "none"})
-    ids = _ids(40, 4)
+    ids = random_ids(40, 4)
     with torch.inference_mode():
         run = lazy.run(tiny_model, ids)
         counts = run.state.counter.counts.clone()
@@ -115,7 +113,7 @@ def test_budget_revives_at_most_r_per_stage_per_step(tiny_model):
 
 def test_an_unbinding_budget_is_the_papers_policy(tiny_model):
     """budget:R with R above any stage's revivals chooses and computes exactly as ``all``."""
-    ids = _ids(40, 4)
+    ids = random_ids(40, 4)
     paper = generate(tiny_model, None, ids, LazyLLM(schedule=SCHEDULE), max_new_tokens=12, stop_at_eos=False)
     wide = generate(tiny_model, None, ids, LazyLLM(schedule=SCHEDULE, options={"revival": "budget:1000"}),
                     max_new_tokens=12, stop_at_eos=False)
@@ -178,7 +176,7 @@ def test_catch_up_and_none_attend_what_the_masked_reference_attends(tiny_model, 
     keep their prefill KV, the new tokens attend everything. none: the new tokens attend only
     the KV present (kept prompt tokens and generated ones)."""
     n, steps = 30, 3
-    ids = _ids(n, 9)
+    ids = random_ids(n, 9)
     lazy = LazyLLM(schedule=((0, 0.5), (2, 0.25)), options={"revival": policy})
     with torch.inference_mode():
         run = lazy.run(tiny_model, ids)
@@ -202,7 +200,7 @@ def test_catch_up_and_none_attend_what_the_masked_reference_attends(tiny_model, 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_keep_all_under_every_policy_equals_full_prefill_and_generate(tiny_model, policy):
-    ids = _ids(29, 6)
+    ids = random_ids(29, 6)
     with torch.inference_mode():
         ref = FullPrefill().prefill(tiny_model, ids).logits
         expected = tiny_model.generate(ids, max_new_tokens=10, do_sample=False)[0, 29:].tolist()

@@ -18,19 +18,16 @@ from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.runahead import KVRunahead
 from fastprefill.models.adapters import DecoderAdapter, _suffix_causal_sdpa, causal_mask
-from fastprefill.models.random import random_model
+from fastprefill.models.random import random_ids, random_model
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 
 MB = 1 << 20
 
 
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
 
 def _shared(base: torch.Tensor, keep: int, total: int, seed: int) -> torch.Tensor:
     """``base[:, :keep]`` followed by fresh tokens up to ``total``."""
-    return torch.cat([base[:, :keep], _ids(total - keep, seed)], dim=1)
+    return torch.cat([base[:, :keep], random_ids(total - keep, seed)], dim=1)
 
 
 # --------------------------------------------------------------------------- exactness (tiny models)
@@ -58,7 +55,7 @@ def test_full_prefill_over_a_cached_prefix_is_exact(tiny_model, share, expect_hi
     64-token one (``share=60``): the logits equal full prefill's, the tokens transformers'
     ``generate``, and only the uncached part is computed (at least the last token)."""
     cache = PrefixCache(64 * MB, block_tokens=8)
-    first = _ids(64 if share == 60 else 48, 1)
+    first = random_ids(64 if share == 60 else 48, 1)
     generate(tiny_model, None, first, max_new_tokens=1, prefix_cache=cache)
     prompt = first[:, :48] if share == 60 else _shared(first, share, 48, 2)
     with torch.inference_mode():
@@ -78,10 +75,10 @@ def test_full_prefill_over_a_cached_prefix_is_exact(tiny_model, share, expect_hi
 def test_generated_tokens_are_cached_for_the_next_turn(tiny_llama):
     """Full prefill's decoding is exact too: the next turn (prompt + answer + more) hits past the prompt."""
     cache = PrefixCache(64 * MB, block_tokens=4)
-    prompt = _ids(21, 3)
+    prompt = random_ids(21, 3)
     first = generate(tiny_llama, None, prompt, max_new_tokens=12, stop_at_eos=False, prefix_cache=cache)
     assert first.timing.stored_tokens == 32  # 21 + 11 fed tokens = 32 whole blocks of 4
-    follow = torch.cat([prompt, torch.tensor([first.token_ids]), _ids(5, 4)], dim=1)  # 21 + 12 + 5
+    follow = torch.cat([prompt, torch.tensor([first.token_ids]), random_ids(5, 4)], dim=1)  # 21 + 12 + 5
     res = generate(tiny_llama, None, follow, max_new_tokens=6, stop_at_eos=False, prefix_cache=cache)
     assert res.timing.cached_tokens == 32
     plain = generate(tiny_llama, None, follow, max_new_tokens=6, stop_at_eos=False)
@@ -110,7 +107,7 @@ def _masked_lazy_reference(model, ids, p, kept, cut):
 
 def test_lazyllm_prunes_only_the_suffix_and_stores_nothing_it_pruned(tiny_model):
     cache = PrefixCache(64 * MB, block_tokens=8)
-    first = _ids(40, 5)
+    first = random_ids(40, 5)
     generate(tiny_model, None, first, max_new_tokens=1, prefix_cache=cache)  # full prefill stores 40
     prompt = _shared(first, 32, 56, 6)  # 32 cached, 24 new
     lazy = LazyLLM(schedule=((1, 0.4),))
@@ -136,7 +133,7 @@ def test_lazyllm_prunes_only_the_suffix_and_stores_nothing_it_pruned(tiny_model)
 def test_kvp_prefix_over_a_cached_prefix(tiny_model):
     """l = L is exact (stored back); l < L predicts only the uncached rows (nothing new stored)."""
     cache = PrefixCache(64 * MB, block_tokens=8)
-    first = _ids(40, 7)
+    first = random_ids(40, 7)
     generate(tiny_model, None, first, max_new_tokens=1, prefix_cache=cache)
     prompt = _shared(first, 24, 44, 8)
     with torch.inference_mode():
@@ -153,7 +150,7 @@ def test_methods_without_prefix_support_run_the_whole_prompt(tiny_llama):
     """Random drop takes no prefix (nothing looked up, nothing stored); single-rank KV-Runahead is
     exact: it computes the whole prompt and its cache is stored."""
     cache = PrefixCache(64 * MB, block_tokens=8)
-    prompt = _ids(33, 9)
+    prompt = random_ids(33, 9)
     generate(tiny_llama, None, prompt, max_new_tokens=1, prefix_cache=cache)
     res = generate(tiny_llama, None, prompt, RandomDrop(keep=0.5), max_new_tokens=3, prefix_cache=cache)
     assert res.timing.cached_tokens == 0 and res.timing.stored_tokens == 0
@@ -169,30 +166,30 @@ def test_methods_without_prefix_support_run_the_whole_prompt(tiny_llama):
 # --------------------------------------------------------------------------- index and eviction
 def test_lookup_walks_blocks_and_checks_tokens(tiny_llama):
     cache = PrefixCache(64 * MB, block_tokens=4)
-    a = _ids(16, 10)
+    a = random_ids(16, 10)
     generate(tiny_llama, None, a, max_new_tokens=1, prefix_cache=cache)
     assert cache.num_blocks == 4
     b = a.clone()
     b[0, 9] = (int(b[0, 9]) + 1) % 128  # differs in block 2
     assert cache.lookup(tiny_llama, b).tokens == 8
-    assert cache.lookup(tiny_llama, _ids(16, 11)).tokens == 0
+    assert cache.lookup(tiny_llama, random_ids(16, 11)).tokens == 0
     assert cache.stats.lookups == 3 and cache.stats.hits == 1  # generate's own lookup missed
     assert cache.stats.hit_tokens == 8 and cache.stats.miss_tokens == 16 + 8 + 16
 
 
 def test_eviction_drops_least_recently_used_leaves_under_the_bound(tiny_llama):
     probe = PrefixCache(64 * MB, block_tokens=4)
-    generate(tiny_llama, None, _ids(8, 0), max_new_tokens=1, prefix_cache=probe)
+    generate(tiny_llama, None, random_ids(8, 0), max_new_tokens=1, prefix_cache=probe)
     block = probe.nbytes // 2  # bytes of one block of this model
     cache = PrefixCache(6 * block, block_tokens=4)
-    root = _ids(8, 12)  # two blocks shared by both branches
-    branch_a = torch.cat([root, _ids(8, 13)], dim=1)
-    branch_b = torch.cat([root, _ids(8, 14)], dim=1)
+    root = random_ids(8, 12)  # two blocks shared by both branches
+    branch_a = torch.cat([root, random_ids(8, 13)], dim=1)
+    branch_b = torch.cat([root, random_ids(8, 14)], dim=1)
     generate(tiny_llama, None, branch_a, max_new_tokens=1, prefix_cache=cache)
     generate(tiny_llama, None, branch_b, max_new_tokens=1, prefix_cache=cache)
     assert cache.num_blocks == 6 and cache.nbytes == 6 * block
     cache.lookup(tiny_llama, branch_a)  # branch a is now the more recent
-    generate(tiny_llama, None, _ids(8, 15), max_new_tokens=1, prefix_cache=cache)  # 2 more blocks: evict 2
+    generate(tiny_llama, None, random_ids(8, 15), max_new_tokens=1, prefix_cache=cache)  # 2 more blocks: evict 2
     assert cache.nbytes <= 6 * block and cache.stats.evicted_blocks == 2
     assert cache.lookup(tiny_llama, branch_a).tokens == 15  # whole, capped at T - 1
     assert cache.lookup(tiny_llama, branch_b).tokens == 8  # its leaves went; the shared root stayed
@@ -205,11 +202,11 @@ def test_bad_bounds_and_other_models_are_refused(tiny_llama, tiny_qwen2):
         PrefixCache(MB, block_tokens=0)
     tiny = PrefixCache(100, block_tokens=16)
     with pytest.raises(ConfigError, match="cannot hold one block of 16 tokens"):
-        generate(tiny_llama, None, _ids(20, 0), max_new_tokens=1, prefix_cache=tiny)
+        generate(tiny_llama, None, random_ids(20, 0), max_new_tokens=1, prefix_cache=tiny)
     cache = PrefixCache(64 * MB)
-    generate(tiny_llama, None, _ids(20, 0), max_new_tokens=1, prefix_cache=cache)
+    generate(tiny_llama, None, random_ids(20, 0), max_new_tokens=1, prefix_cache=cache)
     with pytest.raises(ConfigError, match="another model"):
-        generate(tiny_qwen2, None, _ids(20, 0), max_new_tokens=1, prefix_cache=cache)
+        generate(tiny_qwen2, None, random_ids(20, 0), max_new_tokens=1, prefix_cache=cache)
 
 
 def test_sliding_window_models_are_refused():
@@ -219,13 +216,13 @@ def test_sliding_window_models_are_refused():
                            num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(ConfigError, match="sliding-window"):
-        generate(model, None, _ids(9, 0) % 64, max_new_tokens=1, prefix_cache=PrefixCache(MB))
+        generate(model, None, random_ids(9, 0) % 64, max_new_tokens=1, prefix_cache=PrefixCache(MB))
 
 
 # --------------------------------------------------------------------------- persistence
 def test_save_and_load_round_trip(tmp_path, tiny_llama):
     cache = PrefixCache(64 * MB, block_tokens=4)
-    prompt = _ids(19, 16)
+    prompt = random_ids(19, 16)
     generate(tiny_llama, None, prompt, max_new_tokens=1, prefix_cache=cache)
     cache.save(tmp_path)
     again = PrefixCache(64 * MB, block_tokens=4)
@@ -240,7 +237,7 @@ def test_save_and_load_round_trip(tmp_path, tiny_llama):
 
 def test_corrupt_or_mismatched_files_are_refused_and_not_loaded(tmp_path, tiny_llama):
     cache = PrefixCache(64 * MB, block_tokens=4)
-    generate(tiny_llama, None, _ids(19, 17), max_new_tokens=1, prefix_cache=cache)
+    generate(tiny_llama, None, random_ids(19, 17), max_new_tokens=1, prefix_cache=cache)
     path = cache.save(tmp_path)
     other = random_model("llama", seed=1)  # same architecture, other weights
     with pytest.raises(PrefixCacheError, match="another model"):

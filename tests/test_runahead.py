@@ -37,6 +37,7 @@ from fastprefill.methods.runahead import (
 )
 from fastprefill.methods.runahead.tables import TABLES_DIR, find_table
 from fastprefill.models import load
+from fastprefill.models.random import random_ids
 from fastprefill.models.shape import ModelShape
 
 ATOL = 1e-4
@@ -44,7 +45,7 @@ SHAPE_7B = ModelShape(32, 4096, 32, 32, 128, 11008, 32000, 4096)
 
 
 def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_ids(n, seed)[0].tolist()
 
 
 def _reference(model, ids: list[int], n_new: int) -> tuple[torch.Tensor, list[int]]:
