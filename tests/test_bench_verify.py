@@ -80,3 +80,16 @@ def test_tables_compare_to_the_printed_precision():
     assert compare_tables("f", old, "| a | b |\n|---|---|\n| 1.24x | 45% |\n")
     assert compare_tables("f", old, "| a | b |\n|---|---|\n| 1.23 | 45% |\n")  # text differs
     assert compare_tables("f", old, "| a |\n|---|\n| 1.23x |\n")[0].recomputed == "(missing)"
+
+
+def test_verify_checks_a_prefix_runs_overhead_table(tmp_path):
+    stem = "prefix_questions_qwen2.5-coder-1.5b"
+    for path in RESULTS.glob(stem + ".*"):
+        shutil.copy(path, tmp_path / path.name)
+    assert verify_results(tmp_path).ok
+    md = tmp_path / f"{stem}.md"
+    row = "| 2048 | cache-miss | 6 | 0 | 0.04% | 0.18% |"
+    assert row in md.read_text()
+    md.write_text(md.read_text().replace(row, row.replace("0.18%", "0.81%")))
+    assert [(m.file, m.where) for m in verify_results(tmp_path).mismatches] == [
+        (f"{stem}.md (overhead table)", "row 2 column 'store / TTFT (median)'")]
