@@ -3,7 +3,7 @@
 result (:func:`fastprefill.bench.records.result_name`).
 
 Subcommands (run on a quiet machine; the commands that made the committed results are in
-``benchmarks/README`` / the report):
+each result file's header and on the pages of ``docs/results/``):
 
 - ``equivalence``: keep-all LazyLLM vs full prefill on smollm2: max |logit diff|, identical
   greedy tokens, TTFT ratio (keep-all overhead of the layer loop).

@@ -24,7 +24,6 @@ their order prompt by prompt; one warm-up generation per method is excluded; thr
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fastprefill.bench.records import FULL, Record, RecordLog, environment, result_name, save_records
-from fastprefill.bench.report import markdown_table, write_paired_rows
+from fastprefill.bench.report import markdown_table, prefix_overhead_table, write_paired_rows
 from fastprefill.bench.runner import first_token_kl
 from fastprefill.bench.summary import summarize
 from fastprefill.data.tasks.sessions import (
@@ -126,27 +125,9 @@ class Bench:
         header, records = self.log.header, self.log.records
         summaries = summarize(records)
         write_paired_rows(self.out / f"{self.name}.summary.jsonl", header, summaries)
-        text = markdown_table(summaries, header) + "\n" + overhead_table(records)
+        text = markdown_table(summaries, header) + "\n" + prefix_overhead_table(records)
         (self.out / f"{self.name}.md").write_text(text)
         print(text)
-
-
-def overhead_table(records: list[Record]) -> str:
-    """The prefix cache's own costs per (length, method): the lookup's share of TTFT (inside it)
-    and the store's seconds against TTFT (after the last token, outside it), medians over runs."""
-    rows = ["| length | method | n | cached tokens (median) | lookup / TTFT (median) | store / TTFT (median) |",
-            "|---|---|---|---|---|---|"]
-    cells: dict[tuple[int | None, str], list[Record]] = {}
-    for r in records:
-        if r.method != FULL:
-            cells.setdefault((r.length, r.method), []).append(r)
-    for (length, method), rs in sorted(cells.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
-        def med(values: list[float]) -> float:
-            return float(statistics.median(values))
-        rows.append(f"| {length} | {method} | {len(rs)} | {med([r.extra['cached_tokens'] for r in rs]):.0f} | "
-                    f"{100 * med([r.extra['prefix_lookup_s'] / r.ttft_s for r in rs]):.2f}% | "
-                    f"{100 * med([r.extra['prefix_store_s'] / r.ttft_s for r in rs]):.2f}% |")
-    return "\n".join(rows) + "\n"
 
 
 def cmd_questions(args: argparse.Namespace, kind: str = "questions", evict: bool = False) -> None:

@@ -1,5 +1,6 @@
 """Every committed figure reproduces: ``fastprefill bench verify`` re-summarizes each committed
-result file and finds the numbers of its committed summaries."""
+result file and finds the numbers of its committed summaries, and finds every table the README
+and ``docs/results/`` quote from a result file in that file."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import shutil
 from pathlib import Path
 
 from fastprefill.bench.kvp import lsweep_table
+from fastprefill.bench.pages import page_sources, verify_pages
 from fastprefill.bench.records import read_rows
 from fastprefill.bench.verify import compare_tables, verify_results
+from fastprefill.cli import main
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -80,3 +83,72 @@ def test_tables_compare_to_the_printed_precision():
     assert compare_tables("f", old, "| a | b |\n|---|---|\n| 1.24x | 45% |\n")
     assert compare_tables("f", old, "| a | b |\n|---|---|\n| 1.23 | 45% |\n")  # text differs
     assert compare_tables("f", old, "| a |\n|---|\n| 1.23x |\n")[0].recomputed == "(missing)"
+
+
+# --------------------------------------------------------------------------- README and docs/results
+
+REPO = RESULTS.parents[1]
+
+
+def test_readme_and_docs_figures_reproduce():
+    report = verify_pages(REPO)
+    assert report.ok, "\n".join(map(str, report.mismatches))
+    pages = sorted(p for p in (REPO / "docs" / "results").glob("*.md") if p.name != "index.md")
+    assert {"README.md", *(str(p.relative_to(REPO)) for p in pages)} <= set(report.checked)
+    for page in pages:  # every results page quotes its tables from result files
+        assert list(page_sources(page.read_text())), f"{page.name} has no <!-- from: ... --> table"
+
+
+def test_the_cli_verifies_results_and_pages():
+    assert main(["bench", "verify", "--out", str(RESULTS)]) == 0
+
+
+def _copy_checkout(tmp_path):
+    (tmp_path / "benchmarks").symlink_to(REPO / "benchmarks")
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    return tmp_path
+
+
+def test_verify_pages_finds_a_changed_figure_command_path_or_link(tmp_path):
+    root = _copy_checkout(tmp_path)
+    page = root / "docs" / "results" / "lazyllm.md"
+    text = page.read_text()
+    row = "| lazyllm-four-stage | 50 | 6.737 [6.379, 7.101] | 1.66x |"
+    assert row in text
+    text = text.replace(row, row.replace("1.66x", "1.76x"))
+    text = text.replace("--presets default --no-baselines", "--presets default")  # not a recorded command
+    text = text.replace("lazyllm_keepall_smollm2-135m_2048.{jsonl,md,png}", "lazyllm_keepall_smollm2-135m_4096.jsonl")
+    text = text.replace("](kv-prediction.md#lazyllm-at-the-same-flops)", "](kv-predictions.md)")
+    page.write_text(text)
+    found = {(m.file, m.where.split(",")[0]) for m in verify_pages(root).mismatches}
+    assert found == {
+        ("docs/results/lazyllm.md", "table from lazyllm_curve_default_qwen2.5-coder-0.5b_2048.jsonl"),
+        ("docs/results/lazyllm.md", "command"),
+        ("docs/results/lazyllm.md", "path"),
+        ("docs/results/lazyllm.md", "link"),
+    }
+
+
+def test_a_quoted_table_must_match_its_source_by_row(tmp_path):
+    root = _copy_checkout(tmp_path)
+    page = root / "docs" / "results" / "prefix-cache.md"
+    text = page.read_text()
+    turn = "| 5 | cache | 4 | 1.145 [1.134, 2.293] | 19.66x | 100% | 100% |"
+    assert turn in text  # the chat table renames `length` to `turn` in its comment
+    page.write_text(text.replace(turn, turn.replace("| 5 | cache |", "| 9 | cache |")))
+    found = [m for m in verify_pages(root).mismatches]
+    assert [(m.file, m.committed) for m in found] == [("docs/results/prefix-cache.md", "1 row")]
+
+
+def test_verify_checks_a_prefix_runs_overhead_table(tmp_path):
+    stem = "prefix_questions_qwen2.5-coder-1.5b"
+    for path in RESULTS.glob(stem + ".*"):
+        shutil.copy(path, tmp_path / path.name)
+    assert verify_results(tmp_path).ok
+    md = tmp_path / f"{stem}.md"
+    row = "| 2048 | cache-miss | 6 | 0 | 0.04% | 0.18% |"
+    assert row in md.read_text()
+    md.write_text(md.read_text().replace(row, row.replace("0.18%", "0.81%")))
+    assert [(m.file, m.where) for m in verify_results(tmp_path).mismatches] == [
+        (f"{stem}.md (overhead table)", "row 2 column 'store / TTFT (median)'")]

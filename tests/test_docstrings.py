@@ -10,7 +10,7 @@ attribute docs Sphinx renders), read with :mod:`ast` and :mod:`tokenize`; nothin
    are wildcards (``benchmarks/results/lazyllm_sweep_*``).
 2. Measured figures (a speedup ``1.66x``, ``F1 24.9``, ``n = 50``, ``0.380 vs 0.399``, an
    approximate duration ``~0.5 s``, a percentage in a sentence that reports a result) belong in
-   the README or ``docs/decisions.md``, not in docstrings. Inline literals (````n=5````) are
+   ``docs/results/`` or ``docs/decisions.md``, not in docstrings. Inline literals (````n=5````) are
    not searched, so code examples never count.
 """
 
@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "fastprefill"
 
 #: Docstrings that hold measured figures today, as ``"<path under src/fastprefill>:<owner>"``
-#: (``owner`` as :func:`docstrings` names it). Known from before the renovation of issue 12;
-#: each is to move to the README or docs/decisions.md, and the lead empties this set. An entry
+#: (``owner`` as :func:`docstrings` names it). Each is to move to docs/results/ or
+#: docs/decisions.md, and the lead empties this set. An entry
 #: that no longer offends must be removed (the test says so).
 MEASURED_ALLOWED: frozenset[str] = frozenset()
 
@@ -215,7 +215,7 @@ def test_docstrings_hold_no_measured_figures() -> None:
     offenders = {key: figures for key, figures in offenders.items() if figures}
     new = {key: figures for key, figures in offenders.items() if key not in MEASURED_ALLOWED}
     assert not new, (
-        "measured figures in docstrings (move them to the README or docs/decisions.md):\n"
+        "measured figures in docstrings (move them to docs/results/ or docs/decisions.md):\n"
         + "\n".join(f"{key}: {figures}" for key, figures in sorted(new.items()))
     )
     fixed = MEASURED_ALLOWED - set(offenders)

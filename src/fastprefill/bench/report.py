@@ -6,6 +6,7 @@
   method runs on (``<stem>.md`` of a multi-model run); :func:`plot_score_vs_cost` its plot.
 - :func:`plot_layer_errors`: per-layer relative error of predicted K / V from a summary header.
 - :func:`write_paired_rows`: the ``<stem>.summary.jsonl`` of a task run.
+- :func:`prefix_overhead_table`: a prefix-cache run's own costs (the second table of its ``<stem>.md``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "plot_accuracy_vs_speedup",
     "plot_layer_errors",
     "plot_score_vs_cost",
+    "prefix_overhead_table",
     "redraw_layer_plot",
     "reference_table",
     "replot",
@@ -79,6 +81,24 @@ def markdown_table(summaries: Sequence[Summary], header: Mapping[str, Any] | Non
             f"{100 * s.token_layer_fraction:.0f}% | {100 * s.flops_ratio:.0f}% | {dec} | {first} | {same} | {kl} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def prefix_overhead_table(records: Sequence[Record]) -> str:
+    """The prefix cache's own costs per (length, method): the lookup's share of TTFT (inside it)
+    and the store's seconds against TTFT (after the last token, outside it), medians over runs."""
+    rows = ["| length | method | n | cached tokens (median) | lookup / TTFT (median) | store / TTFT (median) |",
+            "|---|---|---|---|---|---|"]
+    cells: dict[tuple[int | None, str], list[Record]] = {}
+    for r in records:
+        if r.method != FULL:
+            cells.setdefault((r.length, r.method), []).append(r)
+    for (length, method), rs in sorted(cells.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
+        def med(values: list[float]) -> float:
+            return float(statistics.median(values))
+        rows.append(f"| {length} | {method} | {len(rs)} | {med([r.extra['cached_tokens'] for r in rs]):.0f} | "
+                    f"{100 * med([r.extra['prefix_lookup_s'] / r.ttft_s for r in rs]):.2f}% | "
+                    f"{100 * med([r.extra['prefix_store_s'] / r.ttft_s for r in rs]):.2f}% |")
+    return "\n".join(rows) + "\n"
 
 
 def reference_table(header: Mapping[str, Any], entries: Mapping[str, Mapping[str, Any]], title: str) -> str:

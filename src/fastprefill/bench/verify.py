@@ -6,7 +6,8 @@ to it are rebuilt from the records alone and compared:
 - ``<stem>.summary.json`` (runs paired with per-method references): every committed entry key
   except the per-layer K/V errors (which need the models), and ``n_done``;
 - ``<stem>.md``: every column of the committed table, cell by cell (the :func:`reference_table`
-  form when a ``.summary.json`` exists, else :func:`markdown_table`);
+  form when a ``.summary.json`` exists, else :func:`markdown_table`), and a prefix-cache run's
+  second table (:func:`prefix_overhead_table`);
 - ``<stem>.summary.jsonl`` (rows paired with full prefill): every committed row key, and the
   header's ``retrieved_by_depth`` and ``selection`` when present.
 
@@ -28,14 +29,18 @@ from typing import Any
 from fastprefill.bench.ablation import ablation_table
 from fastprefill.bench.ceiling import ceiling_summary
 from fastprefill.bench.records import FULL, Record, load_records, read_rows
-from fastprefill.bench.report import markdown_table, reference_table
+from fastprefill.bench.report import markdown_table, prefix_overhead_table, reference_table
 from fastprefill.bench.selection import choose_by_fidelity, choose_default
 from fastprefill.bench.summary import method_entry, needle_by_depth, paired_row, summarize
 from fastprefill.errors import ConfigError
 
-__all__ = ["Mismatch", "VerifyReport", "compare_json", "compare_tables", "parse_table", "verify_results"]
+__all__ = ["Mismatch", "VerifyReport", "cell_matches", "compare_json", "compare_rows", "compare_tables",
+           "paired_summary_table", "parse_table", "parse_tables", "verify_results"]
 
 _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
+#: ``kind`` in the header of a prefix-cache run (``benchmarks/prefix_bench.py``): its ``.md`` has
+#: a second table, the cache's own costs.
+PREFIX_KINDS = ("questions", "chat", "evict")
 #: Entry keys of a ``.summary.json`` that are measured on the models, not derived from records.
 _MODEL_KEYS = ("rel_error_k", "rel_error_v", "rel_error_prompts")
 
@@ -66,22 +71,30 @@ class VerifyReport:
         return not self.mismatches
 
 
+def parse_tables(markdown: str) -> list[list[dict[str, str]]]:
+    """Every markdown table of a text, in order, each as rows of column -> cell text."""
+    tables: list[list[dict[str, str]]] = []
+    block: list[list[str]] = []
+    for ln in [*markdown.splitlines(), ""]:
+        ln = ln.strip()
+        if ln.startswith("|"):
+            block.append([c.strip() for c in ln.strip("|").split("|")])
+            continue
+        if len(block) >= 2:
+            head = block[0]
+            tables.append([dict(zip(head, row, strict=True)) for row in block[2:]])
+        block = []
+    return tables
+
+
 def parse_table(markdown: str) -> list[dict[str, str]]:
     """The first markdown table of a text, as rows of column -> cell text."""
-    lines = [ln.strip() for ln in markdown.splitlines()]
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("|")), None)
-    if start is None:
-        return []
-    block = []
-    for ln in lines[start:]:
-        if not ln.startswith("|"):
-            break
-        block.append([c.strip() for c in ln.strip("|").split("|")])
-    head, body = block[0], block[2:]
-    return [dict(zip(head, row, strict=True)) for row in body]
+    tables = parse_tables(markdown)
+    return tables[0] if tables else []
 
 
-def _cell_matches(committed: str, recomputed: str) -> bool:
+def cell_matches(committed: str, recomputed: str) -> bool:
+    """Whether two cells print the same text and numbers, to the precision of the less precise."""
     if _NUMBER.sub("#", committed) != _NUMBER.sub("#", recomputed):
         return False
     for a, b in zip(_NUMBER.findall(committed), _NUMBER.findall(recomputed), strict=True):
@@ -91,9 +104,8 @@ def _cell_matches(committed: str, recomputed: str) -> bool:
     return True
 
 
-def compare_tables(file: str, committed: str, recomputed: str) -> list[Mismatch]:
-    """Cell-by-cell differences of the committed table's columns (row order must agree)."""
-    old, new = parse_table(committed), parse_table(recomputed)
+def compare_rows(file: str, old: list[dict[str, str]], new: list[dict[str, str]]) -> list[Mismatch]:
+    """Cell-by-cell differences of the committed rows' columns (row order must agree)."""
     if len(old) != len(new):
         return [Mismatch(file, "table rows", len(old), len(new))]
     out = []
@@ -101,9 +113,14 @@ def compare_tables(file: str, committed: str, recomputed: str) -> list[Mismatch]
         for col, cell in a.items():
             if col not in b:
                 out.append(Mismatch(file, f"column {col!r}", cell, "(missing)"))
-            elif not _cell_matches(cell, b[col]):
+            elif not cell_matches(cell, b[col]):
                 out.append(Mismatch(file, f"row {i + 1} column {col!r}", cell, b[col]))
     return out
+
+
+def compare_tables(file: str, committed: str, recomputed: str) -> list[Mismatch]:
+    """Cell-by-cell differences of the committed table's columns (row order must agree)."""
+    return compare_rows(file, parse_table(committed), parse_table(recomputed))
 
 
 def _json_equal(a: Any, b: Any) -> bool:
@@ -154,6 +171,13 @@ def _check_summary_json(report: VerifyReport, path: Path, records: Sequence[Reco
     return {**doc, "summary": entries}
 
 
+def paired_summary_table(path: str | Path, records: Sequence[Record]) -> str:
+    """The :func:`reference_table` of a run paired by the ``.summary.json`` at ``path``, its entries
+    recomputed from ``records`` (the per-layer K/V errors, measured on the models, as committed)."""
+    doc = _check_summary_json(VerifyReport(), Path(path), records)
+    return reference_table(doc, doc["summary"], title="-")
+
+
 def _check_summary_jsonl(report: VerifyReport, path: Path, records: Sequence[Record]) -> None:
     header, rows = read_rows(path)
     summaries = summarize(records)
@@ -188,6 +212,10 @@ def _check_records(report: VerifyReport, jsonl: Path) -> None:
         table = (reference_table(doc, doc["summary"], title="-") if doc is not None
                  else markdown_table(summarize(records), header))
         report.mismatches += compare_tables(md.name, md.read_text(), table)
+        if header.get("kind") in PREFIX_KINDS:
+            tables = parse_tables(md.read_text())
+            report.mismatches += compare_rows(md.name + " (overhead table)", tables[1] if len(tables) > 1 else [],
+                                              parse_table(prefix_overhead_table(records)))
     if sjsonl.exists():
         _check_summary_jsonl(report, sjsonl, records)
     report.checked += [p.name for p in (jsonl, sjson, md, sjsonl) if p.exists()]

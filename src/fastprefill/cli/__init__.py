@@ -6,7 +6,8 @@ Subcommands:
 - ``generate``: answer a prompt (argument, ``--file`` or stdin) and print its TTFT.
 - ``serve``: an OpenAI-compatible HTTP server over one model (per-request method).
 - ``bench``: run methods beside full prefill over a task (flags or a TOML ``--config``);
-  ``bench verify`` re-summarizes committed result files and compares them with their summaries.
+  ``bench verify`` re-summarizes committed result files and compares them with their summaries,
+  and (in a checkout) the README's summary table and the tables of ``docs/`` with the results.
 - ``demo``: one multi-document QA prompt, answered by full prefill and every available method.
 - ``train-kvp``: train a KV Prediction predictor (``--variant prefix``: calibrate kvp-prefix maps).
 - ``tune``: measure candidate methods on your prompts and write a profile that
@@ -229,9 +230,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_verify(results: str) -> int:
+    from fastprefill.bench.pages import verify_pages
     from fastprefill.bench.verify import verify_results
 
     report = verify_results(results)
+    root = Path(results).resolve().parents[1]
+    if Path(results).resolve() == root / "benchmarks" / "results" and (root / "README.md").exists():
+        pages = verify_pages(root)  # the figures the README and docs/ print from these results
+        report.checked += pages.checked
+        report.mismatches += pages.mismatches
     for name, reason in report.skipped.items():
         console.print(f"[dim]skipped {name}: {reason}[/dim]")
     for mismatch in report.mismatches:
@@ -322,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark methods beside full prefill, or verify committed results")
     p.add_argument("action", nargs="?", choices=["run", "verify"], default="run",
                    help="run (default) a benchmark; verify: re-summarize the result files in --out and "
-                        "compare with their committed summaries")
+                        "compare with their committed summaries (and, for a checkout's benchmarks/results, "
+                        "the figures of README.md and docs/)")
     p.add_argument("--config", help="TOML file with any of: " + ", ".join(BENCH_KEYS))
     p.add_argument("--model")
     p.add_argument("--task", help=f"one of {_names(TASKS)}")

@@ -65,8 +65,8 @@ __all__ = ["DEFAULT_PRESET", "LATE_SCHEDULES", "OPTION_FIELDS", "PRESETS", "SELE
 #: Named schedules as ``(relative depth in [0, 1), keep fraction)``; resolved against the
 #: model's layer count at prefill by :func:`resolve_depth_schedule` (layer ``floor(d * L)``).
 #: ``"default"`` is an alias of :data:`DEFAULT_PRESET`, the schedule a dev-split sweep chose by
-#: a rule fixed in code (:mod:`fastprefill.bench.selection`); the README gives the run, its
-#: figures and its command. ``"paper"`` is the four-stage schedule under the paper's selection
+#: a rule fixed in code (:mod:`fastprefill.bench.selection`); ``docs/results/lazyllm.md`` gives
+#: the run, its figures and its command. ``"paper"`` is the four-stage schedule under the paper's selection
 #: rule, an explicit name for the faithful path.
 #:
 #: The ``cutDDkFF`` family cuts later with small keep fractions (a cut at ``DD``% of the depth
