@@ -3,18 +3,9 @@ fastprefill.models.random; no download) and the real smollm2-135m."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from fastprefill.models.random import random_model
-
-
-def _tiny(config_cls, **overrides):
-    """The seeded random model of ``config_cls``'s family (:func:`fastprefill.models.random.random_model`)."""
-    return random_model(config_cls.model_type, **overrides)
 
 
 @pytest.fixture(scope="session")
@@ -40,18 +31,3 @@ def smollm2():
     from fastprefill.models import zoo
 
     return zoo.load("smollm2-135m")
-
-
-@pytest.fixture(scope="session")
-def load_bench():
-    """Import a script of ``benchmarks/`` by its stem (they are not a package): ``load_bench("kvp_bench")``."""
-
-    def load(stem: str):
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{stem}.py"
-        spec = importlib.util.spec_from_file_location(stem, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[stem] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-    return load

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -296,20 +297,19 @@ def test_resume_continues_to_same_result(tiny_llama, tmp_path):
 
 
 _KILLED_CHILD = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from conftest import _tiny
-from transformers import LlamaConfig
+from fastprefill.models.random import random_model
 from test_kv_prediction import _train_tiny
-_train_tiny(_tiny(LlamaConfig), {out!r}, steps=10_000)
+_train_tiny(random_model("llama"), {out!r}, steps=10_000)
 """
 
 
 def test_kill_mid_training_leaves_resumable_checkpoint(tiny_llama, tmp_path):
     """SIGKILL during training leaves a checkpoint that verifies and resumes."""
     out = tmp_path / "k"
-    code = _KILLED_CHILD.format(tests=str(Path(__file__).parent), out=str(out))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    code = _KILLED_CHILD.format(out=str(out))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                    os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
         deadline = time.monotonic() + 600  # a loaded machine can take minutes to reach step 4
         while time.monotonic() < deadline and proc.poll() is None:

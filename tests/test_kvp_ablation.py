@@ -138,8 +138,8 @@ def test_label_lifts_separate_close_labels_only():
     assert sorted(lifts[:3]) == [0.0, 4.0, 8.0]
 
 
-def test_script_arguments_parse_and_errors_exit(load_bench, tmp_path):
-    bench = load_bench("kvp_bench")
+def test_script_arguments_parse_and_errors_exit(tmp_path):
+    import kvp_bench as bench
     parser = bench.build_parser()
     assert parser.parse_args(["train", "--pair", "smoke", "--out", "d"]).cmd == "train"
     assert parser.parse_args(["rope", "--pair", "lp", "--out", "r"]).out == "r"

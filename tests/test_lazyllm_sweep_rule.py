@@ -45,17 +45,19 @@ def test_only_the_reference_raises():
         choose_default(_sweep())
 
 
-def test_sweep_candidates_are_valid_and_exclude_the_alias(load_bench):
-    from fastprefill.methods.lazyllm import LazyLLM
+def test_sweep_candidates_are_valid_and_exclude_the_alias():
+    import lazyllm_bench as bench
 
-    bench = load_bench("lazyllm_bench")
+    from fastprefill.methods.lazyllm import LazyLLM
     assert "default" not in bench.SWEEP and "keep-all" not in bench.SWEEP
     for name, sched in bench.SWEEP.items():
         assert LazyLLM(depth_schedule=sched, label=name).resolved(24)
 
 
-def test_script_arguments_parse(load_bench):
-    parser = load_bench("lazyllm_bench").build_parser()
+def test_script_arguments_parse():
+    import lazyllm_bench
+
+    parser = lazyllm_bench.build_parser()
     for command in ("equivalence", "curve", "needle", "decode", "sweep", "fidelity-sweep", "speed"):
         args = parser.parse_args([command, "--model", "smollm2-135m", "--lengths", "512", "--n", "2",
                                   "--out", "/tmp/x", "--resume"])
@@ -140,8 +142,8 @@ def test_fidelity_candidates_fit_the_budget_and_build(layers):
         fidelity_methods(["four-stage"])
 
 
-def test_fidelity_sweep_and_decode_arguments(load_bench):
-    bench = load_bench("lazyllm_bench")
+def test_fidelity_sweep_and_decode_arguments():
+    import lazyllm_bench as bench
     parser = bench.build_parser()
     args = parser.parse_args(["fidelity-sweep", "--candidates", "cut30k20", "cut30k20+snap", "--n", "2"])
     assert args.candidates == ["cut30k20", "cut30k20+snap"]

@@ -55,8 +55,8 @@ def test_fastprefill_bench_default_name_does_not_replace_a_result(tmp_path):
     assert _bench_config(_bench_args("--config", str(config)))["name"] == "smollm2-135m_needle"
 
 
-def test_a_script_rerun_with_defaults_writes_a_new_file(tmp_path, load_bench, capsys):
-    projection = load_bench("runahead_projection")
+def test_a_script_rerun_with_defaults_writes_a_new_file(tmp_path, capsys):
+    import runahead_projection as projection
     projection.RESULTS = tmp_path
     projection.main(["--lengths", "4096"])
     first = (tmp_path / "runahead_projection.jsonl").read_text()

@@ -863,8 +863,8 @@ def test_sigterm_drains_the_stream_answers_the_waiting_and_exits_in_time(tmp_pat
     assert exited <= drain_s + EXIT_GRACE_S and "Traceback" not in output, (exited, output)
 
 
-def test_load_benchmark_summary_counts_overhead_and_throughput(load_bench):
-    bench = load_bench("serve_load")
+def test_load_benchmark_summary_counts_overhead_and_throughput():
+    import serve_load as bench
     rec = bench.LoadRecord
 
     def server(sid, conc, ttft, wall=None):
@@ -892,11 +892,11 @@ def test_load_benchmark_summary_counts_overhead_and_throughput(load_bench):
     assert "| m | 512 | full | 1 | 2 |" in table and "1.033 (1.050) | 1.111 |" in table
 
 
-def test_committed_load_figures_reproduce_from_their_records(load_bench):
+def test_committed_load_figures_reproduce_from_their_records():
     """Every committed ``serve_load_*.summary.json`` equals ``summarize`` over its own records."""
-    from fastprefill.bench.records import read_rows
+    import serve_load as bench
 
-    bench = load_bench("serve_load")
+    from fastprefill.bench.records import read_rows
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     committed = sorted(results.glob("serve_load_*.summary.json"))
     assert committed, "no committed serve_load summary"
