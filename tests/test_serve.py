@@ -33,7 +33,8 @@ from fastprefill.errors import ConfigError
 from fastprefill.methods.base import DistributedMethod
 from fastprefill.methods.registry import METHODS, make_method
 from fastprefill.serve import ServeConfig, background, create_app
-from fastprefill.serve.app import EXIT_GRACE_S, MULTI_RANK_METHODS, PER_REQUEST_METHODS
+from fastprefill.serve.app import EXIT_GRACE_S
+from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS
 from fastprefill.serve.limits import NFC_MERGE, NFKC_MERGE, longest_token_chars, prompt_char_limit
 from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_request, prompt_bytes
 from fastprefill.serve.worker import StopText
@@ -238,7 +239,7 @@ def test_tokenizers_that_drop_or_fuse_text_get_no_character_bound():
 
 
 def test_a_multi_rank_default_method_is_refused_at_start(tiny_llama):
-    from fastprefill.serve.app import MethodTable
+    from fastprefill.serve.config import MethodTable
 
     for spec in ("runahead:procs=2", "tsp:procs=2"):
         with pytest.raises(ConfigError, match="several ranks"):
@@ -677,7 +678,7 @@ def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref
 
 
 @pytest.mark.integration
-def test_models_health_and_metrics(client, served):
+def test_models_health_and_metrics(client, served, smollm2):
     assert [m.id for m in client.models.list()] == [MODEL]
     status, health = _http(served, "GET", "/health")
     assert status == 200 and health["model"] == MODEL and health["method"] == "full"
@@ -687,7 +688,10 @@ def test_models_health_and_metrics(client, served):
                  "fastprefill_queue_wait_seconds_count", "fastprefill_prompt_tokens_sum",
                  "fastprefill_prompt_token_layers_computed_total", "fastprefill_completion_tokens_total"):
         assert _metric(served, name, method="full") > 0, name
-    assert _metric(served, "fastprefill_prompt_token_layers_computed_total", method="full") == \
+    # full prefill computes every prompt token at every layer, but those the prefix cache served
+    layers = smollm2[0].config.num_hidden_layers
+    assert _metric(served, "fastprefill_prompt_token_layers_computed_total", method="full") + layers * _metric(
+        served, "fastprefill_prompt_tokens_cached_total", method="full") == \
         _metric(served, "fastprefill_prompt_token_layers_total", method="full")
 
 

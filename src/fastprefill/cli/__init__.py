@@ -160,7 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServeConfig(model_name=args.model, method=args.method, allow_methods=tuple(args.allow_method),
                          queue_size=args.queue, timeout_s=args.timeout, max_tokens=args.max_tokens,
-                         max_body_mb=args.max_body_mb, drain_timeout_s=args.drain_timeout)
+                         max_body_mb=args.max_body_mb, drain_timeout_s=args.drain_timeout,
+                         prefix_cache_mb=args.prefix_cache_mb, prefix_cache_dir=args.prefix_cache_dir)
     set_threads(args.threads)
     model, tok = _load(args.model, args.device, args.dtype)
     app = create_app(model, tok, config)
@@ -170,7 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         err_console.print(f"[yellow]warning:[/yellow] listening on {args.host}: the server has no authentication")
     err_console.print(f"serving {args.model} ({app.state.server.health()['method']}) at http://{args.host}:{args.port}/v1"
                       f"; queue {args.queue}, timeout {args.timeout:g} s, bodies up to {args.max_body_mb:g} MiB, "
-                      f"drain {args.drain_timeout:g} s on SIGTERM, {args.threads} threads", highlight=False)
+                      f"drain {args.drain_timeout:g} s on SIGTERM, {args.threads} threads, prefix cache "
+                      f"{f'{args.prefix_cache_mb:g} MiB' if args.prefix_cache_mb else 'off'}", highlight=False)
     run(app, args.host, args.port, log_level=args.log_level)
     return 0
 
@@ -322,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: refuse new requests (503), answer waiting ones 503, let the running "
                         "generation go on for up to S seconds (then end it with an error), and exit; a second "
                         "signal exits at once")
+    p.add_argument("--prefix-cache-mb", type=float, default=1024.0, metavar="MB",
+                   help="bound of the exact prefix cache shared by all requests (a prompt whose start was "
+                        "computed before prefills only the rest); 0 turns it off")
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="load the prefix cache from DIR at start (a corrupt or mismatched file is refused and "
+                        "ignored) and save it there at shutdown")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     model_args(p)
     p.set_defaults(func=cmd_serve)

@@ -1,14 +1,17 @@
 """An OpenAI-compatible HTTP server over one model, with the prefill method chosen per request.
 
 ``fastprefill serve --model NAME`` runs :func:`create_app` under uvicorn (:func:`run`, which
-drains on SIGTERM); ``app.py`` holds the routes, ``worker.py`` the one generation thread and its
-bounded queue, ``protocol.py`` the wire format, ``limits.py`` the body-size and prompt-length
-limits checked before any model work, ``metrics.py`` the Prometheus series. The user's page is
-``docs/serving.md``.
+drains on SIGTERM); ``app.py`` holds the routes, ``config.py`` the settings and the method
+table, ``runner.py`` uvicorn and the draining shutdown, ``worker.py`` the one generation thread
+and its bounded queue, ``protocol.py`` the wire format, ``limits.py`` the body-size and
+prompt-length limits checked before any model work, ``metrics.py`` the Prometheus series. The
+user's page is ``docs/serving.md``.
 """
 
 from __future__ import annotations
 
-from fastprefill.serve.app import PER_REQUEST_METHODS, ServeConfig, background, create_app, run
+from fastprefill.serve.app import create_app
+from fastprefill.serve.config import PER_REQUEST_METHODS, ServeConfig
+from fastprefill.serve.runner import background, run
 
 __all__ = ["PER_REQUEST_METHODS", "ServeConfig", "background", "create_app", "run"]

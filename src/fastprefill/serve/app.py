@@ -22,20 +22,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import math
 import queue
-import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
-from types import FrameType
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,9 +40,10 @@ from starlette.requests import ClientDisconnect
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.engine import PromptInput, context_length, generate, prepare_prompt
-from fastprefill.errors import ConfigError, FastprefillError, check_fields
-from fastprefill.methods.base import DistributedMethod, Method
-from fastprefill.methods.registry import METHODS, make_method, parse_spec
+from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.methods.base import Method
+from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
+from fastprefill.serve.config import MethodTable, ServeConfig
 from fastprefill.serve.limits import prompt_char_limit, read_body
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import (
@@ -65,15 +61,10 @@ from fastprefill.serve.protocol import (
 )
 from fastprefill.serve.worker import Failed, Finished, Job, Token, Worker, internal_error, timeout_error
 
-__all__ = ["PER_REQUEST_METHODS", "ServeConfig", "background", "create_app", "run"]
+__all__ = ["Server", "create_app"]
 
 log = logging.getLogger(__name__)
 
-#: Methods a request may build by name: their settings are plain values. The others (``kvp``
-#: reads a checkpoint from the server's disk) serve only if named when the server starts.
-PER_REQUEST_METHODS = frozenset({"full", "lazyllm", "random", "static", "gemfilter"})
-#: Methods that run over several processes (a rank pool or torchrun): this server cannot run them.
-MULTI_RANK_METHODS = frozenset({"runahead", "tsp"})
 #: Threads (each with its own tokenizer copy) that validate and tokenize prompts beside the worker.
 CHECK_THREADS = 4
 #: Seconds a shutdown gives the last answers to be sent once the drain timeout has passed.
@@ -87,94 +78,6 @@ EXIT_GRACE_S = DRAIN_GRACE_S + CLOSE_GRACE_S + WORKER_JOIN_S
 #: What routes exist, for the message of a 404.
 ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
           "GET /health", "GET /metrics")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """Settings of one server.
-
-    Attributes:
-        model_name: the name requests give as ``model`` (and ``/v1/models`` lists).
-        method: the default method spec (``"full"``, ``"lazyllm:preset=default"``, ...).
-        allow_methods: more specs built at start that requests may name (e.g. ``kvp:predictor=DIR``).
-        queue_size: requests that may wait while one generates (>= 1); more get 429.
-        timeout_s: seconds a request may take from arrival, queue wait included (> 0).
-        max_tokens: tokens to generate when a request gives no ``max_tokens`` (>= 1).
-        max_body_mb: the largest request body in MiB (> 0); a larger one gets 413 before it is read.
-        drain_timeout_s: on SIGTERM/SIGINT, seconds the running generation may go on (>= 0)
-            before it is ended with an error (see the module docstring).
-    """
-
-    model_name: str
-    method: str = "full"
-    allow_methods: tuple[str, ...] = field(default_factory=tuple)
-    queue_size: int = 16
-    timeout_s: float = 300.0
-    max_tokens: int = 256
-    max_body_mb: float = 8.0
-    drain_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        def count(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-        def seconds(v: object, low: float) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= low
-
-        check_fields(self, (
-            ("queue_size", count(self.queue_size), "an integer >= 1"),
-            ("max_tokens", count(self.max_tokens), "an integer >= 1"),
-            ("timeout_s", seconds(self.timeout_s, 0) and self.timeout_s > 0, "a finite number of seconds > 0"),
-            ("max_body_mb", seconds(self.max_body_mb, 0) and self.max_body_mb > 0, "a finite number > 0"),
-            ("drain_timeout_s", seconds(self.drain_timeout_s, 0), "a finite number of seconds >= 0"),
-        ))
-
-    @property
-    def max_body_bytes(self) -> int:
-        """``max_body_mb`` in bytes."""
-        return int(self.max_body_mb * 2**20)
-
-
-class MethodTable:
-    """The default method, the ones built at start, and per-request ones built by name."""
-
-    def __init__(self, model: PreTrainedModel, default: str, allowed: Sequence[str]) -> None:
-        self.default = default.strip()
-        self.built: dict[str, tuple[str, Method]] = {}
-        for spec in (self.default, *(s.strip() for s in allowed)):
-            name, _ = parse_spec(spec)
-            method = make_method(spec)
-            if isinstance(method, DistributedMethod):
-                raise ConfigError(
-                    f"{spec!r} runs over several ranks; the server runs one model in one process. Serve a "
-                    "single-process method, and run KV-Runahead/TSP with `python -m fastprefill.launch` (or torchrun)"
-                )
-            method.check_model(model)
-            self.built[spec] = (name, method)
-
-    def get(self, spec: str | None) -> tuple[str, Method]:
-        """``(registry name, method)`` for a request's spec (``None``: the default).
-
-        Raises:
-            APIError: 400 for an unknown or badly formed spec, or one not allowed per request.
-        """
-        spec = self.default if spec is None else spec.strip()
-        if spec in self.built:
-            return self.built[spec]
-        try:
-            name, _ = parse_spec(spec)
-            if name in MULTI_RANK_METHODS:
-                raise APIError(400, f"fastprefill.method: {name} runs over several processes and is not "
-                                    "available in this server; run it with `python -m fastprefill.launch` "
-                                    "(or torchrun)", param="fastprefill.method")
-            if name in METHODS and name not in PER_REQUEST_METHODS:
-                raise APIError(400, f"fastprefill.method: a request may name {sorted(PER_REQUEST_METHODS)} "
-                                    f"or a spec the server was started with ({sorted(self.built)}), not "
-                                    f"{spec!r}; start the server with --allow-method {spec!r} to offer it",
-                               param="fastprefill.method")
-            return name, make_method(spec)
-        except FastprefillError as exc:
-            raise APIError(400, f"fastprefill.method: {exc}", param="fastprefill.method") from None
 
 
 class _JobStream(StreamingResponse):
@@ -223,7 +126,8 @@ class Server:
         self.config = config
         self.metrics = ServeMetrics()
         self.methods = MethodTable(model, config.method, config.allow_methods)
-        self.worker = Worker(model, tokenizer, self.metrics, config.queue_size)
+        self.prefix_cache = self._open_prefix_cache()
+        self.worker = Worker(model, tokenizer, self.metrics, config.queue_size, self.prefix_cache)
         self.context = context_length(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         #: characters over which a prompt cannot fit the context (None: the tokenizer gives no safe bound)
@@ -239,14 +143,60 @@ class Server:
         self.active = 0  # completion requests being answered (a stream until its last event)
 
     # --- life ----------------------------------------------------------------------------------
+    def _open_prefix_cache(self) -> PrefixCache | None:
+        """The shared prefix cache (``None`` when ``prefix_cache_mb`` is 0), loaded from
+        ``prefix_cache_dir`` if a saved one is there; a file that is corrupt or was saved for
+        another model, dtype or block size is refused with a log message and ignored.
+
+        Raises:
+            ConfigError: a bound too small for one block, or a model the cache cannot serve.
+        """
+        cfg = self.config
+        if cfg.prefix_cache_mb == 0:
+            return None
+        cache = PrefixCache(max(1, int(cfg.prefix_cache_mb * 2**20)))
+        try:
+            cache.bind(self.model)
+        except ConfigError as exc:
+            raise ConfigError(f"--prefix-cache-mb: {exc}; start with --prefix-cache-mb 0 to serve without it") from None
+        self.metrics.watch_prefix_cache(lambda: cache.nbytes, lambda: cache.num_blocks)
+        if cfg.prefix_cache_dir is not None:
+            try:
+                loaded = cache.load(cfg.prefix_cache_dir, self.model)
+            except PrefixCacheError as exc:
+                log.warning("prefix cache not loaded: %s", exc)
+            else:
+                if loaded:
+                    log.info("prefix cache: %d tokens loaded from %s", loaded, cfg.prefix_cache_dir)
+        return cache
+
     def start(self) -> None:
         self.worker.start()
 
     def stop(self) -> None:
-        """Fail what is waiting or running with 503 and stop the worker (the app's shutdown)."""
+        """Fail what is waiting or running with 503, stop the worker (the app's shutdown), and
+        save the prefix cache to ``prefix_cache_dir`` if one is set."""
         self.draining = True
         self.worker.stop(_shutting_down(), timeout=WORKER_JOIN_S)
         self._checker.shutdown(wait=False, cancel_futures=True)
+        self.save_prefix_cache()
+
+    def save_prefix_cache(self) -> Path | None:
+        """Write the prefix cache to ``prefix_cache_dir`` (``None``: no folder, no cache, nothing
+        cached yet, or the worker still running, which the log says)."""
+        cache, folder = self.prefix_cache, self.config.prefix_cache_dir
+        if cache is None or folder is None or not cache.num_blocks:
+            return None
+        if self.worker.alive:
+            log.warning("prefix cache not saved: the worker is still generating")
+            return None
+        try:
+            path = cache.save(folder)
+        except (OSError, FastprefillError) as exc:
+            log.warning("prefix cache not saved to %s: %s", folder, exc)
+            return None
+        log.info("prefix cache: %d tokens saved to %s", cache.cached_tokens, path)
+        return path
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests (503), fail the waiting ones with 503, give the running
@@ -541,69 +491,3 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, confi
         return _error(error)
 
     return app
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's server; the first SIGTERM or SIGINT drains the app's :class:`Server`
-    (:meth:`Server.drain` with its ``drain_timeout_s``) before uvicorn shuts down, a second one
-    is uvicorn's own handling (shut down now)."""
-
-    def __init__(self, config: uvicorn.Config, app_server: Server) -> None:
-        super().__init__(config)
-        self.app_server = app_server
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
-        self._drain: asyncio.Task[None] | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets=sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining or self._loop is None or not self.started:
-            super().handle_exit(sig, frame)
-            return
-        self._draining = True
-        log.warning("shutting down: draining for at most %g s (a second signal stops at once)",
-                    self.app_server.config.drain_timeout_s)
-        self._loop.call_soon_threadsafe(self._start_drain)
-
-    def _start_drain(self) -> None:
-        self._drain = asyncio.ensure_future(self._drain_then_exit())
-
-    async def _drain_then_exit(self) -> None:
-        try:
-            await self.app_server.drain(self.app_server.config.drain_timeout_s)
-        finally:
-            self.should_exit = True
-
-
-def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> None:
-    """Serve ``app`` (made by :func:`create_app`) with uvicorn until SIGTERM or SIGINT, then
-    shut down as the module docstring says (one process: the model is loaded once)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=CLOSE_GRACE_S)
-    _DrainingServer(config, app.state.server).run()
-
-
-@contextmanager
-def background(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """Serve ``app`` from a thread of this process (tests, notebooks); yields the base URL
-    ``http://host:port`` once the server accepts connections, and stops it on exit (without a
-    drain: what is waiting or running is answered 503)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="fastprefill-uvicorn",
-                              daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            if not thread.is_alive():
-                raise RuntimeError("the server thread ended before it started (see the log above)")
-            time.sleep(0.02)
-        yield f"http://{host}:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()

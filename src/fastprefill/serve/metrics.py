@@ -20,7 +20,7 @@ _TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 
 
 class ServeMetrics:
-    """TTFT, decode time, queue wait, prompt sizes, token-layers and request outcomes."""
+    """TTFT, decode time, queue wait, prompt sizes, token-layers, prefix-cache hits and request outcomes."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -38,6 +38,15 @@ class ServeMetrics:
         self.token_layers_full = Counter("fastprefill_prompt_token_layers",
                                          "prompt tokens x layers of the same prefills (what full prefill computes)",
                                          m, registry=r)
+        self.cached_prompt_tokens = Counter("fastprefill_prompt_tokens_cached",
+                                            "prompt tokens served from the prefix cache (not prefilled)",
+                                            m, registry=r)
+        self.computed_prompt_tokens = Counter("fastprefill_prompt_tokens_computed",
+                                              "prompt tokens prefilled (not found in the prefix cache)", m, registry=r)
+        self.prefix_cache_bytes = Gauge("fastprefill_prefix_cache_bytes", "bytes of K/V the prefix cache holds",
+                                        registry=r)
+        self.prefix_cache_blocks = Gauge("fastprefill_prefix_cache_blocks", "blocks the prefix cache holds",
+                                         registry=r)
         self.completion_tokens = Counter("fastprefill_completion_tokens",
                                          "tokens generated (stopped generations included)", m, registry=r)
         self.requests = Counter("fastprefill_requests", "requests by outcome: ok, bad_request, too_large, "
@@ -50,6 +59,11 @@ class ServeMetrics:
         """Read the two gauges from the worker at scrape time."""
         self.waiting.set_function(waiting)
         self.busy.set_function(busy)
+
+    def watch_prefix_cache(self, nbytes: Callable[[], float], blocks: Callable[[], float]) -> None:
+        """Read the prefix cache's size at scrape time."""
+        self.prefix_cache_bytes.set_function(nbytes)
+        self.prefix_cache_blocks.set_function(blocks)
 
     def render(self) -> bytes:
         """The text exposition format."""

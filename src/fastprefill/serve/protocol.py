@@ -239,13 +239,17 @@ def parse_request(raw: bytes, schema: type[_Common]) -> _Common:
 
 # --- responses ---------------------------------------------------------------------------------
 def usage_block(timing: Timing, completion_tokens: int, queue_wait_s: float) -> dict[str, Any]:
-    """OpenAI's usage counts plus ``fastprefill``: the method and what its prefill took."""
+    """OpenAI's usage counts (``prompt_tokens_details.cached_tokens``: prompt tokens the prefix
+    cache served) plus ``fastprefill``: the method, what its prefill took, and what the prefix
+    cache did (``off``, ``hit``, ``miss`` or ``not used: ...``)."""
     return {
         "prompt_tokens": timing.prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": timing.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": timing.cached_tokens},
         "fastprefill": {
             "method": timing.method,
+            "prefix_cache": timing.prefix_cache,
             "ttft_s": timing.ttft_s,
             "queue_wait_s": queue_wait_s,
             "decode_s_per_token": timing.decode_s_per_token,

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastprefill.engine import Timing, stream
 from fastprefill.errors import FastprefillError
 from fastprefill.methods.base import Method
+from fastprefill.prefix_cache import PrefixCache
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError
 
@@ -167,8 +168,11 @@ class Worker:
     """The thread that owns the model: one generation at a time, ``capacity`` jobs waiting."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, metrics: ServeMetrics,
-                 capacity: int) -> None:
+                 capacity: int, prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
+        # Only this thread generates, so only it looks up and stores; the cache's own lock also
+        # keeps a save (at shutdown) from reading a block while it is written.
+        self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.capacity = capacity
@@ -229,6 +233,11 @@ class Worker:
                 raise APIError(429, f"the server is busy: its queue of {self.capacity} is full (one request "
                                     "generates at a time); retry later", kind="rate_limit_error") from None
 
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread is running (it may still be, after :meth:`stop`'s timeout)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             self.current = job
@@ -257,7 +266,8 @@ class Worker:
         ids: list[int] = []
         timing: Timing | None = None
         events = stream(self.model, self.tokenizer, job.input_ids, job.method, job.max_tokens,
-                        stop_at_eos=not job.ignore_eos, stop=stop.matched if job.stops else None)
+                        stop_at_eos=not job.ignore_eos, stop=stop.matched if job.stops else None,
+                        prefix_cache=self.prefix_cache)  # stores only once the generation is complete
         try:
             for event in events:
                 ids.append(event.token_id)
@@ -285,6 +295,8 @@ class Worker:
         m.prompt_tokens.labels(label).observe(timing.prompt_tokens)
         m.token_layers.labels(label).inc(timing.token_layers)
         m.token_layers_full.labels(label).inc(timing.total_token_layers)
+        m.cached_prompt_tokens.labels(label).inc(timing.cached_tokens)
+        m.computed_prompt_tokens.labels(label).inc(timing.prompt_tokens - timing.cached_tokens)
         if job.resolve("ok"):
             text = stop.cut(self.tokenizer.decode(ids, skip_special_tokens=True))
             reason = "stop" if stop.hit or len(ids) < job.max_tokens else "length"

@@ -1,0 +1,121 @@
+"""A server's settings (:class:`ServeConfig`) and the methods it serves (:class:`MethodTable`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedModel
+
+from fastprefill.errors import ConfigError, FastprefillError, check_fields
+from fastprefill.methods.base import DistributedMethod, Method
+from fastprefill.methods.registry import METHODS, make_method, parse_spec
+from fastprefill.serve.protocol import APIError
+
+__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "MethodTable", "ServeConfig"]
+
+#: Methods a request may build by name: their settings are plain values. The others (``kvp``
+#: reads a checkpoint from the server's disk) serve only if named when the server starts.
+PER_REQUEST_METHODS = frozenset({"full", "lazyllm", "random", "static", "gemfilter"})
+#: Methods that run over several processes (a rank pool or torchrun): this server cannot run them.
+MULTI_RANK_METHODS = frozenset({"runahead", "tsp"})
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of one server.
+
+    Attributes:
+        model_name: the name requests give as ``model`` (and ``/v1/models`` lists).
+        method: the default method spec (``"full"``, ``"lazyllm:preset=default"``, ...).
+        allow_methods: more specs built at start that requests may name (e.g. ``kvp:predictor=DIR``).
+        queue_size: requests that may wait while one generates (>= 1); more get 429.
+        timeout_s: seconds a request may take from arrival, queue wait included (> 0).
+        max_tokens: tokens to generate when a request gives no ``max_tokens`` (>= 1).
+        max_body_mb: the largest request body in MiB (> 0); a larger one gets 413 before it is read.
+        drain_timeout_s: on SIGTERM/SIGINT, seconds the running generation may go on (>= 0)
+            before it is ended with an error (see the module docstring).
+        prefix_cache_mb: the bound in MiB of the exact prefix cache all requests share (>= 0;
+            0 turns it off): a prompt whose start an earlier request computed prefills only the
+            rest (:class:`~fastprefill.prefix_cache.PrefixCache`).
+        prefix_cache_dir: a folder where the prefix cache is loaded from at start (a corrupt or
+            mismatched file is refused with a log message and ignored) and saved to at shutdown.
+    """
+
+    model_name: str
+    method: str = "full"
+    allow_methods: tuple[str, ...] = field(default_factory=tuple)
+    queue_size: int = 16
+    timeout_s: float = 300.0
+    max_tokens: int = 256
+    max_body_mb: float = 8.0
+    drain_timeout_s: float = 30.0
+    prefix_cache_mb: float = 1024.0
+    prefix_cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        def count(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+        def seconds(v: object, low: float) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= low
+
+        check_fields(self, (
+            ("queue_size", count(self.queue_size), "an integer >= 1"),
+            ("max_tokens", count(self.max_tokens), "an integer >= 1"),
+            ("timeout_s", seconds(self.timeout_s, 0) and self.timeout_s > 0, "a finite number of seconds > 0"),
+            ("max_body_mb", seconds(self.max_body_mb, 0) and self.max_body_mb > 0, "a finite number > 0"),
+            ("drain_timeout_s", seconds(self.drain_timeout_s, 0), "a finite number of seconds >= 0"),
+            ("prefix_cache_mb", seconds(self.prefix_cache_mb, 0), "a finite number of MiB >= 0 (0: no cache)"),
+            ("prefix_cache_dir", self.prefix_cache_dir is None or (isinstance(self.prefix_cache_dir, str)
+                                                                   and bool(self.prefix_cache_dir.strip())),
+             "a folder path, or None"),
+        ))
+
+    @property
+    def max_body_bytes(self) -> int:
+        """``max_body_mb`` in bytes."""
+        return int(self.max_body_mb * 2**20)
+
+
+class MethodTable:
+    """The default method, the ones built at start, and per-request ones built by name."""
+
+    def __init__(self, model: PreTrainedModel, default: str, allowed: Sequence[str]) -> None:
+        self.default = default.strip()
+        self.built: dict[str, tuple[str, Method]] = {}
+        for spec in (self.default, *(s.strip() for s in allowed)):
+            name, _ = parse_spec(spec)
+            method = make_method(spec)
+            if isinstance(method, DistributedMethod):
+                raise ConfigError(
+                    f"{spec!r} runs over several ranks; the server runs one model in one process. Serve a "
+                    "single-process method, and run KV-Runahead/TSP with `python -m fastprefill.launch` (or torchrun)"
+                )
+            method.check_model(model)
+            self.built[spec] = (name, method)
+
+    def get(self, spec: str | None) -> tuple[str, Method]:
+        """``(registry name, method)`` for a request's spec (``None``: the default).
+
+        Raises:
+            APIError: 400 for an unknown or badly formed spec, or one not allowed per request.
+        """
+        spec = self.default if spec is None else spec.strip()
+        if spec in self.built:
+            return self.built[spec]
+        try:
+            name, _ = parse_spec(spec)
+            if name in MULTI_RANK_METHODS:
+                raise APIError(400, f"fastprefill.method: {name} runs over several processes and is not "
+                                    "available in this server; run it with `python -m fastprefill.launch` "
+                                    "(or torchrun)", param="fastprefill.method")
+            if name in METHODS and name not in PER_REQUEST_METHODS:
+                raise APIError(400, f"fastprefill.method: a request may name {sorted(PER_REQUEST_METHODS)} "
+                                    f"or a spec the server was started with ({sorted(self.built)}), not "
+                                    f"{spec!r}; start the server with --allow-method {spec!r} to offer it",
+                               param="fastprefill.method")
+            return name, make_method(spec)
+        except FastprefillError as exc:
+            raise APIError(400, f"fastprefill.method: {exc}", param="fastprefill.method") from None
