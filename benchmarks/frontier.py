@@ -56,6 +56,14 @@ def frontier_points(results: Path, model: str, task: str, length: int) -> list[d
     return points
 
 
+def family(method: str) -> str:
+    """The legend group of a method cell: the method's name, with a fill policy named apart."""
+    for fill in ("calibrated", "zero-shot"):
+        if method.endswith("/" + fill):
+            return f"lazyllm + {fill} fill"
+    return method.split("-")[0].split(":")[0]
+
+
 def plot(points: list[dict[str, Any]], title: str, path: Path) -> None:
     import matplotlib
 
@@ -63,10 +71,10 @@ def plot(points: list[dict[str, Any]], title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    families = sorted({p["method"].split("-")[0].split(":")[0] for p in points})
+    families = sorted({family(p["method"]) for p in points})
     colours = dict(zip(families, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4, strict=False))
     for p in points:
-        fam = p["method"].split("-")[0].split(":")[0]
+        fam = family(p["method"])
         err = [[p["first_token"] - p["ci"][0]], [p["ci"][1] - p["first_token"]]]
         filled = p["split"] != "dev"
         ax.errorbar(p["ttft_ratio"], p["first_token"], yerr=err, fmt="o", ms=5, capsize=2, alpha=0.8,
