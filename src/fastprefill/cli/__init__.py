@@ -158,6 +158,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fastprefill.distributed.runtime import set_threads
     from fastprefill.serve import ServeConfig, create_app, run
 
+    if args.profile is not None:
+        if args.method != "full":
+            raise FastprefillError("give --profile FILE (which serves auto:profile=FILE) or --method SPEC, not both")
+        args.method = f"auto:profile={args.profile}"
     config = ServeConfig(model_name=args.model, method=args.method, allow_methods=tuple(args.allow_method),
                          queue_size=args.queue, timeout_s=args.timeout, max_tokens=args.max_tokens,
                          max_body_mb=args.max_body_mb, drain_timeout_s=args.drain_timeout,
@@ -324,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: refuse new requests (503), answer waiting ones 503, let the running "
                         "generation go on for up to S seconds (then end it with an error), and exit; a second "
                         "signal exits at once")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="serve --method auto:profile=FILE by default: a `fastprefill tune` profile picks the "
+                        "method per prompt length")
     p.add_argument("--prefix-cache-mb", type=float, default=1024.0, metavar="MB",
                    help="bound of the exact prefix cache shared by all requests (a prompt whose start was "
                         "computed before prefills only the rest); 0 turns it off")

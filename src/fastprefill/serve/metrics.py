@@ -47,6 +47,8 @@ class ServeMetrics:
                                         registry=r)
         self.prefix_cache_blocks = Gauge("fastprefill_prefix_cache_blocks", "blocks the prefix cache holds",
                                          registry=r)
+        self.auto_choices = Counter("fastprefill_auto_choices", "requests of --method auto by the method its "
+                                    "profile chose for the prompt's length (its full setting)", ["choice"], registry=r)
         self.completion_tokens = Counter("fastprefill_completion_tokens",
                                          "tokens generated (stopped generations included)", m, registry=r)
         self.requests = Counter("fastprefill_requests", "requests by outcome: ok, bad_request, too_large, "

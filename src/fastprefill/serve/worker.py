@@ -295,6 +295,8 @@ class Worker:
         m.prompt_tokens.labels(label).observe(timing.prompt_tokens)
         m.token_layers.labels(label).inc(timing.token_layers)
         m.token_layers_full.labels(label).inc(timing.total_token_layers)
+        if label == "auto":  # the profile's choice for this prompt's length
+            m.auto_choices.labels(timing.method).inc()
         m.cached_prompt_tokens.labels(label).inc(timing.cached_tokens)
         m.computed_prompt_tokens.labels(label).inc(timing.prompt_tokens - timing.cached_tokens)
         if job.resolve("ok"):
