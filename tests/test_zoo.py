@@ -25,7 +25,7 @@ from fastprefill.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from fastprefill.models import zoo
+from fastprefill.models import gguf, zoo
 
 TINY_VOCAB_EXTRA = ["Ġt", "he", "Ġthe", "<|endoftext|>"]
 PROMPT = "the theory of the thing"
@@ -189,7 +189,7 @@ def test_installed_packages_match_the_registry(name):
     assert len(paths) == len(entry.packages)
     assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
     with open(paths[0], "rb") as f:
-        assert f.read(4) == zoo.GGUF_MAGIC
+        assert f.read(4) == gguf.GGUF_MAGIC
 
 
 @pytest.mark.parametrize(
@@ -275,19 +275,19 @@ def test_a_file_that_is_not_gguf_is_refused(site, cache, conversions):
 def test_crash_mid_save_leaves_no_entry_then_a_good_run_is_reused(
     tiny_entry, cache, conversions, monkeypatch
 ):
-    real_save = zoo._save_converted
+    real_save = gguf._save_converted
 
     def crash_after_the_weights(model, tokenizer, out_dir):
         model.save_pretrained(out_dir)  # half an entry: weights, no tokenizer, no manifest
         raise KeyboardInterrupt("simulated crash mid-save")
 
-    monkeypatch.setattr(zoo, "_save_converted", crash_after_the_weights)
+    monkeypatch.setattr(gguf, "_save_converted", crash_after_the_weights)
     with pytest.raises(KeyboardInterrupt):
         zoo.prepare(tiny_entry, progress=False)
     assert not zoo.is_prepared(tiny_entry)
     assert leftovers(cache) == []
 
-    monkeypatch.setattr(zoo, "_save_converted", real_save)
+    monkeypatch.setattr(gguf, "_save_converted", real_save)
     folder = zoo.prepare(tiny_entry, progress=False)
     assert zoo.is_prepared(tiny_entry) and (folder / "tokenizer.json").is_file()
     assert len(conversions) == 2
