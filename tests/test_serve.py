@@ -34,7 +34,7 @@ from fastprefill.methods.base import DistributedMethod
 from fastprefill.methods.registry import METHODS, make_method
 from fastprefill.serve import ServeConfig, background, create_app
 from fastprefill.serve.app import EXIT_GRACE_S
-from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS
+from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, serving_method
 from fastprefill.serve.limits import NFC_MERGE, NFKC_MERGE, longest_token_chars, prompt_char_limit
 from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_request, prompt_bytes
 from fastprefill.serve.worker import StopText
@@ -104,7 +104,7 @@ def ref(smollm2):
     def reference(prompt, n: int, spec: str = "full", chat: bool = True, **kw):
         key = (json.dumps(prompt), n, spec, chat, json.dumps(kw))
         if key not in cache:
-            cache[key] = generate(model, tok, prompt, make_method(spec), n, chat=chat, **kw)
+            cache[key] = generate(model, tok, prompt, serving_method(spec), n, chat=chat, **kw)
         return cache[key]
 
     return reference
@@ -371,14 +371,15 @@ def test_streamed_non_ascii_text_equals_the_whole_answer(client, ref, smollm2, p
 
 
 @pytest.mark.integration
-def test_per_request_method_in_the_fastprefill_field(client, ref):
+def test_per_request_method_in_the_fastprefill_field(client, ref, served, smollm2):
     prompt = "The three primary colours are"
     want = ref(prompt, 5, LAZY, chat=False)
     body = {"fastprefill": {"method": LAZY}}
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body=body)
     assert r.choices[0].text == want.text
     fp = r.usage.fastprefill
-    assert fp["method"] == make_method(LAZY).describe() == want.timing.method
+    assert fp["method"] == serving_method(LAZY).describe() == want.timing.method
+    assert "revival=none" in fp["method"]  # the server's LazyLLM decodes with the model's own forward
     assert fp["token_layer_fraction"] == pytest.approx(want.timing.token_layer_fraction)
     assert fp["token_layer_fraction"] < 1.0
     streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body=body, stream=True)
@@ -387,6 +388,12 @@ def test_per_request_method_in_the_fastprefill_field(client, ref):
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5)
     assert plain.choices[0].text == ref(prompt, 5, chat=False).text
     assert plain.usage.fastprefill["method"] == "full"
+    # a request may ask for the paper's Aux-Cache revival by name
+    revived = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                        extra_body={"fastprefill": {"method": LAZY + ",revival=all"}})
+    assert revived.usage.fastprefill["method"] == make_method(LAZY).describe() != fp["method"]
+    assert revived.choices[0].text == generate(*smollm2, prompt, make_method(LAZY), 5).text
+    assert _metric(served, "fastprefill_decode_seconds_per_token_count", method="lazyllm") >= 2
 
 
 @pytest.mark.integration

@@ -13,11 +13,16 @@ from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.methods.registry import METHODS, make_method, parse_spec
 from fastprefill.serve.protocol import APIError
 
-__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "MethodTable", "ServeConfig"]
+__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "SERVER_REVIVAL", "MethodTable", "ServeConfig", "serving_method"]
 
 #: Methods a request may build by name: their settings are plain values. The others (``kvp``
 #: reads a checkpoint from the server's disk) serve only if named when the server starts.
 PER_REQUEST_METHODS = frozenset({"full", "lazyllm", "random", "static", "gemfilter"})
+#: The revival policy of the server's LazyLLM when a request's spec names none: ``none`` decodes
+#: with the model's own forward over the kept cache, at full prefill's speed per token; the
+#: paper's Aux-Cache revival (``all``) recomputes deferred tokens while decoding. A request may
+#: still ask for ``lazyllm:...,revival=all``; the usage block's method names the policy.
+SERVER_REVIVAL = "none"
 #: Methods that run over several processes (a rank pool or torchrun): this server cannot run them.
 MULTI_RANK_METHODS = frozenset({"runahead", "tsp"})
 
@@ -79,6 +84,23 @@ class ServeConfig:
         return int(self.max_body_mb * 2**20)
 
 
+def serving_method(spec: str) -> Method:
+    """The method the server runs for ``spec``: :func:`make_method`'s, except that a LazyLLM
+    whose spec names no ``revival`` and whose preset revives (``all``) decodes with
+    :data:`SERVER_REVIVAL` instead.
+
+    Raises:
+        ConfigError: as :func:`make_method`.
+    """
+    method = make_method(spec)
+    name, fields = parse_spec(spec)
+    options = getattr(method, "options", None)
+    if name == "lazyllm" and "revival" not in fields and str(getattr(options, "revival", "")) == "all":
+        fields = {**fields, "revival": SERVER_REVIVAL}
+        method = make_method(f"{name}:" + ",".join(f"{k}={v}" for k, v in fields.items()))
+    return method
+
+
 class MethodTable:
     """The default method, the ones built at start, and per-request ones built by name."""
 
@@ -87,7 +109,7 @@ class MethodTable:
         self.built: dict[str, tuple[str, Method]] = {}
         for spec in (self.default, *(s.strip() for s in allowed)):
             name, _ = parse_spec(spec)
-            method = make_method(spec)
+            method = serving_method(spec)
             if isinstance(method, DistributedMethod):
                 raise ConfigError(
                     f"{spec!r} runs over several ranks; the server runs one model in one process. Serve a "
@@ -116,6 +138,6 @@ class MethodTable:
                                     f"or a spec the server was started with ({sorted(self.built)}), not "
                                     f"{spec!r}; start the server with --allow-method {spec!r} to offer it",
                                param="fastprefill.method")
-            return name, make_method(spec)
+            return name, serving_method(spec)
         except FastprefillError as exc:
             raise APIError(400, f"fastprefill.method: {exc}", param="fastprefill.method") from None
