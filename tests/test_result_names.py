@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from fastprefill.bench.records import RESULT_SUFFIXES, result_name
 from fastprefill.cli import _bench_config, build_parser
@@ -66,3 +67,12 @@ def test_a_script_rerun_with_defaults_writes_a_new_file(tmp_path, capsys):
     assert rerun and all(r["procs"] == 4 for r in rerun)
     assert (tmp_path / "runahead_projection-run2.md").exists()
     capsys.readouterr()
+
+
+def test_the_command_line_names_the_installed_command_for_python_m(monkeypatch):
+    from fastprefill.bench.records import command_line
+
+    monkeypatch.setattr(sys, "argv", ["/x/src/fastprefill/cli/__main__.py", "tune", "--n", "3"])
+    assert command_line() == "fastprefill tune --n 3"
+    monkeypatch.setattr(sys, "argv", ["benchmarks/prefix_bench.py", "chat"])
+    assert command_line() == "python benchmarks/prefix_bench.py chat"

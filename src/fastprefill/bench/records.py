@@ -99,6 +99,8 @@ def command_line() -> str:
     if not sys.argv:
         return ""
     first = sys.argv[0]
+    if Path(first).parts[-2:] == ("cli", "__main__.py"):  # python -m fastprefill.cli: the installed command
+        first = "fastprefill"
     first = f"python {os.path.relpath(first)}" if first.endswith(".py") else Path(first).name
     return " ".join([first, *sys.argv[1:]])
 
