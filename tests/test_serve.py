@@ -34,7 +34,7 @@ from fastprefill.methods.base import DistributedMethod
 from fastprefill.methods.registry import METHODS, make_method
 from fastprefill.serve import ServeConfig, background, create_app
 from fastprefill.serve.app import EXIT_GRACE_S
-from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, serving_method
+from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, describe, serving_method
 from fastprefill.serve.limits import NFC_MERGE, NFKC_MERGE, longest_token_chars, prompt_char_limit
 from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_request, prompt_bytes
 from fastprefill.serve.worker import StopText
@@ -378,7 +378,7 @@ def test_per_request_method_in_the_fastprefill_field(client, ref, served, smollm
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body=body)
     assert r.choices[0].text == want.text
     fp = r.usage.fastprefill
-    assert fp["method"] == serving_method(LAZY).describe() == want.timing.method
+    assert fp["method"] == describe(serving_method(LAZY)) == "lazyllm[four-stage revival=none]"
     assert "revival=none" in fp["method"]  # the server's LazyLLM decodes with the model's own forward
     assert fp["token_layer_fraction"] == pytest.approx(want.timing.token_layer_fraction)
     assert fp["token_layer_fraction"] < 1.0
@@ -391,9 +391,8 @@ def test_per_request_method_in_the_fastprefill_field(client, ref, served, smollm
     # a request may ask for the paper's Aux-Cache revival by name
     revived = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
                                         extra_body={"fastprefill": {"method": LAZY + ",revival=all"}})
-    assert revived.usage.fastprefill["method"] == make_method(LAZY).describe() != fp["method"]
+    assert revived.usage.fastprefill["method"] == "lazyllm[four-stage revival=all]"
     assert revived.choices[0].text == generate(*smollm2, prompt, make_method(LAZY), 5).text
-    assert _metric(served, "fastprefill_decode_seconds_per_token_count", method="lazyllm") >= 2
 
 
 @pytest.mark.integration
@@ -575,17 +574,36 @@ def test_an_unexpected_failure_is_a_counted_500_in_openai_shape(client, served, 
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices[0].finish_reason == "length"
 
 
+def test_the_server_decodes_lazyllm_without_revival_unless_a_spec_names_it(tiny_llama):
+    from fastprefill.serve.config import MethodTable
+
+    assert serving_method("lazyllm").options.revival.kind == "none"
+    assert serving_method("lazyllm:revival=all").options.revival.kind == "all"
+    table = MethodTable(tiny_llama, "lazyllm:schedule=1:0.5", ())
+    label, default = table.get(None)
+    assert label == "lazyllm[revival=none]" and default.options.revival.kind == "none"
+    assert describe(default) == "lazyllm[1:0.5 revival=none]"
+    label, paper = table.get("lazyllm:schedule=1:0.5,revival=all")
+    assert label == "lazyllm[revival=all]" and describe(paper) == "lazyllm[1:0.5 revival=all]"
+    assert table.get("lazyllm:schedule=1:0.5,revival=budget:2")[0] == "lazyllm[revival=budget]"  # a bounded label
+    assert table.get("full") == ("full", table.get("full")[1]) and describe(table.get("full")[1]) == "full"
+
+
 @pytest.mark.integration
-def test_metrics_report_decode_seconds_per_token_by_method(client, served):
+def test_metrics_report_decode_seconds_per_token_by_method(client, served, ref):
     name = "fastprefill_decode_seconds_per_token"
+    labels = ("full", "lazyllm[revival=none]", "lazyllm[revival=all]")
     before = {m: (_metric(served, name + "_count", method=m), _metric(served, name + "_sum", method=m))
-              for m in ("full", "lazyllm")}
-    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4,
-                                  extra_body={"fastprefill": {"method": LAZY, "ignore_eos": True}})
-    per_token = r.usage.fastprefill["decode_s_per_token"]
-    assert per_token > 0
-    assert _metric(served, name + "_count", method="lazyllm") - before["lazyllm"][0] == 1
-    assert _metric(served, name + "_sum", method="lazyllm") - before["lazyllm"][1] == pytest.approx(per_token)
+              for m in labels}
+    for spec, label, policy in ((LAZY, labels[1], "revival=none"), (LAZY + ",revival=all", labels[2], "revival=all")):
+        r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4,
+                                      extra_body={"fastprefill": {"method": spec, "ignore_eos": True}})
+        assert r.choices[0].text == ref("The sky is", 4, spec, chat=False, stop_at_eos=False).text
+        assert policy in r.usage.fastprefill["method"], r.usage.fastprefill
+        per_token = r.usage.fastprefill["decode_s_per_token"]
+        assert per_token > 0
+        assert _metric(served, name + "_count", method=label) - before[label][0] == 1
+        assert _metric(served, name + "_sum", method=label) - before[label][1] == pytest.approx(per_token)
     assert _metric(served, name + "_count", method="full") == before["full"][0]  # the other method's untouched
 
 

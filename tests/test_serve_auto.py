@@ -30,9 +30,11 @@ def test_auto_picks_per_prompt_length_names_the_choice_and_counts_it(smollm2, tm
         client = _client(url)
         short = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4)
         long = client.completions.create(model=MODEL, prompt=LONG, max_tokens=4)
-        choices = {c: _metric(url, "fastprefill_auto_choices_total", choice=c) for c in ("lazyllm[keep-all]", "full")}
-    assert choices == {"lazyllm[keep-all]": 1, "full": 1}
-    assert short.usage.model_extra["fastprefill"]["method"] == "lazyllm[keep-all]"
+        # the choice as responses name it: LazyLLM with its revival policy (the profile's spec: the default, all)
+        lazy = "lazyllm[keep-all revival=all]"
+        choices = {c: _metric(url, "fastprefill_auto_choices_total", choice=c) for c in (lazy, "full")}
+    assert choices == {lazy: 1, "full": 1}
+    assert short.usage.model_extra["fastprefill"]["method"] == lazy
     assert long.usage.model_extra["fastprefill"]["method"] == "full"
     for res, prompt, spec in ((short, "The sky is", "lazyllm:preset=keep-all"), (long, LONG, "full")):
         assert res.choices[0].text == generate(model, tok, prompt, make_method(spec), 4).text

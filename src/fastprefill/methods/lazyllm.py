@@ -36,7 +36,7 @@ and the compute counter are the mechanism in :mod:`fastprefill.methods.pruning`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -228,9 +228,10 @@ class LazyLLM(Method):
         assert isinstance(self.options, PruneOptions)
         return progressive_prefill(ad, input_ids, self.resolved(ad.num_layers), self.select, self.options, prefix)
 
-    def describe(self) -> str:
+    def describe(self, *, show: Collection[str] = ()) -> str:
         """``lazyllm[<preset, label or schedule>]``, then the options that differ from the preset's
-        selection bundle (the paper's rule for a custom schedule)."""
+        selection bundle (the paper's rule for a custom schedule), and the options named in
+        ``show`` even when they do not (the server shows ``revival``)."""
         if self.label:
             where = self.label
         elif not self._custom:
@@ -244,5 +245,5 @@ class LazyLLM(Method):
         assert isinstance(self.options, PruneOptions)
         expected = PruneOptions(**(SELECTIONS[self.selection or "paper"] if not self._custom else {}))
         differ = [f"{key}={getattr(self.options, key)}" for key in OPTION_FIELDS
-                  if getattr(self.options, key) != getattr(expected, key)]
+                  if key in show or getattr(self.options, key) != getattr(expected, key)]
         return f"lazyllm[{where}{' ' + ','.join(differ) if differ else ''}]"

@@ -43,7 +43,7 @@ from fastprefill.engine import PromptInput, context_length, generate, prepare_pr
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.methods.base import Method
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
-from fastprefill.serve.config import MethodTable, ServeConfig
+from fastprefill.serve.config import MethodTable, ServeConfig, describe
 from fastprefill.serve.limits import prompt_char_limit, read_body
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import (
@@ -385,7 +385,7 @@ class Server:
         return {
             "status": "draining" if self.draining else "ok",
             "model": self.config.model_name,
-            "method": self.methods.built[self.methods.default][1].describe(),
+            "method": describe(self.methods.built[self.methods.default][1]),
             "busy": self.worker.current is not None,
             "queue": {"waiting": self.worker.waiting, "capacity": self.config.queue_size},
             "timeout_s": self.config.timeout_s,

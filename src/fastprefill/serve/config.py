@@ -1,4 +1,5 @@
-"""A server's settings (:class:`ServeConfig`) and the methods it serves (:class:`MethodTable`)."""
+"""A server's settings (:class:`ServeConfig`) and the methods it serves (:class:`MethodTable`), with
+the server's defaults for them (:data:`SERVER_DEFAULTS`) and how responses and metrics name them."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from transformers import PreTrainedModel
 
 from fastprefill.errors import ConfigError, FastprefillError, check_fields
 from fastprefill.methods.base import DistributedMethod, Method
+from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.methods.pruning import PruneOptions
 from fastprefill.methods.registry import METHODS, make_method, parse_spec
 from fastprefill.serve.protocol import APIError
 
-__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "SERVER_REVIVAL", "MethodTable", "ServeConfig", "serving_method"]
+__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "SERVER_REVIVAL", "MethodTable", "ServeConfig", "describe",
+           "metric_label", "serving_method"]
 
 #: Methods a request may build by name: their settings are plain values. The others (``kvp``
 #: reads a checkpoint from the server's disk) serve only if named when the server starts.
@@ -101,8 +105,25 @@ def serving_method(spec: str) -> Method:
     return method
 
 
+def describe(method: Method) -> str:
+    """How responses and ``/health`` name ``method``: its ``describe()``; LazyLLM's always names its
+    revival policy, so that a response says how it decoded (``lazyllm[four-stage revival=none]``)."""
+    return method.describe(show=("revival",)) if isinstance(method, LazyLLM) else method.describe()
+
+
+def metric_label(name: str, method: Method) -> str:
+    """The ``method`` label of ``/metrics``: the registry name, and for LazyLLM its revival policy
+    (``lazyllm[revival=none]``; ``budget:R`` counts as ``budget``), a bounded set whatever the
+    requests send."""
+    if isinstance(method, LazyLLM):
+        assert isinstance(method.options, PruneOptions)
+        return f"{name}[revival={method.options.revival.kind}]"
+    return name
+
+
 class MethodTable:
-    """The default method, the ones built at start, and per-request ones built by name."""
+    """The default method, the ones built at start, and per-request ones built by name, each
+    as the server runs it (:func:`serving_method`)."""
 
     def __init__(self, model: PreTrainedModel, default: str, allowed: Sequence[str]) -> None:
         self.default = default.strip()
@@ -116,10 +137,11 @@ class MethodTable:
                     "single-process method, and run KV-Runahead/TSP with `python -m fastprefill.launch` (or torchrun)"
                 )
             method.check_model(model)
-            self.built[spec] = (name, method)
+            self.built[spec] = (metric_label(name, method), method)
 
     def get(self, spec: str | None) -> tuple[str, Method]:
-        """``(registry name, method)`` for a request's spec (``None``: the default).
+        """``(metrics label, method)`` for a request's spec (``None``: the default); see
+        :func:`metric_label` and :func:`serving_method`.
 
         Raises:
             APIError: 400 for an unknown or badly formed spec, or one not allowed per request.
@@ -138,6 +160,7 @@ class MethodTable:
                                     f"or a spec the server was started with ({sorted(self.built)}), not "
                                     f"{spec!r}; start the server with --allow-method {spec!r} to offer it",
                                param="fastprefill.method")
-            return name, serving_method(spec)
+            method = serving_method(spec)
+            return metric_label(name, method), method
         except FastprefillError as exc:
             raise APIError(400, f"fastprefill.method: {exc}", param="fastprefill.method") from None

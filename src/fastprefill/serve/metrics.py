@@ -2,9 +2,10 @@
 can live in one process).
 
 Every series is labelled by ``method``: the registry name of the request's method (``full``,
-``lazyllm``, ...; ``invalid`` when the request named none that exists or was refused before its
+``static``, ...; LazyLLM's with its revival policy, ``lazyllm[revival=none]``, since that sets
+its decode cost; ``invalid`` when the request named none that exists or was refused before its
 method was known), a bounded set whatever the requests send. The full setting
-(``lazyllm[four-stage]``) is in each response's usage block.
+(``lazyllm[four-stage revival=none]``) is in each response's usage block.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from fastprefill.engine import Timing, stream
 from fastprefill.errors import FastprefillError
 from fastprefill.methods.base import Method
 from fastprefill.prefix_cache import PrefixCache
+from fastprefill.serve.config import describe
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError
 
@@ -107,7 +108,7 @@ class Job:
 
     Attributes:
         input_ids: ``(1, T)`` ids from :func:`~fastprefill.engine.prepare_prompt`.
-        method: the prefill method; ``label`` its registry name (the metrics label).
+        method: the prefill method; ``label`` its metrics label (:func:`~fastprefill.serve.config.metric_label`).
         max_tokens: tokens to generate at most (the first included).
         stops: stop strings (cut from the answer, not included).
         ignore_eos: generate ``max_tokens`` tokens even past the end-of-sequence token.
@@ -286,6 +287,7 @@ class Worker:
         if timing is None:  # stopped early: by a timeout (resolved above) or a disconnect
             job.resolve("cancelled")
             return
+        timing.method = describe(job.method.resolve(self.model, timing.prompt_tokens))  # LazyLLM: with its revival
         tail = stop.flush()
         if job.streaming and tail:
             job.post(Token(tail))
