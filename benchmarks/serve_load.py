@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +58,8 @@ from fastprefill.data.tasks import Sample, get_task
 from fastprefill.distributed.runtime import free_port, set_threads
 from fastprefill.engine import generate
 from fastprefill.errors import FastprefillError
-from fastprefill.methods.registry import make_method
 from fastprefill.models import zoo
+from fastprefill.serve.config import serving_method
 
 GOAL = 1.05
 
@@ -86,12 +87,13 @@ class LoadRecord:
 class ServerProcess:
     """``fastprefill serve`` in a subprocess on a free loopback port."""
 
-    def __init__(self, model: str, threads: int, queue: int, max_tokens: int) -> None:
+    def __init__(self, model: str, threads: int, queue: int, max_tokens: int, extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.model = model
+        # no prefix cache: the cells send the same prompts again, and every prefill must be computed
         cmd = [sys.executable, "-m", "fastprefill.cli", "serve", "--model", model, "--port", str(self.port),
                "--threads", str(threads), "--queue", str(queue), "--timeout", "3600",
-               "--max-tokens", str(max_tokens), "--log-level", "warning"]
+               "--max-tokens", str(max_tokens), "--log-level", "warning", "--prefix-cache-mb", "0", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
@@ -149,14 +151,26 @@ def _wire_prompt(tok: Any, sample: Sample) -> str | list[int]:
     return sample.prompt if tok(sample.prompt)["input_ids"] == list(sample.input_ids) else list(sample.input_ids)
 
 
-def run_model(name: str, args: argparse.Namespace) -> list[LoadRecord]:
+#: The in-process side of a cell: ``(input_ids, method, max_tokens) -> result`` with ``.text``,
+#: ``.token_ids`` and ``.timing`` (``prompt_tokens``, ``ttft_s``, ``total_s``), as ``generate`` gives.
+InProcess = Callable[[Any, Any, int], Any]
+
+
+def run_model(name: str, args: argparse.Namespace, server_args: Sequence[str] = (),
+              inproc: InProcess | None = None) -> list[LoadRecord]:
+    """Every cell of ``args.methods`` on model ``name``: ``fastprefill serve`` started with
+    ``server_args`` against ``inproc`` (default: :func:`generate` on one worker thread)."""
     model, tok = zoo.load(name)
-    server = ServerProcess(name, args.threads, queue=max(args.concurrency) * 2, max_tokens=args.max_tokens)
+    server = ServerProcess(name, args.threads, queue=max(args.concurrency) * 2, max_tokens=args.max_tokens,
+                           extra=server_args)
     records: list[LoadRecord] = []
     # The in-process engine runs with the server's thread structure (model loaded on the main
     # thread, generation on one worker thread), so the two sides differ only by the server.
     engine = ThreadPoolExecutor(1, thread_name_prefix="inproc-engine", initializer=set_threads,
                                 initargs=(args.threads,))
+    if inproc is None:
+        def inproc(ids: Any, method: Any, max_tokens: int) -> Any:
+            return engine.submit(generate, model, tok, ids, method, max_tokens, stop_at_eos=False).result()
     try:
         server.wait_ready()
         client = server.client()
@@ -164,18 +178,16 @@ def run_model(name: str, args: argparse.Namespace) -> list[LoadRecord]:
             samples = get_task("multidoc-qa").build(tok, length, args.requests, split="test", seed=args.seed)
             wire = [_wire_prompt(tok, s) for s in samples]
             for spec in args.methods:
-                method = make_method(spec)
+                method = serving_method(spec)  # what the server runs for spec (LazyLLM: revival=none)
                 label = method.describe()
                 # warm-up, discarded: one in-process, one over HTTP
-                engine.submit(generate, model, tok, samples[0].input_ids, method, args.max_tokens,
-                              stop_at_eos=False).result()
+                inproc(samples[0].input_ids, method, args.max_tokens)
                 _server_request(client, name, wire[0], spec, args.max_tokens)
                 for i, (s, w) in enumerate(zip(samples, wire, strict=True)):  # overhead: one at a time
                     pair: list[LoadRecord] = []
                     for kind in ("inproc", "server") if i % 2 == 0 else ("server", "inproc"):  # alternating
                         if kind == "inproc":
-                            res = engine.submit(generate, model, tok, s.input_ids, method, args.max_tokens,
-                                                stop_at_eos=False).result()
+                            res = inproc(s.input_ids, method, args.max_tokens)
                             t = res.timing
                             pair.append(LoadRecord(name, length, label, "inproc", 1, s.id, t.prompt_tokens, t.ttft_s,
                                                    t.total_s, len(res.token_ids), text=res.text))

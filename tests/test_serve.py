@@ -496,14 +496,14 @@ def test_invalid_utf8_and_broken_bodies_get_400_never_500(served, client, ref):
 
 
 @pytest.mark.integration
-def test_multi_rank_methods_are_refused_without_recommending_a_failing_restart(client):
+def test_multi_rank_methods_are_refused_by_a_server_without_a_rank_pool(client):
     for spec in ("runahead", "runahead:procs=2,partition=searched", "tsp"):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=1,
                                       extra_body={"fastprefill": {"method": spec}})
         message = info.value.body["message"]
         assert "several processes" in message and "not available in this server" in message, message
-        assert "--allow-method" not in message and "fastprefill.launch" in message
+        assert "without a rank pool" in message and ":procs=N" in message and "fastprefill.launch" in message
 
 
 @pytest.mark.integration

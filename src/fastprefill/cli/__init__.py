@@ -156,7 +156,8 @@ def _print_timing(timing: Any, warmup_s: float | None) -> None:
 # --- serve -------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from fastprefill.distributed.runtime import set_threads
-    from fastprefill.serve import ServeConfig, create_app, run
+    from fastprefill.serve import ServeConfig, create_app, run, start_ranks
+    from fastprefill.serve.config import MULTI_RANK_METHODS
 
     if args.profile is not None:
         if args.method != "full":
@@ -168,7 +169,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          prefix_cache_mb=args.prefix_cache_mb, prefix_cache_dir=args.prefix_cache_dir)
     set_threads(args.threads)
     model, tok = _load(args.model, args.device, args.dtype)
-    app = create_app(model, tok, config)
+    if (args.device, args.dtype) != ("cpu", "float32") and any(
+            s.split(":")[0].strip() in MULTI_RANK_METHODS for s in (args.method, *args.allow_method)):
+        raise FastprefillError("multi-rank methods serve on CPU ranks in float32: drop --device / --dtype")
+    with console.status("starting the ranks ..."):
+        ranks = start_ranks(config, args.model, threads_per_rank=args.threads_per_rank)
+    app = create_app(model, tok, config, ranks)
     with console.status("warming up ..."):
         app.state.server.warm_up()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -176,7 +182,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     err_console.print(f"serving {args.model} ({app.state.server.health()['method']}) at http://{args.host}:{args.port}/v1"
                       f"; queue {args.queue}, timeout {args.timeout:g} s, bodies up to {args.max_body_mb:g} MiB, "
                       f"drain {args.drain_timeout:g} s on SIGTERM, {args.threads} threads, prefix cache "
-                      f"{f'{args.prefix_cache_mb:g} MiB' if args.prefix_cache_mb else 'off'}", highlight=False)
+                      f"{f'{args.prefix_cache_mb:g} MiB' if args.prefix_cache_mb else 'off'}"
+                      f"{f', {ranks.procs} ranks (pids {ranks.pids})' if ranks else ''}", highlight=False)
     run(app, args.host, args.port, log_level=args.log_level)
     return 0
 
@@ -314,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over one model")
     p.add_argument("--method", default="full", help="default method spec (a request may name another in its "
-                   "'fastprefill' field: full, lazyllm, static, random)")
+                   "'fastprefill' field: full, lazyllm, static, random); runahead:procs=N starts N ranks")
     p.add_argument("--allow-method", action="append", default=[], metavar="SPEC",
                    help="another spec requests may name, built at start (e.g. kvp:predictor=DIR; repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (no authentication: keep it local)")
@@ -337,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
                    help="load the prefix cache from DIR at start (a corrupt or mismatched file is refused and "
                         "ignored) and save it there at shutdown")
+    p.add_argument("--threads-per-rank", type=_threads, default=1,
+                   help="torch threads in each rank of a multi-rank --method / --allow-method (runahead:procs=N)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     model_args(p)
     p.set_defaults(func=cmd_serve)

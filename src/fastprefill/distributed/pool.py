@@ -18,7 +18,10 @@ shared with the torchrun entry point ``python -m fastprefill.launch``).
 Worker protocol (one duplex pipe per rank; the driver sends, the worker answers):
 
 - ``("run", Request)`` -> ``("first", token_id)`` (last rank, as soon as it has it), then
-  ``("done", payload)``; or ``("invalid", error)`` when validation refused the request;
+  ``("done", payload)``; or ``("invalid", error)`` when validation refused the request. With
+  ``Request.stream`` the last rank sends ``("token", (token_id, text, index, timing))`` for every
+  token instead of ``"first"`` (``timing`` on the last one only), and stops at the next token
+  when ``("cancel", None)`` arrives (a stray one, after the run, is ignored);
 - ``("tokenize", {"prompt", "chat"})`` -> ``("tokens", ids)`` (sent to the last rank only);
 - ``("stop", None)`` -> the worker leaves its group and exits;
 - at start the worker answers ``("ready", rank)``; any failure is ``("error", (message, user
@@ -36,13 +39,14 @@ pid goes away: no orphans.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 import torch
 
@@ -83,6 +87,8 @@ class Request:
         stop_at_eos: stop at the model's end-of-sequence token.
         fault: test hook ``(rank, layer, "exit"|"hang")``: that helper rank exits (or hangs)
             after the given layer.
+        stream: the last rank sends every token as it comes (see the module docstring).
+        stops: generation ends once the text contains one of these strings.
     """
 
     prompt: str | list[int]
@@ -91,6 +97,8 @@ class Request:
     chat: bool = False
     stop_at_eos: bool = True
     fault: tuple[int, int, str] | None = None
+    stream: bool = False
+    stops: tuple[str, ...] = ()
 
 
 @dataclass
@@ -176,30 +184,38 @@ def run_rank(
     request: Request,
     input_ids: torch.Tensor,
     on_first: Callable[[int], None] | None = None,
+    on_token: Callable[[Any], bool] | None = None,
 ) -> dict[str, Any]:
     """This rank's part of a request validated by :func:`check_request`.
 
     The last rank generates: the result has ``text``, ``token_ids``, ``timing`` (the engine's
     :class:`~fastprefill.engine.Timing` as a dict), ``stats`` (its prefill counters) and
     ``logits`` (``(V,)`` first-token logits on the CPU); ``on_first(token_id)`` is called as soon
-    as the first token is known. Other ranks contribute and return ``{"stats": counters}``.
+    as the first token is known, ``on_token(event)`` with every
+    :class:`~fastprefill.engine.StreamEvent` (True: stop now; the result is then
+    ``{"cancelled": True, "stats": {}}``). Other ranks contribute and return ``{"stats": counters}``.
     """
     from fastprefill.engine import stream
 
     method = request.method
     if rank == world - 1:
         events = []
-        for ev in stream(model, tokenizer, input_ids, method, request.max_new_tokens,
-                         stop_at_eos=request.stop_at_eos):
-            if ev.index == 0 and on_first is not None:
-                on_first(ev.token_id)
-            events.append(ev)
+        stops = request.stops
+        gen = stream(model, tokenizer, input_ids, method, request.max_new_tokens, stop_at_eos=request.stop_at_eos,
+                     stop=(lambda text: any(s in text for s in stops)) if stops else None)
+        with contextlib.closing(gen):
+            for ev in gen:
+                if ev.index == 0 and on_first is not None:
+                    on_first(ev.token_id)
+                events.append(ev)
+                if on_token is not None and on_token(ev) and ev.timing is None:
+                    return {"cancelled": True, "stats": {}}
         timing = events[-1].timing
         assert timing is not None
         ids_out = [e.token_id for e in events]
         text = tokenizer.decode(ids_out, skip_special_tokens=True) if tokenizer is not None else ""
         return {"text": text, "token_ids": ids_out, "timing": timing.to_dict(), "stats": timing.extra,
-                "logits": events[-1].first_logits}
+                "logits": None if request.stream else events[-1].first_logits}
     assert isinstance(method, DistributedMethod)  # check_request: world > 1 needs one
     with torch.inference_mode():
         stats = method.contribute(model, input_ids, layer_hook=_layer_hook(request.fault))
@@ -212,6 +228,19 @@ def _send_user_error(conn: Connection, kind: str, exc: FastprefillError, message
         conn.send((kind, (message, exc)))
     except Exception:  # noqa: BLE001 - an exception that does not pickle: send the text only
         conn.send((kind, (message, None)))
+
+
+def _token_sender(conn: Connection) -> Callable[[Any], bool]:
+    """``on_token`` of a streamed request: send the event, then say whether a cancel has come."""
+
+    def send(ev: Any) -> bool:
+        conn.send(("token", (ev.token_id, ev.text, ev.index, ev.timing)))
+        cancelled = False
+        while conn.poll(0):  # only a cancel is sent to a rank while it runs
+            cancelled |= conn.recv()[0] == "cancel"
+        return cancelled
+
+    return send
 
 
 def _worker_main(
@@ -240,6 +269,8 @@ def _worker_main(
             kind, payload = conn.recv()
             if kind == "stop":
                 break
+            if kind == "cancel":  # for a run that had already ended
+                continue
             if kind == "tokenize":
                 from fastprefill.engine import encode_prompt
 
@@ -250,8 +281,10 @@ def _worker_main(
             except FastprefillError as exc:
                 _send_user_error(conn, "invalid", exc, f"rank {rank}: {type(exc).__name__}: {exc}")
                 continue
+            streams = payload.stream and rank == world - 1
             result = run_rank(model, tokenizer, rank, world, payload, ids,
-                              on_first=lambda tok: conn.send(("first", tok)))
+                              on_first=None if streams else lambda tok: conn.send(("first", tok)),
+                              on_token=_token_sender(conn) if streams else None)
             conn.send(("done", result))
         if world > 1:
             dist.destroy_process_group()
@@ -356,7 +389,7 @@ class RankPool:
             c.close()
         self._closed = True
 
-    def _fail(self, msg: str, user_error: FastprefillError | None = None) -> None:
+    def _fail(self, msg: str, user_error: FastprefillError | None = None) -> NoReturn:
         """Kill every worker; raise ``user_error`` (a worker's own error at start) or RankPoolError."""
         self._kill_all()
         if user_error is not None:
@@ -372,44 +405,46 @@ class RankPool:
     ) -> dict[int, tuple[str, Any]]:
         """One reply per rank (anything but "first" and "error"); watch sentinels and the deadline."""
         replies: dict[int, tuple[str, Any]] = {}
-        deadline = time.monotonic() + timeout_s
-        by_conn = {c: r for r, c in enumerate(self._conns)}
+        pending, deadline = set(range(self.procs)), time.monotonic() + timeout_s
+        while pending:
+            rank, kind, payload = self._next(what, pending, deadline, timeout_s)
+            if kind == "first":
+                if first_cb is not None:
+                    first_cb(payload)
+                continue
+            replies[rank] = (kind, payload)
+            pending.discard(rank)
+        return replies
+
+    def _next(self, what: str, pending: set[int], deadline: float, timeout_s: float) -> tuple[int, str, Any]:
+        """The next message ``(rank, kind, payload)`` from one of the ``pending`` ranks; a worker's
+        ``"error"``, any rank's death or the deadline passing shuts the pool down (RankPoolError)."""
+        by_conn = {self._conns[r]: r for r in pending}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
-        while len(replies) < self.procs:
+        while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                waiting = sorted(set(range(self.procs)) - set(replies))
-                self._fail(f"{what}: ranks {waiting} did not answer within {timeout_s:.0f} s; pool shut down")
-            ready = wait(list(by_conn) + list(by_sentinel), timeout=min(left, 1.0))
-            for obj in ready:
+                self._fail(f"{what}: ranks {sorted(pending)} did not answer within {timeout_s:.0f} s; pool shut down")
+            for obj in wait(list(by_conn) + list(by_sentinel), timeout=min(left, 1.0)):
                 if obj in by_conn:
-                    rank = by_conn[obj]
                     try:
                         kind, payload = obj.recv()
                     except (EOFError, OSError):
                         continue  # the sentinel reports the death
-                    if kind == "first":
-                        if first_cb is not None:
-                            first_cb(payload)
-                        continue
                     if kind == "error":
                         self._on_error(what, payload)
-                    replies[rank] = (kind, payload)
-                elif obj in by_sentinel:
-                    rank = by_sentinel[obj]
-                    # give its error message (if any) a moment to arrive
-                    conn = self._conns[rank]
-                    if conn.poll(0.5):
-                        try:
-                            kind, payload = conn.recv()
-                            if kind == "error":
-                                self._on_error(what, payload)
-                        except (EOFError, OSError):
-                            pass
-                    self._procs[rank].join(timeout=1.0)
-                    code = self._procs[rank].exitcode
-                    self._fail(f"{what}: rank {rank} died (exit code {code}); pool shut down")
-        return replies
+                    return by_conn[obj], kind, payload
+                rank = by_sentinel[obj]
+                conn = self._conns[rank]  # give its error message (if any) a moment to arrive
+                if conn.poll(0.5):
+                    try:
+                        kind, payload = conn.recv()
+                        if kind == "error":
+                            self._on_error(what, payload)
+                    except (EOFError, OSError):
+                        pass
+                self._procs[rank].join(timeout=1.0)
+                self._fail(f"{what}: rank {rank} died (exit code {self._procs[rank].exitcode}); pool shut down")
 
     def _check_open(self) -> None:
         if self._closed:

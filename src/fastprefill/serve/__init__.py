@@ -3,7 +3,7 @@
 ``fastprefill serve --model NAME`` runs :func:`create_app` under uvicorn (:func:`run`, which
 drains on SIGTERM); ``app.py`` holds the routes, ``config.py`` the settings and the method
 table, ``runner.py`` uvicorn and the draining shutdown, ``worker.py`` the one generation thread
-and its bounded queue, ``protocol.py`` the wire format, ``limits.py`` the body-size and
+and its bounded queue, ``ranks.py`` the rank pool of multi-rank methods (KV-Runahead), ``protocol.py`` the wire format, ``limits.py`` the body-size and
 prompt-length limits checked before any model work, ``metrics.py`` the Prometheus series. The
 user's page is ``docs/serving.md``.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from fastprefill.serve.app import create_app
 from fastprefill.serve.config import PER_REQUEST_METHODS, ServeConfig
+from fastprefill.serve.ranks import start_ranks
 from fastprefill.serve.runner import background, run
 
-__all__ = ["PER_REQUEST_METHODS", "ServeConfig", "background", "create_app", "run"]
+__all__ = ["PER_REQUEST_METHODS", "ServeConfig", "background", "create_app", "run", "start_ranks"]

@@ -41,7 +41,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.engine import PromptInput, context_length, generate, prepare_prompt
 from fastprefill.errors import ConfigError, FastprefillError
-from fastprefill.methods.base import Method
+from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 from fastprefill.serve.config import MethodTable, ServeConfig, describe
 from fastprefill.serve.limits import prompt_char_limit, read_body
@@ -59,7 +59,17 @@ from fastprefill.serve.protocol import (
     sse,
     usage_block,
 )
-from fastprefill.serve.worker import Failed, Finished, Job, Token, Worker, internal_error, timeout_error
+from fastprefill.serve.ranks import ServedPool
+from fastprefill.serve.worker import (
+    Failed,
+    Finished,
+    Job,
+    Token,
+    Worker,
+    internal_error,
+    ranks_down,
+    timeout_error,
+)
 
 __all__ = ["Server", "create_app"]
 
@@ -120,14 +130,16 @@ def _cut_short() -> APIError:
 class Server:
     """One model behind the OpenAI routes (see :func:`create_app`)."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: ServeConfig) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: ServeConfig,
+                 ranks: ServedPool | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = ServeMetrics()
-        self.methods = MethodTable(model, config.method, config.allow_methods)
+        self.ranks = ranks
+        self.methods = MethodTable(model, config.method, config.allow_methods, ranks.procs if ranks else 1)
         self.prefix_cache = self._open_prefix_cache()
-        self.worker = Worker(model, tokenizer, self.metrics, config.queue_size, self.prefix_cache)
+        self.worker = Worker(model, tokenizer, self.metrics, config.queue_size, self.prefix_cache, ranks)
         self.context = context_length(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         #: characters over which a prompt cannot fit the context (None: the tokenizer gives no safe bound)
@@ -180,6 +192,8 @@ class Server:
         self.worker.stop(_shutting_down(), timeout=WORKER_JOIN_S)
         self._checker.shutdown(wait=False, cancel_futures=True)
         self.save_prefix_cache()
+        if self.ranks is not None:
+            self.ranks.close()
 
     def save_prefix_cache(self) -> Path | None:
         """Write the prefix cache to ``prefix_cache_dir`` (``None``: no folder, no cache, nothing
@@ -218,7 +232,11 @@ class Server:
         cannot run on this model fails here, not on the first request)."""
         ids = [(1000 + i) % self.vocab_size for i in range(64)]
         for _, method in self.methods.built.values():
-            generate(self.model, self.tokenizer, ids, method, max_new_tokens=2)
+            if isinstance(method, DistributedMethod):
+                assert self.ranks is not None
+                self.ranks.warm_up(method, self.vocab_size)
+            else:
+                generate(self.model, self.tokenizer, ids, method, max_new_tokens=2)
 
     # --- validation ----------------------------------------------------------------------------
     def check_length(self, text: str, param: str) -> None:
@@ -314,6 +332,8 @@ class Server:
             req.check_greedy()
             stops = req.stops()
             label, method = self.methods.get(req.fastprefill.method)
+            if isinstance(method, DistributedMethod) and self.ranks is not None and self.ranks.closed:
+                raise ranks_down(self.ranks.failure or "closed")
             max_tokens = req.budget() or self.config.max_tokens
             self.check_lengths(req)
             loop = asyncio.get_running_loop()
@@ -389,6 +409,8 @@ class Server:
             "busy": self.worker.current is not None,
             "queue": {"waiting": self.worker.waiting, "capacity": self.config.queue_size},
             "timeout_s": self.config.timeout_s,
+            "ranks": None if self.ranks is None else {"procs": self.ranks.procs, "pids": self.ranks.pids,
+                                                      "up": not self.ranks.closed, "failure": self.ranks.failure},
         }
 
     def model_card(self) -> dict[str, Any]:
@@ -415,8 +437,12 @@ class Server:
         return self.model_card()
 
 
-def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: ServeConfig) -> FastAPI:
+def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: ServeConfig,
+               ranks: ServedPool | None = None) -> FastAPI:
     """The FastAPI app serving ``model`` (the worker starts and stops with the app's lifespan).
+
+    ``ranks``: the rank pool for the config's multi-rank methods (made by
+    :func:`~fastprefill.serve.ranks.start_ranks`, closed at shutdown); ``None``: none.
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed with
     ``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` (503
@@ -427,7 +453,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, confi
         ConfigError: a method spec that does not parse; UnsupportedModelError: a method that
             does not support the model.
     """
-    server = Server(model, tokenizer, config)
+    server = Server(model, tokenizer, config, ranks)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

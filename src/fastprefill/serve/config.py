@@ -1,5 +1,5 @@
 """A server's settings (:class:`ServeConfig`) and the methods it serves (:class:`MethodTable`), with
-the server's defaults for them (:data:`SERVER_DEFAULTS`) and how responses and metrics name them."""
+the server's defaults for them (:func:`serving_method`) and how responses and metrics name them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel
 
+from fastprefill.distributed.pool import check_ranks
 from fastprefill.errors import ConfigError, FastprefillError, check_fields
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.methods.lazyllm import LazyLLM
@@ -27,7 +28,7 @@ PER_REQUEST_METHODS = frozenset({"full", "lazyllm", "random", "static", "gemfilt
 #: paper's Aux-Cache revival (``all``) recomputes deferred tokens while decoding. A request may
 #: still ask for ``lazyllm:...,revival=all``; the usage block's method names the policy.
 SERVER_REVIVAL = "none"
-#: Methods that run over several processes (a rank pool or torchrun): this server cannot run them.
+#: Methods that run over several processes: served only by a server with a rank pool of their size.
 MULTI_RANK_METHODS = frozenset({"runahead", "tsp"})
 
 
@@ -123,25 +124,36 @@ def metric_label(name: str, method: Method) -> str:
 
 class MethodTable:
     """The default method, the ones built at start, and per-request ones built by name, each
-    as the server runs it (:func:`serving_method`)."""
+    as the server runs it (:func:`serving_method`).
 
-    def __init__(self, model: PreTrainedModel, default: str, allowed: Sequence[str]) -> None:
+    Args:
+        ranks: the ranks of the server's pool (:mod:`fastprefill.serve.ranks`); 1: no pool, so
+            no multi-rank method. A multi-rank method must run on exactly that many
+            (:func:`~fastprefill.distributed.pool.check_ranks`).
+    """
+
+    def __init__(self, model: PreTrainedModel, default: str, allowed: Sequence[str], ranks: int = 1) -> None:
         self.default = default.strip()
+        self.ranks = ranks
         self.built: dict[str, tuple[str, Method]] = {}
         for spec in (self.default, *(s.strip() for s in allowed)):
             name, _ = parse_spec(spec)
             method = serving_method(spec)
             if isinstance(method, DistributedMethod):
-                raise ConfigError(
-                    f"{spec!r} runs over several ranks; the server runs one model in one process. Serve a "
-                    "single-process method, and run KV-Runahead/TSP with `python -m fastprefill.launch` (or torchrun)"
-                )
+                if ranks == 1:
+                    raise ConfigError(
+                        f"{spec!r} runs over several ranks and this server has no rank pool: `fastprefill serve "
+                        f"--method {spec}` starts one (from Python: create_app(..., ranks=start_ranks(config, "
+                        "model_name))), or run it with `python -m fastprefill.launch` (or torchrun)")
+                check_ranks(method, ranks, f"the server's rank pool has {ranks}")
             method.check_model(model)
             self.built[spec] = (metric_label(name, method), method)
 
     def get(self, spec: str | None) -> tuple[str, Method]:
         """``(metrics label, method)`` for a request's spec (``None``: the default); see
-        :func:`metric_label` and :func:`serving_method`.
+        :func:`metric_label` and :func:`serving_method`. A multi-rank method may be named per
+        request when the server has a rank pool of its size (not with ``table``, a file on the
+        server's disk).
 
         Raises:
             APIError: 400 for an unknown or badly formed spec, or one not allowed per request.
@@ -150,11 +162,9 @@ class MethodTable:
         if spec in self.built:
             return self.built[spec]
         try:
-            name, _ = parse_spec(spec)
+            name, options = parse_spec(spec)
             if name in MULTI_RANK_METHODS:
-                raise APIError(400, f"fastprefill.method: {name} runs over several processes and is not "
-                                    "available in this server; run it with `python -m fastprefill.launch` "
-                                    "(or torchrun)", param="fastprefill.method")
+                return name, self._multi_rank(name, spec, options)
             if name in METHODS and name not in PER_REQUEST_METHODS:
                 raise APIError(400, f"fastprefill.method: a request may name {sorted(PER_REQUEST_METHODS)} "
                                     f"or a spec the server was started with ({sorted(self.built)}), not "
@@ -164,3 +174,16 @@ class MethodTable:
             return metric_label(name, method), method
         except FastprefillError as exc:
             raise APIError(400, f"fastprefill.method: {exc}", param="fastprefill.method") from None
+
+    def _multi_rank(self, name: str, spec: str, options: dict[str, str]) -> Method:
+        if self.ranks == 1:
+            raise APIError(400, f"fastprefill.method: {name} runs over several processes and is not available in "
+                                "this server, which was started without a rank pool; start one with `fastprefill "
+                                f"serve --method {name}:procs=N` (or --allow-method), or run it with `python -m "
+                                "fastprefill.launch` (or torchrun)", param="fastprefill.method")
+        if "table" in options:
+            raise APIError(400, f"fastprefill.method: {name}: a request may not name a table (a file on the "
+                                "server); start the server with that spec", param="fastprefill.method")
+        method = make_method(spec)
+        check_ranks(method, self.ranks, f"this server's rank pool has {self.ranks}")
+        return method

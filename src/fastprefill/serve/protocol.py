@@ -41,16 +41,18 @@ class APIError(Exception):
     """A refusal with an HTTP status and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
-                 param: str | None = None) -> None:
+                 param: str | None = None, outcome: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
         self.param = param
+        self._outcome = outcome
 
     @property
     def outcome(self) -> str:
-        return OUTCOMES.get(self.status, "error")
+        """The ``outcome`` label: the one given, else by status (:data:`OUTCOMES`)."""
+        return self._outcome or OUTCOMES.get(self.status, "error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}

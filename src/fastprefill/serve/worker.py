@@ -21,20 +21,25 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fastprefill.distributed.pool import RankPoolError
 from fastprefill.engine import Timing, stream
 from fastprefill.errors import FastprefillError
-from fastprefill.methods.base import Method
+from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.prefix_cache import PrefixCache
 from fastprefill.serve.config import describe
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError
 
-__all__ = ["Failed", "Finished", "Job", "StopText", "Token", "Worker", "internal_error", "timeout_error"]
+if TYPE_CHECKING:
+    from fastprefill.serve.ranks import ServedPool
+
+__all__ = ["Failed", "Finished", "Job", "StopText", "Token", "Worker", "internal_error", "ranks_down",
+           "timeout_error"]
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +174,9 @@ class Worker:
     """The thread that owns the model: one generation at a time, ``capacity`` jobs waiting."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, metrics: ServeMetrics,
-                 capacity: int, prefix_cache: PrefixCache | None = None) -> None:
+                 capacity: int, prefix_cache: PrefixCache | None = None, ranks: ServedPool | None = None) -> None:
         self.model = model
+        self.ranks = ranks  # multi-rank methods run there (this thread drives it: one job at a time)
         # Only this thread generates, so only it looks up and stores; the cache's own lock also
         # keeps a save (at shutdown) from reading a block while it is written.
         self.prefix_cache = prefix_cache
@@ -244,6 +250,9 @@ class Worker:
             self.current = job
             try:
                 self._execute(job)
+            except RankPoolError as exc:  # a rank died, hung or failed: the pool is down
+                log.error("rank pool: %s", exc)
+                job.fail(ranks_down(str(exc)))
             except FastprefillError as exc:  # refused by the engine: the request's fault
                 job.fail(APIError(400, str(exc)))
             except Exception as exc:  # a failed request must not stop the worker
@@ -266,9 +275,15 @@ class Worker:
         stop = StopText(job.stops)
         ids: list[int] = []
         timing: Timing | None = None
-        events = stream(self.model, self.tokenizer, job.input_ids, job.method, job.max_tokens,
-                        stop_at_eos=not job.ignore_eos, stop=stop.matched if job.stops else None,
-                        prefix_cache=self.prefix_cache)  # stores only once the generation is complete
+        multi_rank = isinstance(job.method, DistributedMethod)
+        if multi_rank:
+            assert self.ranks is not None  # the method table offers no multi-rank method without a pool
+            events = self.ranks.stream(job.input_ids, job.method, job.max_tokens, stop_at_eos=not job.ignore_eos,
+                                       stops=job.stops)
+        else:
+            events = stream(self.model, self.tokenizer, job.input_ids, job.method, job.max_tokens,
+                            stop_at_eos=not job.ignore_eos, stop=stop.matched if job.stops else None,
+                            prefix_cache=self.prefix_cache)  # stores only once the generation is complete
         try:
             for event in events:
                 ids.append(event.token_id)
@@ -288,6 +303,8 @@ class Worker:
             job.resolve("cancelled")
             return
         timing.method = describe(job.method.resolve(self.model, timing.prompt_tokens))  # LazyLLM: with its revival
+        if multi_rank and self.prefix_cache is not None:  # the ranks ran the whole prompt, with no cache
+            timing.prefix_cache = f"not used: {job.method.name} takes no cached prefix"
         tail = stop.flush()
         if job.streaming and tail:
             job.post(Token(tail))
@@ -311,6 +328,13 @@ def internal_error(exc: BaseException) -> APIError:
     """The 500 of an unexpected exception (its details go to the server log, not to the client)."""
     return APIError(500, f"internal error ({type(exc).__name__}); the server log has the details",
                     kind="server_error")
+
+
+def ranks_down(reason: str) -> APIError:
+    """The 503 of a multi-rank request once the rank pool has failed (``reason`` names the rank)."""
+    return APIError(503, f"the server's rank pool failed ({reason}); multi-rank methods are refused until the "
+                         "server is restarted; single-process methods still answer", kind="server_error",
+                    outcome="error")
 
 
 def timeout_error(limit_s: float) -> APIError:

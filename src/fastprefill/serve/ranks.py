@@ -1,0 +1,149 @@
+"""The server's rank pool: KV-Runahead (and TSP) prefills over worker processes kept warm between requests.
+
+``fastprefill serve --method runahead:procs=2`` (or ``--allow-method runahead:procs=2``) starts a
+:class:`ServedPool` of that many ranks on this machine before the first request
+(:func:`start_ranks`); each holds the model. A request whose method runs over several ranks goes
+to the pool; every other method runs in the server process, on the same worker thread, so the
+two never run at once.
+
+Roles (those of :class:`~fastprefill.distributed.pool.RankPool`): every rank validates the
+request and joins the prefill; the last rank ends the prefill holding the whole K/V and decodes
+there, sending each token (id and text) to the server as it comes, so no K/V crosses a pipe.
+A request cancelled by its client, its timeout or a shutdown sends the last rank a cancel, and
+it stops at its next token (a prefill already running on the ranks finishes first); the pool
+stays warm. A rank that dies, hangs past the method's ``timeout_s`` (per message) or fails ends
+the request with a 503 naming it, and the pool is shut down: the server then answers
+multi-rank requests 503 until it is restarted, and single-process ones as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from fastprefill.distributed.pool import RankPool, Request
+from fastprefill.engine import StreamEvent
+from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.methods.base import DistributedMethod
+from fastprefill.serve.config import ServeConfig, serving_method
+
+__all__ = ["ServedPool", "start_ranks"]
+
+
+class ServedPool(RankPool):
+    """A :class:`~fastprefill.distributed.pool.RankPool` whose generations stream token by token
+    and stop when asked (see the module docstring). Arguments as :class:`RankPool`'s."""
+
+    def __init__(self, model: str, procs: int, **kwargs: Any) -> None:
+        #: why the pool was shut down (a dead, hung or failed rank), once it has been
+        self.failure: str | None = None
+        #: generations the last rank stopped before their end because they were cancelled
+        self.stopped_early = 0
+        super().__init__(model, procs, **kwargs)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _fail(self, msg: str, user_error: FastprefillError | None = None) -> NoReturn:
+        if user_error is None:
+            self.failure = msg
+        super()._fail(msg, user_error)
+
+    def _send_all(self, message: tuple[str, Any]) -> None:
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
+            try:
+                if not proc.is_alive():
+                    raise BrokenPipeError
+                conn.send(message)
+            except OSError:
+                proc.join(timeout=1.0)
+                self._fail(f"generate: rank {rank} died (exit code {proc.exitcode}); pool shut down")
+
+    def stream(self, input_ids: torch.Tensor, method: DistributedMethod, max_new_tokens: int, *,
+               stop_at_eos: bool = True, stops: Sequence[str] = ()) -> Iterator[StreamEvent]:
+        """Greedy generation of validated ``(1, T)`` ids over every rank, as
+        :func:`fastprefill.engine.stream`'s events (text deltas included). The last event carries
+        the last rank's :class:`~fastprefill.engine.Timing`, its ``ttft_s`` (and ``total_s``) on
+        this process's clock: from sending the request to the ranks through the first token's
+        arrival. Closing the generator early cancels: the last rank stops at its next token.
+
+        Raises:
+            FastprefillError: every rank refused the request (the pool stays usable).
+            RankPoolError: a rank died, failed, or sent nothing for ``method.timeout_s``; the
+                pool is shut down.
+        """
+        self._check_open()
+        timeout = float(method.timeout_s)
+        pending = set(range(self.procs))
+        t0 = time.perf_counter()
+        self._send_all(("run", Request(input_ids.reshape(-1).tolist(), method, max_new_tokens,
+                                       stop_at_eos=stop_at_eos, stream=True, stops=tuple(stops))))
+        ttft: float | None = None
+        last: StreamEvent | None = None
+        invalid: tuple[str, FastprefillError | None] | None = None
+        try:
+            while pending:
+                rank, kind, payload = self._next("generate", pending, time.monotonic() + timeout, timeout)
+                if kind != "token":
+                    pending.discard(rank)
+                    invalid = payload if kind == "invalid" else invalid
+                    continue
+                token_id, text, index, timing = payload
+                ttft = time.perf_counter() - t0 if ttft is None else ttft
+                event = StreamEvent(token_id, text, index, timing)
+                if timing is None:
+                    yield event
+                else:  # the last: once every rank is done, so the pool is idle when the caller sees it
+                    last = event
+        finally:
+            if pending and not self._closed:  # closed early: stop the last rank, wait for every rank
+                self._conns[-1].send(("cancel", None))
+                deadline = time.monotonic() + timeout
+                while pending:
+                    rank, kind, payload = self._next("cancel", pending, deadline, timeout)
+                    if kind != "token":
+                        pending.discard(rank)
+                        self.stopped_early += kind == "done" and bool(payload.get("cancelled"))
+        if invalid is not None:
+            message, exc = invalid
+            raise exc if exc is not None else FastprefillError(message)
+        if last is None or last.timing is None or ttft is None:
+            self._fail("generate: the last rank finished without its last token; pool shut down")
+        last.timing.total_s += ttft - last.timing.ttft_s
+        last.timing.ttft_s = ttft
+        yield last
+
+    def warm_up(self, method: DistributedMethod, vocab_size: int) -> None:
+        """One short generation with ``method`` (the first run on the ranks is slow)."""
+        ids = torch.tensor([[(1000 + i) % vocab_size for i in range(64)]])
+        for _ in self.stream(ids, method, 2):
+            pass
+
+
+def start_ranks(config: ServeConfig, model: str, **pool: Any) -> ServedPool | None:
+    """The rank pool that ``config``'s methods need (``--method`` and ``--allow-method``), or
+    ``None`` when all of them run in one process.
+
+    Args:
+        model: what each rank loads (:func:`fastprefill.models.load`: a zoo name, a folder, ...;
+            float32 on the CPU): the server's own model.
+        pool: more :class:`RankPool` arguments (``threads_per_rank``, ``pin``, ``start_method``).
+
+    Raises:
+        ConfigError: multi-rank methods asking for different numbers of ranks; see
+            :class:`RankPool` for a rank that cannot start.
+    """
+    needs = {spec: m for spec in (config.method, *config.allow_methods)
+             if isinstance(m := serving_method(spec), DistributedMethod)}
+    if not needs:
+        return None
+    procs = {m.procs for m in needs.values()}
+    if len(procs) > 1:
+        raise ConfigError(f"the multi-rank methods {sorted(needs)} ask for {sorted(procs)} ranks; the server keeps "
+                          "one rank pool, so give them all the same procs")
+    return ServedPool(model, procs.pop(), timeout_s=max(m.timeout_s for m in needs.values()), **pool)
+
