@@ -14,6 +14,7 @@ import pytest
 from test_serve import MODEL, _client, _idle, _metric, _wait
 
 from fastprefill.engine import generate
+from fastprefill.prefix_cache import PrefixCache
 from fastprefill.serve import ServeConfig, background, create_app
 
 pytestmark = pytest.mark.integration
@@ -141,3 +142,33 @@ def test_the_cache_persists_across_a_restart_and_a_corrupt_file_is_ignored(smoll
     with background(app) as url:
         res = _ask(_client(url), QUESTIONS[3])
         assert res.usage.prompt_tokens_details.cached_tokens == 0 and res.choices[0].text == uncached(QUESTIONS[3])
+
+
+def _other_model(folder: Path, smollm2) -> None:
+    from fastprefill.models.random import random_model
+
+    cache = PrefixCache(16 << 20, block_tokens=16)
+    generate(random_model("llama"), None, [(3 * i) % 128 for i in range(40)], max_new_tokens=1, prefix_cache=cache)
+    cache.save(folder)
+
+
+def _other_blocks(folder: Path, smollm2) -> None:
+    model, tok = smollm2
+    cache = PrefixCache(16 << 20, block_tokens=8)
+    generate(model, tok, _prompt(QUESTIONS[0]), max_new_tokens=1, prefix_cache=cache)
+    cache.save(folder)
+
+
+@pytest.mark.parametrize(("save", "why"), [(_other_model, "another model"), (_other_blocks, "blocks of 8 tokens")])
+def test_a_cache_saved_for_another_model_or_block_size_is_refused_and_the_server_answers(
+        smollm2, uncached, tmp_path, caplog, save, why):
+    model, tok = smollm2
+    save(tmp_path, smollm2)
+    with caplog.at_level(logging.WARNING, logger="fastprefill.serve.app"):
+        app = create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=64, prefix_cache_dir=str(tmp_path)))
+    refused = [r.getMessage() for r in caplog.records if "prefix cache not loaded" in r.getMessage()]
+    assert len(refused) == 1 and why in refused[0] and str(tmp_path / "prefix-cache.safetensors") in refused[0]
+    assert app.state.server.prefix_cache.num_blocks == 0
+    with background(app) as url:
+        res = _ask(_client(url), QUESTIONS[1])
+        assert res.usage.prompt_tokens_details.cached_tokens == 0 and res.choices[0].text == uncached(QUESTIONS[1])
