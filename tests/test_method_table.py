@@ -89,3 +89,15 @@ def test_registered_specs_build_the_policies():
     assert gem == GemFilter(keep=0.2, select_depth=0.5, kernel=7)
     assert make_method("gemfilter:select_layer=3").selection_layer(24) == 3
     assert make_method("static:keep=0.3,select_layer=2") == StaticPruning(keep=0.3, select_layer=2)
+
+
+def test_defaults_fill_only_the_options_a_method_declares_and_the_spec_wins():
+    """``make_method(spec, defaults)``: a default reaches a method's own field (``procs``) or a
+    field of its flattened options (LazyLLM's ``revival``), never a method without it, and never
+    over the spec's own value."""
+    defaults = {"revival": "none", "procs": 3}
+    assert str(make_method("lazyllm:preset=gentle", defaults).options.revival) == "none"
+    assert str(make_method("lazyllm:preset=gentle,revival=all", defaults).options.revival) == "all"
+    assert make_method("lazyllm:preset=gentle", defaults) == make_method("lazyllm:preset=gentle,revival=none")
+    assert make_method("runahead", defaults).procs == 3 and make_method("runahead:procs=2", defaults).procs == 2
+    assert make_method("gemfilter", defaults) == make_method("gemfilter")

@@ -225,10 +225,11 @@ def make_method(spec: str, defaults: Mapping[str, Any] | None = None) -> Method:
 
     Args:
         spec: ``"name"`` or ``"name:key=value,..."`` (see the module docstring).
-        defaults: typed values for options the spec leaves out, used only for the fields the
-            method declares (the CLI passes ``--procs``, ``--partition`` and ``--timeout`` this
-            way: they reach ``runahead`` and ``tsp`` and no other method). Options in ``spec``
-            win.
+        defaults: values for options the spec leaves out, used only for the options the
+            method declares, its own fields or those of a flattened options dataclass (the CLI
+            passes ``--procs``, ``--partition`` and ``--timeout`` this way: they reach
+            ``runahead`` and ``tsp`` and no other method; the server passes ``revival``, which
+            reaches only ``lazyllm``). Options in ``spec`` win.
 
     Raises:
         ConfigError: unknown method name, unknown option, a value of the wrong type, or a value
@@ -260,8 +261,12 @@ def make_method(spec: str, defaults: Mapping[str, Any] | None = None) -> Method:
         else:
             kwargs.setdefault(into, {})[key] = typed
     for key, value in (defaults or {}).items():
-        if key in fields and key not in nested:
-            kwargs.setdefault(key, value)
+        if key in owner and key not in raw:
+            into, _ = owner[key]
+            if into is None:
+                kwargs.setdefault(key, value)
+            else:
+                kwargs.setdefault(into, {}).setdefault(key, value)
     try:
         return cls(**kwargs)
     except TypeError as exc:

@@ -90,20 +90,13 @@ class ServeConfig:
 
 
 def serving_method(spec: str) -> Method:
-    """The method the server runs for ``spec``: :func:`make_method`'s, except that a LazyLLM
-    whose spec names no ``revival`` and whose preset revives (``all``) decodes with
-    :data:`SERVER_REVIVAL` instead.
+    """The method the server runs for ``spec``: :func:`make_method`'s, with
+    :data:`SERVER_REVIVAL` as the ``revival`` of a LazyLLM whose spec names none.
 
     Raises:
         ConfigError: as :func:`make_method`.
     """
-    method = make_method(spec)
-    name, fields = parse_spec(spec)
-    options = getattr(method, "options", None)
-    if name == "lazyllm" and "revival" not in fields and str(getattr(options, "revival", "")) == "all":
-        fields = {**fields, "revival": SERVER_REVIVAL}
-        method = make_method(f"{name}:" + ",".join(f"{k}={v}" for k, v in fields.items()))
-    return method
+    return make_method(spec, {"revival": SERVER_REVIVAL})  # only lazyllm declares revival
 
 
 def describe(method: Method) -> str:
