@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cache", "prefix_cache"),
     ("methods.*",),
     ("engine",),
-    ("distributed.pool",),
+    ("distributed.pool", "distributed.rank"),
     ("bench.*", "tune"),
     ("launch", "serve.*", "cli", "cli.*", "demo", "__init__"),
 )

@@ -6,7 +6,7 @@ Two ways to run, chosen by the environment:
     default process group (:func:`fastprefill.distributed.runtime.init_group`: NCCL when the
     device is CUDA, one GPU per local rank; gloo on CPU), loads the model
     (:func:`fastprefill.models.load`), validates the request like every other rank, waits at a
-    barrier so all ranks start together, and runs its role (:func:`fastprefill.distributed.pool.run_rank`):
+    barrier so all ranks start together, and runs its role (:func:`fastprefill.distributed.rank.run_rank`):
     the last rank prints the answer, the others contribute KV. One machine, two ranks::
 
         torchrun --standalone --nproc-per-node 2 -m fastprefill.launch \\
@@ -105,7 +105,7 @@ class _Reporter:
 
 def _methods(args: argparse.Namespace, procs: int, group: str) -> list[Method]:
     """Every ``--method``, built and checked to run on ``procs`` ranks (``group`` names them)."""
-    from fastprefill.distributed.pool import check_ranks
+    from fastprefill.distributed.rank import check_ranks
     from fastprefill.methods.registry import make_method
 
     methods = [make_method(spec, {"procs": procs, "timeout_s": args.timeout}) for spec in args.method or ["runahead"]]
@@ -117,7 +117,7 @@ def _methods(args: argparse.Namespace, procs: int, group: str) -> list[Method]:
 def _torchrun(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from fastprefill.distributed.pool import Request, check_request, run_rank
+    from fastprefill.distributed.rank import Request, check_request, run_rank
     from fastprefill.models import load
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

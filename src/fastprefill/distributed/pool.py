@@ -1,48 +1,38 @@
-"""A persistent pool of ranks on this machine that serves prompts with a distributed method.
+"""A persistent pool of ranks that serves prompts with a distributed method.
 
-:class:`RankPool` spawns ``procs`` worker processes, joins them in a gloo process group on a
-free 127.0.0.1 port (:mod:`fastprefill.distributed.runtime`), fixes each rank's torch thread
-count and optionally pins rank ``r`` to one CPU core (``os.sched_setaffinity``). Every worker
-loads the model *once* (:func:`fastprefill.models.load`); the pool then stays alive and the
-driver sends it prompts. That keeps model loading out of TTFT, and TTFT is measured **on the
-driver** from dispatching the prompt through receiving the first token id from the last rank
-(pipes, every rank's work and all communication included). :func:`generate_distributed` is the
-one-shot wrapper (``fastprefill generate --method runahead --procs 2``).
+:class:`RankPool` spawns ``procs`` worker processes on this machine, joins them in a gloo
+process group on a free 127.0.0.1 port (:mod:`fastprefill.distributed.runtime`), fixes each
+rank's torch thread count and optionally pins rank ``r`` to one CPU core
+(``os.sched_setaffinity``). Every worker loads the model *once* (:func:`fastprefill.models.load`);
+the pool then stays alive and the driver sends it prompts. That keeps model loading out of TTFT,
+and TTFT is measured **on the driver** from dispatching the prompt through receiving the first
+token id from the last rank (pipes, every rank's work and all communication included).
+:func:`generate_distributed` is the one-shot wrapper (``fastprefill generate --method runahead
+--procs 2``). A pool may also drive ranks started elsewhere (torchrun's, on several machines:
+:mod:`fastprefill.distributed.torchrun`), given as :class:`RankLink` objects.
 
-Roles: every rank validates the request with :func:`fastprefill.engine.prepare_prompt` before
-any communication (:func:`check_request`); then the last rank runs
+Roles and the protocol every rank answers are :mod:`fastprefill.distributed.rank`'s: every rank
+validates the request before any communication (:func:`check_request`); then the last rank runs
 :func:`fastprefill.engine.stream` (prefill, first token, decode) and ranks ``0..P-2`` call the
-method's :meth:`~fastprefill.methods.base.DistributedMethod.contribute` (:func:`run_rank`,
-shared with the torchrun entry point ``python -m fastprefill.launch``).
-
-Worker protocol (one duplex pipe per rank; the driver sends, the worker answers):
-
-- ``("run", Request)`` -> ``("first", token_id)`` (last rank, as soon as it has it), then
-  ``("done", payload)``; or ``("invalid", error)`` when validation refused the request. With
-  ``Request.stream`` the last rank sends ``("token", (token_id, text, index, timing))`` for every
-  token instead of ``"first"`` (``timing`` on the last one only), and stops at the next token
-  when ``("cancel", None)`` arrives (a stray one, after the run, is ignored);
-- ``("tokenize", {"prompt", "chat"})`` -> ``("tokens", ids)`` (sent to the last rank only);
-- ``("stop", None)`` -> the worker leaves its group and exits;
-- at start the worker answers ``("ready", rank)``; any failure is ``("error", (message, user
-  error or None))`` and the worker exits.
+method's :meth:`~fastprefill.methods.base.DistributedMethod.contribute` (:func:`run_rank`).
+The driver sees each rank as a :class:`RankLink`: its connection, and how it tells that the
+rank has gone (a local worker: its process sentinel; a rank known only by its connection: the
+connection's end).
 
 Faults: a request a rank refuses (a :class:`~fastprefill.errors.FastprefillError` from
 validation: bad prompt, bad method setting, a model family the method does not support) is
 raised on the driver as that same error and the pool stays usable, since every rank refuses
 alike before any communication. Every communication wait is bounded by the method's
-``timeout_s``; the driver watches every worker's process sentinel, and the first worker that
-dies or fails mid-request makes it kill all workers and raise :class:`RankPoolError` (a failed
-process group is not reused). Workers are daemonic children and also exit when the driver's
-pid goes away: no orphans.
+``timeout_s``; the driver watches every rank, and the first one that dies or fails mid-request
+makes it stop all of them and raise :class:`RankPoolError` (a failed process group is not
+reused). Local workers are daemonic children and also exit when the driver's pid goes away: no
+orphans.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -50,13 +40,25 @@ from typing import Any, NoReturn, Self
 
 import torch
 
+from fastprefill.distributed.rank import (
+    FAULT_EXIT_CODE,
+    Request,
+    check_ranks,
+    check_request,
+    required_ranks,
+    run_rank,
+    send_error,
+    serve_rank,
+)
 from fastprefill.distributed.runtime import free_port, init_group, set_threads, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
-from fastprefill.methods.base import DistributedMethod, LayerHook, Method
+from fastprefill.methods.base import DistributedMethod, Method
 
 __all__ = [
     "FAULT_EXIT_CODE",
     "PoolResult",
+    "ProcessLink",
+    "RankLink",
     "RankPool",
     "RankPoolError",
     "Request",
@@ -67,38 +69,9 @@ __all__ = [
     "run_rank",
 ]
 
-#: Worker exit code used by the fault-injection hook.
-FAULT_EXIT_CODE = 17
-
 
 class RankPoolError(FastprefillError, RuntimeError):
     """A worker died, hung or failed; the pool has been shut down."""
-
-
-@dataclass(frozen=True)
-class Request:
-    """One generation request, identical on every rank.
-
-    Attributes:
-        prompt: text (needs the model's tokenizer) or token ids.
-        method: the method every rank runs; see :func:`required_ranks`.
-        max_new_tokens: tokens to generate, the first included.
-        chat: wrap text in the chat template.
-        stop_at_eos: stop at the model's end-of-sequence token.
-        fault: test hook ``(rank, layer, "exit"|"hang")``: that helper rank exits (or hangs)
-            after the given layer.
-        stream: the last rank sends every token as it comes (see the module docstring).
-        stops: generation ends once the text contains one of these strings.
-    """
-
-    prompt: str | list[int]
-    method: Method
-    max_new_tokens: int = 64
-    chat: bool = False
-    stop_at_eos: bool = True
-    fault: tuple[int, int, str] | None = None
-    stream: bool = False
-    stops: tuple[str, ...] = ()
 
 
 @dataclass
@@ -123,124 +96,69 @@ class PoolResult:
     logits: torch.Tensor | None = None
 
 
-# --- one rank's work (the pool's workers and torchrun ranks) -------------------------------------
-def required_ranks(method: Method) -> int:
-    """Ranks ``method`` runs on: ``procs`` of a :class:`DistributedMethod`, else 1."""
-    return method.procs if isinstance(method, DistributedMethod) else 1
+class RankLink:
+    """One rank as the driver sees it: the connection it answers on, and how it tells it has gone.
 
+    This base class is a rank known only by its connection (a torchrun rank, here or on another
+    machine): the connection's end is the rank's end. :class:`ProcessLink` is a local worker.
 
-def check_ranks(method: Method, world: int, group: str) -> None:
-    """Refuse ``method`` unless it runs on ``world`` ranks; ``group`` says what has ``world``
-    ranks, for the message (``"this group has 2"``).
-
-    Raises:
-        ConfigError: ``required_ranks(method) != world``.
+    Attributes:
+        conn: the duplex connection (:mod:`fastprefill.distributed.rank`'s protocol).
+        pid: the rank's process id (on its own machine), for logs and ``/health``.
+        host: where the rank runs, for messages.
+        sentinel: an object :func:`multiprocessing.connection.wait` reports once the rank has
+            gone; ``None``: the end of ``conn`` reports it.
     """
-    need = required_ranks(method)
-    if need != world:
-        what = f"needs procs={need} ranks" if isinstance(method, DistributedMethod) else "runs on one process"
-        raise ConfigError(f"{method.describe()} {what}, but {group}")
+
+    sentinel: Any = None
+
+    def __init__(self, conn: Connection, pid: int | None = None, host: str = "") -> None:
+        self.conn, self.pid, self.host = conn, pid, host
+        self.ended = False  # the rank's end of the connection has closed
+
+    def alive(self) -> bool:
+        return not (self.ended or self.conn.closed)
+
+    def gone(self) -> str:
+        """What happened to the rank, for a message after ``"rank N "``."""
+        return (f"closed its connection (pid {self.pid} on {self.host}: its process ended or its machine is "
+                "unreachable)")
+
+    def kill(self) -> None:
+        """Make the rank leave: it ends its loop when its connection closes."""
+        self.conn.close()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the rank to close its end (its messages are dropped)."""
+        deadline = time.monotonic() + timeout
+        try:
+            while not self.conn.closed and (left := deadline - time.monotonic()) > 0:
+                if self.conn.poll(left):
+                    self.conn.recv()
+        except (EOFError, OSError):
+            self.ended = True
 
 
-def check_request(model: Any, tokenizer: Any, request: Request, world: int) -> torch.Tensor:
-    """Validate ``request`` for a group of ``world`` ranks; return its ``(1, T)`` ids.
+class ProcessLink(RankLink):
+    """A worker process of this machine (a :class:`RankPool`'s own): its sentinel tells its death."""
 
-    Every rank runs the same checks on the same input before any communication, so all ranks
-    refuse alike.
+    def __init__(self, proc: Any, conn: Connection) -> None:
+        super().__init__(conn, proc.pid, "this machine")
+        self.proc = proc
+        self.sentinel = proc.sentinel
 
-    Raises:
-        ConfigError: not a Method, or a method for another number of ranks; see also
-            :func:`fastprefill.engine.prepare_prompt` (PromptError, UnsupportedModelError, ...).
-    """
-    from fastprefill.engine import prepare_prompt
+    def alive(self) -> bool:
+        return bool(self.proc.is_alive())
 
-    method = request.method
-    if not isinstance(method, Method):
-        raise ConfigError(f"method must be a fastprefill Method, got {type(method).__name__}")
-    check_ranks(method, world, f"this group has {world}")
-    return prepare_prompt(model, tokenizer, request.prompt, method, max_new_tokens=request.max_new_tokens,
-                          chat=request.chat)
+    def gone(self) -> str:
+        return f"died (exit code {self.proc.exitcode})"
 
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
 
-def _layer_hook(fault: tuple[int, int, str] | None) -> LayerHook | None:
-    if fault is None:
-        return None
-    f_rank, f_layer, kind = fault
-
-    def hook(rank: int, layer: int) -> None:
-        if rank == f_rank and layer == f_layer:
-            if kind == "exit":
-                os._exit(FAULT_EXIT_CODE)
-            time.sleep(10_000)  # "hang"
-
-    return hook
-
-
-def run_rank(
-    model: Any,
-    tokenizer: Any,
-    rank: int,
-    world: int,
-    request: Request,
-    input_ids: torch.Tensor,
-    on_first: Callable[[int], None] | None = None,
-    on_token: Callable[[Any], bool] | None = None,
-) -> dict[str, Any]:
-    """This rank's part of a request validated by :func:`check_request`.
-
-    The last rank generates: the result has ``text``, ``token_ids``, ``timing`` (the engine's
-    :class:`~fastprefill.engine.Timing` as a dict), ``stats`` (its prefill counters) and
-    ``logits`` (``(V,)`` first-token logits on the CPU); ``on_first(token_id)`` is called as soon
-    as the first token is known, ``on_token(event)`` with every
-    :class:`~fastprefill.engine.StreamEvent` (True: stop now; the result is then
-    ``{"cancelled": True, "stats": {}}``). Other ranks contribute and return ``{"stats": counters}``.
-    """
-    from fastprefill.engine import stream
-
-    method = request.method
-    if rank == world - 1:
-        events = []
-        stops = request.stops
-        gen = stream(model, tokenizer, input_ids, method, request.max_new_tokens, stop_at_eos=request.stop_at_eos,
-                     stop=(lambda text: any(s in text for s in stops)) if stops else None)
-        with contextlib.closing(gen):
-            for ev in gen:
-                if ev.index == 0 and on_first is not None:
-                    on_first(ev.token_id)
-                events.append(ev)
-                if on_token is not None and on_token(ev) and ev.timing is None:
-                    return {"cancelled": True, "stats": {}}
-        timing = events[-1].timing
-        assert timing is not None
-        ids_out = [e.token_id for e in events]
-        text = tokenizer.decode(ids_out, skip_special_tokens=True) if tokenizer is not None else ""
-        return {"text": text, "token_ids": ids_out, "timing": timing.to_dict(), "stats": timing.extra,
-                "logits": None if request.stream else events[-1].first_logits}
-    assert isinstance(method, DistributedMethod)  # check_request: world > 1 needs one
-    with torch.inference_mode():
-        stats = method.contribute(model, input_ids, layer_hook=_layer_hook(request.fault))
-    return {"stats": stats.extra}
-
-
-# --- worker side ---------------------------------------------------------------------------------
-def _send_user_error(conn: Connection, kind: str, exc: FastprefillError, message: str) -> None:
-    try:
-        conn.send((kind, (message, exc)))
-    except Exception:  # noqa: BLE001 - an exception that does not pickle: send the text only
-        conn.send((kind, (message, None)))
-
-
-def _token_sender(conn: Connection) -> Callable[[Any], bool]:
-    """``on_token`` of a streamed request: send the event, then say whether a cancel has come."""
-
-    def send(ev: Any) -> bool:
-        conn.send(("token", (ev.token_id, ev.text, ev.index, ev.timing)))
-        cancelled = False
-        while conn.poll(0):  # only a cancel is sent to a rank while it runs
-            cancelled |= conn.recv()[0] == "cancel"
-        return cancelled
-
-    return send
+    def join(self, timeout: float) -> None:
+        self.proc.join(timeout=timeout)
 
 
 def _worker_main(
@@ -260,51 +178,18 @@ def _worker_main(
         model, tokenizer = load(model_spec)
         if world > 1:
             init_group(rank, world, port=port, timeout_s=timeout_s)
-        conn.send(("ready", rank))
-        while True:
-            if not conn.poll(1.0):
-                if os.getppid() != parent_pid:
-                    os._exit(1)  # the driver is gone: do not linger
-                continue
-            kind, payload = conn.recv()
-            if kind == "stop":
-                break
-            if kind == "cancel":  # for a run that had already ended
-                continue
-            if kind == "tokenize":
-                from fastprefill.engine import encode_prompt
-
-                conn.send(("tokens", encode_prompt(tokenizer, payload["prompt"], chat=payload["chat"])[0].tolist()))
-                continue
-            try:
-                ids = check_request(model, tokenizer, payload, world)
-            except FastprefillError as exc:
-                _send_user_error(conn, "invalid", exc, f"rank {rank}: {type(exc).__name__}: {exc}")
-                continue
-            streams = payload.stream and rank == world - 1
-            result = run_rank(model, tokenizer, rank, world, payload, ids,
-                              on_first=None if streams else lambda tok: conn.send(("first", tok)),
-                              on_token=_token_sender(conn) if streams else None)
-            conn.send(("done", result))
+        if not serve_rank(conn, model, tokenizer, rank, world, driver_alive=lambda: os.getppid() == parent_pid):
+            os._exit(1)  # the driver is gone: do not linger
         if world > 1:
             dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - report any failure, then exit non-zero: the driver tears the pool down
-        msg = f"rank {rank}: {type(exc).__name__}: {exc}"
-        if not isinstance(exc, FastprefillError):
-            msg += "\n" + traceback.format_exc(limit=3)
-        try:
-            if isinstance(exc, FastprefillError):
-                _send_user_error(conn, "error", exc, msg)
-            else:
-                conn.send(("error", (msg, None)))
-        except OSError:
-            pass
+        send_error(conn, rank, exc)
         os._exit(1)
 
 
 # --- driver side ---------------------------------------------------------------------------------
 class RankPool:
-    """A persistent group of ranks on this machine, each holding the model (see the module docstring).
+    """A persistent group of ranks, each holding the model (see the module docstring).
 
     Args:
         model: a name :func:`fastprefill.models.load` accepts (zoo name, model folder,
@@ -319,6 +204,10 @@ class RankPool:
             because torch is already imported; used by the tests; only with
             ``threads_per_rank=1`` and before this process has initialised CUDA or a process
             group, as forked OpenMP/CUDA state is not safe to reuse).
+        links: ranks that already run elsewhere (torchrun's), one per rank in rank order, each
+            running :func:`~fastprefill.distributed.rank.serve_rank`: the pool starts no process
+            and only waits for their ``"ready"`` (``threads_per_rank``, ``pin`` and
+            ``start_method`` are then not used).
 
     Raises:
         ConfigError: a bad argument.
@@ -339,6 +228,7 @@ class RankPool:
         timeout_s: float = 120.0,
         start_timeout_s: float = 900.0,
         start_method: str = "spawn",
+        links: Sequence[RankLink] | None = None,
     ) -> None:
         if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
             raise ConfigError(f"procs must be an integer >= 1, got {procs!r}")
@@ -351,40 +241,48 @@ class RankPool:
             raise ConfigError(f"start_method must be 'spawn' or 'fork', got {start_method!r}")
         if start_method == "fork" and threads_per_rank != 1:
             raise ConfigError("start_method='fork' needs threads_per_rank=1 (forked OpenMP pools are unsafe)")
+        if links is not None and len(links) != procs:
+            raise ConfigError(f"links: one per rank, {procs} expected, got {len(links)}")
+        self.model_spec, self.procs, self.timeout_s = model, procs, timeout_s
+        self._links: list[RankLink] = []
+        self._closed = False
+        self._links = list(links) if links is not None else self._spawn(model, procs, threads_per_rank, cores if pin
+                                                                         else None, timeout_s, start_method)
+        self._conns = [link.conn for link in self._links]
+        replies = self._collect("starting", start_timeout_s)
+        assert len(replies) == procs
+
+    @staticmethod
+    def _spawn(model: str, procs: int, threads: int, cores: list[int] | None, timeout_s: float,
+               start_method: str) -> list[RankLink]:
         import torch.multiprocessing as mp
 
-        self.model_spec, self.procs, self.timeout_s = model, procs, timeout_s
         ctx = mp.get_context(start_method)
         port = free_port()
-        self._conns: list[Connection] = []
-        self._procs: list[Any] = []
-        self._closed = False
+        links: list[RankLink] = []
         for rank in range(procs):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, procs, port, model, threads_per_rank, cores[rank] if pin else None, child,
-                      os.getpid(), timeout_s),
+                args=(rank, procs, port, model, threads, None if cores is None else cores[rank], child, os.getpid(),
+                      timeout_s),
                 daemon=True, name=f"fastprefill-rank{rank}",
             )
             p.start()
             child.close()
-            self._conns.append(parent)
-            self._procs.append(p)
-        replies = self._collect("starting", start_timeout_s)
-        assert len(replies) == procs
+            links.append(ProcessLink(p, parent))
+        return links
 
     # --- plumbing -----------------------------------------------------------------------------
     @property
-    def pids(self) -> list[int]:
-        return [int(p.pid) for p in self._procs]
+    def pids(self) -> list[int | None]:
+        return [link.pid for link in self._links]
 
     def _kill_all(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-        for p in self._procs:
-            p.join(timeout=10)
+        for link in self._links:
+            link.kill()
+        for link in self._links:
+            link.join(10)
         for c in self._conns:
             c.close()
         self._closed = True
@@ -420,7 +318,7 @@ class RankPool:
         """The next message ``(rank, kind, payload)`` from one of the ``pending`` ranks; a worker's
         ``"error"``, any rank's death or the deadline passing shuts the pool down (RankPoolError)."""
         by_conn = {self._conns[r]: r for r in pending}
-        by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
+        by_sentinel = {link.sentinel: r for r, link in enumerate(self._links) if link.sentinel is not None}
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -430,7 +328,11 @@ class RankPool:
                     try:
                         kind, payload = obj.recv()
                     except (EOFError, OSError):
-                        continue  # the sentinel reports the death
+                        link = self._links[by_conn[obj]]
+                        if link.sentinel is not None:
+                            continue  # the sentinel reports the death
+                        link.ended = True
+                        self._fail(f"{what}: rank {by_conn[obj]} {link.gone()}; pool shut down")
                     if kind == "error":
                         self._on_error(what, payload)
                     return by_conn[obj], kind, payload
@@ -443,8 +345,8 @@ class RankPool:
                             self._on_error(what, payload)
                     except (EOFError, OSError):
                         pass
-                self._procs[rank].join(timeout=1.0)
-                self._fail(f"{what}: rank {rank} died (exit code {self._procs[rank].exitcode}); pool shut down")
+                self._links[rank].join(1.0)
+                self._fail(f"{what}: rank {rank} {self._links[rank].gone()}; pool shut down")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -516,7 +418,8 @@ class RankPool:
         )
 
     def close(self) -> None:
-        """Stop the workers (kills any that do not exit within 10 s)."""
+        """Stop the ranks (kills local workers that do not exit within 10 s; closes the
+        connection of other ranks, which then leave)."""
         if self._closed:
             return
         for c in self._conns:
@@ -525,8 +428,8 @@ class RankPool:
             except OSError:
                 pass
         deadline = time.monotonic() + 10
-        for p in self._procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        for link in self._links:
+            link.join(max(0.1, deadline - time.monotonic()))
         self._kill_all()
 
     def __enter__(self) -> Self:

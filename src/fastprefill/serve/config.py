@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel
 
-from fastprefill.distributed.pool import check_ranks
+from fastprefill.distributed.rank import check_ranks
 from fastprefill.errors import ConfigError, FastprefillError, check_fields
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.methods.lazyllm import LazyLLM
@@ -122,7 +122,7 @@ class MethodTable:
     Args:
         ranks: the ranks of the server's pool (:mod:`fastprefill.serve.ranks`); 1: no pool, so
             no multi-rank method. A multi-rank method must run on exactly that many
-            (:func:`~fastprefill.distributed.pool.check_ranks`).
+            (:func:`~fastprefill.distributed.rank.check_ranks`).
     """
 
     def __init__(self, model: PreTrainedModel, default: str, allowed: Sequence[str], ranks: int = 1) -> None:

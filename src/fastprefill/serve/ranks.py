@@ -54,14 +54,14 @@ class ServedPool(RankPool):
         super()._fail(msg, user_error)
 
     def _send_all(self, message: tuple[str, Any]) -> None:
-        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
+        for rank, link in enumerate(self._links):
             try:
-                if not proc.is_alive():
+                if not link.alive():
                     raise BrokenPipeError
-                conn.send(message)
+                link.conn.send(message)
             except OSError:
-                proc.join(timeout=1.0)
-                self._fail(f"generate: rank {rank} died (exit code {proc.exitcode}); pool shut down")
+                link.join(1.0)
+                self._fail(f"generate: rank {rank} {link.gone()}; pool shut down")
 
     def stream(self, input_ids: torch.Tensor, method: DistributedMethod, max_new_tokens: int, *,
                stop_at_eos: bool = True, stops: Sequence[str] = ()) -> Iterator[StreamEvent]:
