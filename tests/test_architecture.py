@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cache", "prefix_cache"),
     ("methods.*",),
     ("engine",),
-    ("distributed.pool", "distributed.rank"),
+    ("distributed.pool", "distributed.rank", "distributed.torchrun"),
     ("bench.*", "tune"),
     ("launch", "serve.*", "cli", "cli.*", "demo", "__init__"),
 )

@@ -45,6 +45,18 @@ def served(smollm2):
         yield url, ranks
 
 
+def _leave_mid_stream(client: openai.OpenAI, prompt: str) -> None:
+    """Ask for 400 tokens (past the end-of-sequence token), read two, and disconnect."""
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=400, stream=True,
+                                       extra_body={"fastprefill": {"ignore_eos": True}})
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].text)
+        if got == 2:
+            break
+    stream.close()
+
+
 def _full(smollm2, prompt: str, n: int = N, chat: bool = False):
     model, tok = smollm2
     return generate(model, tok, prompt, None, n, chat=chat)
@@ -99,14 +111,7 @@ def test_a_client_that_disconnects_stops_the_decode_on_the_ranks(served, smollm2
     url, ranks = served
     client = _client(url)
     stopped = ranks.stopped_early
-    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
-                                       extra_body={"fastprefill": {"ignore_eos": True}})
-    got = 0
-    for chunk in stream:
-        got += bool(chunk.choices and chunk.choices[0].text)
-        if got == 2:
-            break
-    stream.close()
+    _leave_mid_stream(client, PROMPTS[0])
     _wait(url, _idle, timeout=60)
     assert ranks.stopped_early == stopped + 1  # the last rank stopped before its 400th token
     assert client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=N).choices[0].text == \

@@ -4,7 +4,8 @@ Subcommands:
 
 - ``models``: list the model zoo; ``models prepare NAME`` verifies and converts one.
 - ``generate``: answer a prompt (argument, ``--file`` or stdin) and print its TTFT.
-- ``serve``: an OpenAI-compatible HTTP server over one model (per-request method).
+- ``serve``: an OpenAI-compatible HTTP server over one model (per-request method); under torchrun,
+  one server over the torchrun ranks (rank 0 serves HTTP, every rank joins each prefill).
 - ``bench``: run methods beside full prefill over a task (flags or a TOML ``--config``);
   ``bench verify`` re-summarizes committed result files and compares them with their summaries,
   and (in a checkout) the README's summary table and the tables of ``docs/`` with the results.
@@ -158,6 +159,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fastprefill.distributed.runtime import set_threads
     from fastprefill.serve import ServeConfig, create_app, run, start_ranks
     from fastprefill.serve.config import MULTI_RANK_METHODS
+    from fastprefill.serve.torchrun import serve as serve_torchrun
+    from fastprefill.serve.torchrun import under_torchrun
 
     if args.profile is not None:
         if args.method != "full":
@@ -167,6 +170,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          queue_size=args.queue, timeout_s=args.timeout, max_tokens=args.max_tokens,
                          max_body_mb=args.max_body_mb, drain_timeout_s=args.drain_timeout,
                          prefix_cache_mb=args.prefix_cache_mb, prefix_cache_dir=args.prefix_cache_dir)
+    if under_torchrun():  # every process is a rank; rank 0 serves HTTP (docs/serving.md)
+        return serve_torchrun(config, host=args.host, port=args.port, threads=args.threads_per_rank,
+                              log_level=args.log_level, control_port=args.control_port, device=args.device,
+                              dtype=args.dtype)
     set_threads(args.threads)
     model, tok = _load(args.model, args.device, args.dtype)
     if (args.device, args.dtype) != ("cpu", "float32") and any(
@@ -345,7 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the prefix cache from DIR at start (a corrupt or mismatched file is refused and "
                         "ignored) and save it there at shutdown")
     p.add_argument("--threads-per-rank", type=_threads, default=1,
-                   help="torch threads in each rank of a multi-rank --method / --allow-method (runahead:procs=N)")
+                   help="torch threads in each rank of a multi-rank --method / --allow-method (runahead:procs=N); "
+                        "under torchrun, of every process (rank 0's single-process methods included)")
+    p.add_argument("--control-port", type=int, default=0, metavar="PORT",
+                   help="under torchrun: the port rank 0 listens on for the other ranks' control connections "
+                        "(default: a free one)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     model_args(p)
     p.set_defaults(func=cmd_serve)

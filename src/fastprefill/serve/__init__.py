@@ -3,9 +3,11 @@
 ``fastprefill serve --model NAME`` runs :func:`create_app` under uvicorn (:func:`run`, which
 drains on SIGTERM); ``app.py`` holds the routes, ``config.py`` the settings and the method
 table, ``runner.py`` uvicorn and the draining shutdown, ``worker.py`` the one generation thread
-and its bounded queue, ``ranks.py`` the rank pool of multi-rank methods (KV-Runahead), ``protocol.py`` the wire format, ``limits.py`` the body-size and
-prompt-length limits checked before any model work, ``metrics.py`` the Prometheus series. The
-user's page is ``docs/serving.md``.
+and its bounded queue, ``ranks.py`` the rank pool of multi-rank methods (KV-Runahead),
+``torchrun.py`` the server over torchrun's ranks (``fastprefill serve`` under torchrun),
+``protocol.py`` the wire format, ``limits.py`` the body-size and prompt-length limits checked
+before any model work, ``metrics.py`` the Prometheus series. The user's page is
+``docs/serving.md``.
 """
 
 from __future__ import annotations

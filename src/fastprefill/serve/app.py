@@ -212,12 +212,20 @@ class Server:
         log.info("prefix cache: %d tokens saved to %s", cache.cached_tokens, path)
         return path
 
+    def _refusal(self) -> APIError:
+        """The 503 of a request that arrives, or waits, while the server shuts down: why it does,
+        when its ranks' failure ends it (under torchrun)."""
+        ranks = self.ranks
+        if ranks is not None and ranks.fatal and ranks.failure is not None:
+            return ranks_down(ranks.failure, fatal=True)
+        return _shutting_down()
+
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests (503), fail the waiting ones with 503, give the running
         generation up to ``timeout_s`` seconds and then end it with a 503 error, and wait up to
         :data:`DRAIN_GRACE_S` more seconds for the last answers to be sent."""
         self.draining = True
-        self.worker.close(_shutting_down())
+        self.worker.close(self._refusal())
         deadline = time.monotonic() + timeout_s
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -325,7 +333,7 @@ class Server:
         label = "invalid"
         try:
             if self.draining:
-                raise _shutting_down()
+                raise self._refusal()
             req = parse_request(await read_body(request, self.config.max_body_bytes),
                                 ChatRequest if chat else CompletionRequest)
             self.check_model(req.model)
@@ -333,7 +341,7 @@ class Server:
             stops = req.stops()
             label, method = self.methods.get(req.fastprefill.method)
             if isinstance(method, DistributedMethod) and self.ranks is not None and self.ranks.closed:
-                raise ranks_down(self.ranks.failure or "closed")
+                raise ranks_down(self.ranks.failure or "closed", fatal=self.ranks.fatal)
             max_tokens = req.budget() or self.config.max_tokens
             self.check_lengths(req)
             loop = asyncio.get_running_loop()

@@ -14,17 +14,24 @@ it stops at its next token (a prefill already running on the ranks finishes firs
 stays warm. A rank that dies, hangs past the method's ``timeout_s`` (per message) or fails ends
 the request with a 503 naming it, and the pool is shut down: the server then answers
 multi-rank requests 503 until it is restarted, and single-process ones as before.
+
+Under torchrun (:mod:`fastprefill.serve.torchrun`) the pool's ranks are torchrun's, possibly on
+other machines (``links``); a failure is then ``fatal``: it also sets :attr:`ServedPool.failed`,
+which drains and ends the server, and :meth:`ServedPool.watch` checks the ranks between
+requests, so a rank lost while the server is idle ends it too.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
 
-from fastprefill.distributed.pool import RankPool, Request
+from fastprefill.distributed.pool import RankPool, RankPoolError, Request
 from fastprefill.engine import StreamEvent
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.methods.base import DistributedMethod
@@ -32,16 +39,23 @@ from fastprefill.serve.config import ServeConfig, serving_method
 
 __all__ = ["ServedPool", "start_ranks"]
 
+log = logging.getLogger(__name__)
+
 
 class ServedPool(RankPool):
     """A :class:`~fastprefill.distributed.pool.RankPool` whose generations stream token by token
-    and stop when asked (see the module docstring). Arguments as :class:`RankPool`'s."""
+    and stop when asked (see the module docstring). Arguments as :class:`RankPool`'s, and
+    ``fatal``: a failed pool ends the server (torchrun's ranks)."""
 
-    def __init__(self, model: str, procs: int, **kwargs: Any) -> None:
+    def __init__(self, model: str, procs: int, *, fatal: bool = False, **kwargs: Any) -> None:
         #: why the pool was shut down (a dead, hung or failed rank), once it has been
         self.failure: str | None = None
+        #: set when :attr:`failure` is
+        self.failed = threading.Event()
+        self.fatal = fatal
         #: generations the last rank stopped before their end because they were cancelled
         self.stopped_early = 0
+        self._busy = threading.Lock()  # held by a generation; the watcher checks only without it
         super().__init__(model, procs, **kwargs)
 
     @property
@@ -51,6 +65,7 @@ class ServedPool(RankPool):
     def _fail(self, msg: str, user_error: FastprefillError | None = None) -> NoReturn:
         if user_error is None:
             self.failure = msg
+            self.failed.set()
         super()._fail(msg, user_error)
 
     def _send_all(self, message: tuple[str, Any]) -> None:
@@ -62,6 +77,47 @@ class ServedPool(RankPool):
             except OSError:
                 link.join(1.0)
                 self._fail(f"generate: rank {rank} {link.gone()}; pool shut down")
+
+    def watch(self, period_s: float = 1.0) -> threading.Thread:
+        """Check every ``period_s`` seconds, while no generation runs, that every rank is still
+        there (an idle rank sends nothing, so a message is its failure and the end of its
+        connection its death); a lost rank shuts the pool down as during a request. Returns
+        the daemon thread, which ends with the pool."""
+
+        def loop() -> None:
+            while not self._closed:
+                time.sleep(period_s)
+                if not self._busy.acquire(blocking=False):
+                    continue
+                try:
+                    self._check_idle()
+                except RankPoolError as exc:
+                    log.error("rank pool: %s", exc)
+                    return
+                except (OSError, ValueError):  # closed meanwhile
+                    return
+                finally:
+                    self._busy.release()
+
+        thread = threading.Thread(target=loop, name="fastprefill-rank-watch", daemon=True)
+        thread.start()
+        return thread
+
+    def _check_idle(self) -> None:
+        for rank, link in enumerate(self._links):
+            if self._closed:
+                return
+            if link.alive() and link.conn.poll(0):
+                try:
+                    kind, payload = link.conn.recv()
+                except (EOFError, OSError):
+                    link.ended = True
+                else:
+                    if kind == "error":
+                        self._on_error("idle", payload)
+            if not link.alive():
+                link.join(1.0)
+                self._fail(f"idle: rank {rank} {link.gone()}; pool shut down")
 
     def stream(self, input_ids: torch.Tensor, method: DistributedMethod, max_new_tokens: int, *,
                stop_at_eos: bool = True, stops: Sequence[str] = ()) -> Iterator[StreamEvent]:
@@ -76,6 +132,11 @@ class ServedPool(RankPool):
             RankPoolError: a rank died, failed, or sent nothing for ``method.timeout_s``; the
                 pool is shut down.
         """
+        with self._busy:
+            yield from self._stream(input_ids, method, max_new_tokens, stop_at_eos=stop_at_eos, stops=stops)
+
+    def _stream(self, input_ids: torch.Tensor, method: DistributedMethod, max_new_tokens: int, *,
+                stop_at_eos: bool = True, stops: Sequence[str] = ()) -> Iterator[StreamEvent]:
         self._check_open()
         timeout = float(method.timeout_s)
         pending = set(range(self.procs))

@@ -23,13 +23,14 @@ log = logging.getLogger("fastprefill.serve.app")
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server; the first SIGTERM or SIGINT drains the app's :class:`Server`
-    (:meth:`Server.drain` with its ``drain_timeout_s``) before uvicorn shuts down, a second one
-    is uvicorn's own handling (shut down now)."""
+    """uvicorn's server; the first SIGTERM or SIGINT, or ``until`` being set, drains the app's
+    :class:`Server` (:meth:`Server.drain` with its ``drain_timeout_s``) before uvicorn shuts
+    down; a second signal is uvicorn's own handling (shut down now)."""
 
-    def __init__(self, config: uvicorn.Config, app_server: Server) -> None:
+    def __init__(self, config: uvicorn.Config, app_server: Server, until: threading.Event | None = None) -> None:
         super().__init__(config)
         self.app_server = app_server
+        self.until = until
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
         self._drain: asyncio.Task[None] | None = None
@@ -47,6 +48,14 @@ class _DrainingServer(uvicorn.Server):
                     self.app_server.config.drain_timeout_s)
         self._loop.call_soon_threadsafe(self._start_drain)
 
+    async def on_tick(self, counter: int) -> bool:
+        if self.until is not None and self.until.is_set() and not self._draining:
+            self._draining = True
+            log.warning("shutting down: the server's ranks failed; draining for at most %g s",
+                        self.app_server.config.drain_timeout_s)
+            self._start_drain()
+        return await super().on_tick(counter)
+
     def _start_drain(self) -> None:
         self._drain = asyncio.ensure_future(self._drain_then_exit())
 
@@ -57,11 +66,13 @@ class _DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> None:
-    """Serve ``app`` (made by :func:`create_app`) with uvicorn until SIGTERM or SIGINT, then
-    shut down as the module docstring says (one process: the model is loaded once)."""
+def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+        until: threading.Event | None = None) -> None:
+    """Serve ``app`` (made by :func:`create_app`) with uvicorn until SIGTERM or SIGINT (or
+    ``until`` is set, checked every 0.1 s: a torchrun server's ranks failed), then shut down
+    as the module docstring says (one process: the model is loaded once)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=CLOSE_GRACE_S)
-    _DrainingServer(config, app.state.server).run()
+    _DrainingServer(config, app.state.server, until).run()
 
 
 @contextmanager

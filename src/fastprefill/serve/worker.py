@@ -252,7 +252,7 @@ class Worker:
                 self._execute(job)
             except RankPoolError as exc:  # a rank died, hung or failed: the pool is down
                 log.error("rank pool: %s", exc)
-                job.fail(ranks_down(str(exc)))
+                job.fail(ranks_down(str(exc), fatal=self.ranks is not None and self.ranks.fatal))
             except FastprefillError as exc:  # refused by the engine: the request's fault
                 job.fail(APIError(400, str(exc)))
             except Exception as exc:  # a failed request must not stop the worker
@@ -330,11 +330,13 @@ def internal_error(exc: BaseException) -> APIError:
                     kind="server_error")
 
 
-def ranks_down(reason: str) -> APIError:
-    """The 503 of a multi-rank request once the rank pool has failed (``reason`` names the rank)."""
-    return APIError(503, f"the server's rank pool failed ({reason}); multi-rank methods are refused until the "
-                         "server is restarted; single-process methods still answer", kind="server_error",
-                    outcome="error")
+def ranks_down(reason: str, fatal: bool = False) -> APIError:
+    """The 503 of a multi-rank request once the rank pool has failed (``reason`` names the rank);
+    ``fatal``: the failure ends the server (torchrun's ranks), so every request gets it."""
+    after = ("the server is shutting down (its torchrun job has lost a rank; torchrun --max-restarts starts it "
+             "again)") if fatal else ("multi-rank methods are refused until the server is restarted; "
+                                      "single-process methods still answer")
+    return APIError(503, f"the server's rank pool failed ({reason}); {after}", kind="server_error", outcome="error")
 
 
 def timeout_error(limit_s: float) -> APIError:
