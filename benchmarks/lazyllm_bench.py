@@ -17,14 +17,14 @@ each result file's header and on the pages of ``docs/results/``):
   many, stopping at EOS): total time vs full prefill plus plain decoding, revivals per step;
   each preset under each ``--revivals`` policy.
 - ``sweep``: the dev-split schedule sweep that picked the default preset
-  (:func:`fastprefill.bench.selection.choose_default`).
-- ``fidelity-sweep``: the later-cut candidates (:data:`fastprefill.bench.selection.FIDELITY_CANDIDATES`)
+  (:func:`research.selection.choose_default`).
+- ``fidelity-sweep``: the later-cut candidates (:data:`research.selection.FIDELITY_CANDIDATES`)
   on the dev split, chosen by the fidelity rule fixed before the sweep
-  (:func:`fastprefill.bench.selection.choose_by_fidelity`).
+  (:func:`research.selection.choose_by_fidelity`).
 - ``speed``: realised vs ideal speedup on a handful of random-token prompts (no scoring).
 - ``ceiling``: a one-cut preset's own selection against two oracles at the same cut and budget
   (the gold passages first; the attention at a deeper probe layer), first token vs full prefill
-  on the dev split (:func:`fastprefill.bench.ceiling.selection_ceiling`).
+  on the dev split (:func:`research.ceiling.selection_ceiling`).
 
 The runs, records, summaries and files come from :mod:`fastprefill.bench` (threads fixed,
 warm-up excluded, TTFT from the engine's timing window); this script holds the method tables.
@@ -38,17 +38,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastprefill.bench.ceiling import ceiling_summary, selection_ceiling
 from fastprefill.bench.records import FULL, environment, result_name, write_rows
 from fastprefill.bench.report import markdown_table, write_paired_rows
 from fastprefill.bench.runner import Unscored, random_samples, run_benchmark, run_samples
-from fastprefill.bench.selection import (
-    FIDELITY_CANDIDATES,
-    choose_by_fidelity,
-    choose_default,
-    describe_choice,
-    fidelity_methods,
-)
 from fastprefill.bench.summary import needle_by_depth, summarize
 from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
@@ -58,6 +50,14 @@ from fastprefill.methods.baselines import matched_baselines
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LATE_SCHEDULES, PRESETS, LazyLLM
 from fastprefill.models.shape import ModelShape
+from research.ceiling import ceiling_summary, selection_ceiling
+from research.selection import (
+    FIDELITY_CANDIDATES,
+    choose_by_fidelity,
+    choose_default,
+    describe_choice,
+    fidelity_methods,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -108,7 +108,7 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
              choose=None, gate=None) -> None:
     """Run ``task`` through :func:`run_benchmark` (``<name>.{jsonl,md,png}``), then write the
     paired rows (``<name>.summary.jsonl``); ``choose`` (a rule of
-    :mod:`fastprefill.bench.selection`) picks among the methods, recorded in the header;
+    :mod:`research.selection`) picks among the methods, recorded in the header;
     ``gate`` (:func:`fill_gate`) is recorded under ``fill_gate``."""
     name = result_name(args.out, name, name=args.name, resume=args.resume)
     model, tok = _load(args.model)

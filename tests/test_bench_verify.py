@@ -1,4 +1,4 @@
-"""Every committed figure reproduces: ``fastprefill bench verify`` re-summarizes each committed
+"""Every committed figure reproduces: ``python benchmarks/verify.py`` re-summarizes each committed
 result file and finds the numbers of its committed summaries, and finds every table the README
 and ``docs/results/`` quote from a result file in that file."""
 
@@ -8,11 +8,11 @@ import json
 import shutil
 from pathlib import Path
 
-from fastprefill.bench.kvp import lsweep_table
-from fastprefill.bench.pages import page_sources, verify_pages
+import verify
 from fastprefill.bench.records import read_rows
-from fastprefill.bench.verify import compare_tables, verify_results
-from fastprefill.cli import main
+from figures.pages import page_sources, verify_pages
+from figures.results import compare_tables, verify_results
+from research.kvp import lsweep_table
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -100,8 +100,11 @@ def test_readme_and_docs_figures_reproduce():
         assert list(page_sources(page.read_text())), f"{page.name} has no <!-- from: ... --> table"
 
 
-def test_the_cli_verifies_results_and_pages():
-    assert main(["bench", "verify", "--out", str(RESULTS)]) == 0
+def test_the_script_verifies_results_and_pages(capsys, tmp_path):
+    assert verify.main([]) == 0
+    assert capsys.readouterr().out.endswith(", 0 values differ\n")
+    assert verify.main([str(tmp_path / "none")]) == 2
+    assert "no such results directory" in capsys.readouterr().err
 
 
 def _copy_checkout(tmp_path):

@@ -1,4 +1,4 @@
-"""The KV Prediction cache ablation (:mod:`fastprefill.bench.ablation`), the per-layer error plot
+"""The KV Prediction cache ablation (:mod:`research.ablation`), the per-layer error plot
 and the KVP script's argument parsing."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ablation
 from fastprefill.bench.report import (
     label_lifts,
     merge_eval_summaries,
@@ -18,6 +17,7 @@ from fastprefill.bench.report import (
 )
 from fastprefill.errors import ConfigError
 from fastprefill.models.kv import prefix_kv
+from research.ablation import ablation_table, ablation_variants, run_ablation
 
 
 def _kv(fill: float, layers: int = 4, n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:

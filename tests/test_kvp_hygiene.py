@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 
-from fastprefill.bench.kvp import GATE_V_ERROR, dev_gate, exclude_calibration, l_sweep
 from fastprefill.cli import main
 from fastprefill.demo import demo_prefix_layer
 from fastprefill.errors import ConfigError
@@ -28,6 +27,7 @@ from fastprefill.methods.registry import make_method
 from fastprefill.models.kv import attention_inputs, prefix_kv
 from fastprefill.models.random import random_ids
 from fastprefill.models.shape import ModelShape
+from research.kvp import GATE_V_ERROR, dev_gate, exclude_calibration, l_sweep
 
 
 def _copy_pair(model, source):

@@ -1,5 +1,5 @@
-"""The dev-sweep selection rules (:func:`fastprefill.bench.selection.choose_default` and the
-fidelity rule :func:`~fastprefill.bench.selection.choose_by_fidelity`: which schedule becomes
+"""The dev-sweep selection rules (:func:`research.selection.choose_default` and the
+fidelity rule :func:`~research.selection.choose_by_fidelity`: which schedule becomes
 ``default``), the sweeps' candidate tables and the LazyLLM script's argument parsing."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from fastprefill.bench.records import Record
-from fastprefill.bench.selection import (
+from fastprefill.bench.summary import Summary, summarize
+from fastprefill.errors import ConfigError
+from research.selection import (
     FIDELITY_BUDGET,
     FIDELITY_CANDIDATES,
     choose_by_fidelity,
@@ -15,8 +17,6 @@ from fastprefill.bench.selection import (
     describe_choice,
     fidelity_methods,
 )
-from fastprefill.bench.summary import Summary, summarize
-from fastprefill.errors import ConfigError
 
 
 def _rec(method: str, score: float, frac: float) -> Record:
@@ -47,7 +47,6 @@ def test_only_the_reference_raises():
 
 def test_sweep_candidates_are_valid_and_exclude_the_alias():
     import lazyllm_bench as bench
-
     from fastprefill.methods.lazyllm import LazyLLM
     assert "default" not in bench.SWEEP and "keep-all" not in bench.SWEEP
     for name, sched in bench.SWEEP.items():

@@ -9,7 +9,7 @@
 4. Every ``fastprefill`` command line in a shell block parses with the real argument parser, and
    its ``--method`` specs build.
 5. The summary table: every figure recomputed from the result file its row links to
-   (:func:`fastprefill.bench.headline.check_summary_table`), which fails on a changed figure,
+   (:func:`figures.headline.check_summary_table`), which fails on a changed figure,
    a missing row or a wrong link.
 
 No model is loaded; the summary table re-summarizes a dozen committed result files.
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from fastprefill.bench.headline import SUMMARY_ROWS, check_summary_table, summary_table
 from fastprefill.cli import build_parser
 from fastprefill.methods.registry import make_method
+from figures.headline import SUMMARY_ROWS, check_summary_table, summary_table
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

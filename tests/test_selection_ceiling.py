@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastprefill.bench.ceiling import ORACLES, oracle_select, selection_ceiling, summarize_ceiling
 from fastprefill.bench.runner import first_token_kl
 from fastprefill.data.tasks import get_task
 from fastprefill.errors import ConfigError
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import keep_count
+from research.ceiling import ORACLES, oracle_select, selection_ceiling, summarize_ceiling
 
 
 def test_oracle_select_keeps_protected_and_ranks_by_priority_then_first():

@@ -925,7 +925,6 @@ def test_committed_load_figures_reproduce_from_their_records():
     """Every committed ``serve_load_*`` and ``serve_runahead_load_*`` ``.summary.json`` equals
     ``summarize`` over its own records."""
     import serve_load as bench
-
     from fastprefill.bench.records import read_rows
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     committed = sorted([*results.glob("serve_load_*.summary.json"), *results.glob("serve_runahead_load_*.summary.json")])

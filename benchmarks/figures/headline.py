@@ -24,8 +24,8 @@ from pathlib import Path
 
 from fastprefill.bench.records import FULL, load_records
 from fastprefill.bench.summary import summarize
-from fastprefill.bench.verify import Mismatch, cell_matches, parse_tables
 from fastprefill.errors import ConfigError
+from figures.results import Mismatch, cell_matches, parse_tables
 
 __all__ = ["SUMMARY_COLUMNS", "SUMMARY_ROWS", "Headline", "SummaryRow", "check_summary_table", "headline",
            "headline_cells", "row_cells", "runahead_headline", "summary_table"]

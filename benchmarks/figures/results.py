@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastprefill.bench.ablation import ablation_table
-from fastprefill.bench.ceiling import ceiling_summary
 from fastprefill.bench.records import FULL, Record, load_records, read_rows
 from fastprefill.bench.report import markdown_table, prefix_overhead_table, reference_table
-from fastprefill.bench.selection import choose_by_fidelity, choose_default
 from fastprefill.bench.summary import method_entry, needle_by_depth, paired_row, summarize
 from fastprefill.errors import ConfigError
+from research.ablation import ablation_table
+from research.ceiling import ceiling_summary
+from research.selection import choose_by_fidelity, choose_default
 
 __all__ = ["Mismatch", "VerifyReport", "cell_matches", "compare_json", "compare_rows", "compare_tables",
            "paired_summary_table", "parse_table", "parse_tables", "verify_results"]

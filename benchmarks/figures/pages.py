@@ -2,7 +2,7 @@
 
 :func:`verify_pages` reads the README and every page under ``docs/`` of a repository and checks:
 
-- the README's summary table, recomputed row by row (:func:`~fastprefill.bench.headline.check_summary_table`);
+- the README's summary table, recomputed row by row (:func:`~figures.headline.check_summary_table`);
 - every table of a page that is preceded by a line ``<!-- from: benchmarks/results/<file> -->``
   quotes that result: each of its columns is a column of the table recomputed from the file (for
   bench records :func:`markdown_table` plus the columns of :data:`EXTRA_COLUMNS` and, for a
@@ -27,12 +27,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fastprefill.bench.ceiling import ceiling_summary
-from fastprefill.bench.headline import check_summary_table
 from fastprefill.bench.records import FULL, load_records, read_rows
 from fastprefill.bench.report import markdown_table, prefix_overhead_table
 from fastprefill.bench.summary import Summary, summarize
-from fastprefill.bench.verify import (
+from fastprefill.errors import ConfigError
+from figures.headline import check_summary_table
+from figures.results import (
     PREFIX_KINDS,
     Mismatch,
     VerifyReport,
@@ -41,7 +41,7 @@ from fastprefill.bench.verify import (
     parse_table,
     parse_tables,
 )
-from fastprefill.errors import ConfigError
+from research.ceiling import ceiling_summary
 
 __all__ = ["EXTRA_COLUMNS", "KEY_COLUMNS", "page_sources", "recorded_commands", "result_tables", "verify_pages"]
 

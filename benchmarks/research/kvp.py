@@ -21,13 +21,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from fastprefill.bench.ablation import run_ablation
 from fastprefill.bench.runner import first_token_kl
 from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import KVPrediction
 from fastprefill.methods.kv_prediction.auxiliary.train import error_summary, kv_relative_errors
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
+from research.ablation import run_ablation
 
 __all__ = ["GATE_KL", "GATE_V_ERROR", "GateResult", "dev_gate", "exclude_calibration", "l_sweep"]
 
