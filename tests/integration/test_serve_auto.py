@@ -5,13 +5,13 @@ method per prompt length, the usage block names the choice, the answers equal th
 from __future__ import annotations
 
 import pytest
-from test_serve import MODEL, _client, _metric
 
 from fastprefill.engine import generate
 from fastprefill.methods.auto import ProfileBucket, Target, TuneProfile
 from fastprefill.methods.registry import make_method
 from fastprefill.models.fingerprint import tokenizer_fingerprint, weights_fingerprint
 from fastprefill.serve import ServeConfig, background, create_app
+from tests.integration.serving import MODEL, metric_value, openai_client
 
 pytestmark = pytest.mark.integration
 
@@ -27,12 +27,12 @@ def test_auto_picks_per_prompt_length_names_the_choice_and_counts_it(smollm2, tm
     path = profile.save(tmp_path / "profile.json")
     with background(create_app(model, tok, ServeConfig(MODEL, method=f"auto:profile={path}",
                                                        prefix_cache_mb=0))) as url:
-        client = _client(url)
+        client = openai_client(url)
         short = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4)
         long = client.completions.create(model=MODEL, prompt=LONG, max_tokens=4)
         # the choice as responses name it: LazyLLM with its revival policy (the profile's spec: the default, all)
         lazy = "lazyllm[keep-all revival=all]"
-        choices = {c: _metric(url, "fastprefill_auto_choices_total", choice=c) for c in (lazy, "full")}
+        choices = {c: metric_value(url, "fastprefill_auto_choices_total", choice=c) for c in (lazy, "full")}
     assert choices == {lazy: 1, "full": 1}
     assert short.usage.model_extra["fastprefill"]["method"] == lazy
     assert long.usage.model_extra["fastprefill"]["method"] == "full"

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_serve import MODEL, _client, _idle, _metric, _wait
 
 from fastprefill.engine import generate
 from fastprefill.prefix_cache import PrefixCache
 from fastprefill.serve import ServeConfig, background, create_app
+from tests.integration.serving import MODEL, is_idle, metric_value, openai_client, wait_health
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def test_a_shared_prefix_is_served_from_the_cache_and_counted(smollm2, uncached)
     model, tok = smollm2
     app = create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=64))
     with background(app) as url:
-        client = _client(url)
+        client = openai_client(url)
         first = _ask(client, QUESTIONS[0])
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert first.usage.model_extra["fastprefill"]["prefix_cache"] == "miss"
@@ -60,18 +60,18 @@ def test_a_shared_prefix_is_served_from_the_cache_and_counted(smollm2, uncached)
         assert doc_tokens - 16 <= cached <= doc_tokens + 16 and cached % 16 == 0  # whole blocks of the document
         assert second.usage.model_extra["fastprefill"]["prefix_cache"] == "hit"
         assert [first.choices[0].text, second.choices[0].text] == [uncached(q) for q in QUESTIONS[:2]]
-        assert _metric(url, "fastprefill_prompt_tokens_cached_total", method="full") == cached
-        assert _metric(url, "fastprefill_prompt_tokens_computed_total", method="full") == (
+        assert metric_value(url, "fastprefill_prompt_tokens_cached_total", method="full") == cached
+        assert metric_value(url, "fastprefill_prompt_tokens_computed_total", method="full") == (
             first.usage.prompt_tokens + second.usage.prompt_tokens - cached)
         server = app.state.server
-        assert _metric(url, "fastprefill_prefix_cache_bytes") == server.prefix_cache.nbytes > 0
-        assert _metric(url, "fastprefill_prefix_cache_blocks") == server.prefix_cache.num_blocks
+        assert metric_value(url, "fastprefill_prefix_cache_bytes") == server.prefix_cache.nbytes > 0
+        assert metric_value(url, "fastprefill_prefix_cache_blocks") == server.prefix_cache.num_blocks
 
 
 def test_concurrent_requests_sharing_a_prefix_get_the_uncached_answers(smollm2, uncached):
     model, tok = smollm2
     with background(create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=64))) as url:
-        client = _client(url)
+        client = openai_client(url)
         got: dict[str, tuple[str, int]] = {}
 
         def ask(q: str) -> None:
@@ -99,7 +99,7 @@ def test_off_with_zero_megabytes(smollm2, uncached):
     app = create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=0))
     assert app.state.server.prefix_cache is None
     with background(app) as url:
-        client = _client(url)
+        client = openai_client(url)
         for q in QUESTIONS[:2]:
             res = _ask(client, q)
             assert res.usage.prompt_tokens_details.cached_tokens == 0 and res.choices[0].text == uncached(q)
@@ -111,12 +111,12 @@ def test_a_cancelled_request_stores_nothing(smollm2):
     app = create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=64))
     cache = app.state.server.prefix_cache
     with background(app) as url:
-        client = _client(url)
+        client = openai_client(url)
         stream = client.completions.create(model=MODEL, prompt=_prompt(QUESTIONS[0]), max_tokens=200, stream=True,
                                            extra_body={"fastprefill": {"ignore_eos": True}})
         next(iter(stream))  # the first token: prefill is done
         stream.close()
-        _wait(url, _idle)
+        wait_health(url, is_idle)
         assert cache.num_blocks == 0 and cache.stats.stored_tokens == 0
         _ask(client, QUESTIONS[0])
         assert cache.num_blocks > 0
@@ -126,11 +126,11 @@ def test_the_cache_persists_across_a_restart_and_a_corrupt_file_is_ignored(smoll
     model, tok = smollm2
     folder = tmp_path / "pc"
     with background(create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=64, prefix_cache_dir=str(folder)))) as url:
-        _ask(_client(url), QUESTIONS[0])
+        _ask(openai_client(url), QUESTIONS[0])
     saved = folder / "prefix-cache.safetensors"
     assert saved.exists()  # written at shutdown
     with background(create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=64, prefix_cache_dir=str(folder)))) as url:
-        res = _ask(_client(url), QUESTIONS[2])
+        res = _ask(openai_client(url), QUESTIONS[2])
         assert res.usage.prompt_tokens_details.cached_tokens > 0 and res.choices[0].text == uncached(QUESTIONS[2])
     data = bytearray(Path(saved).read_bytes())
     data[-5] ^= 0xFF
@@ -140,7 +140,7 @@ def test_the_cache_persists_across_a_restart_and_a_corrupt_file_is_ignored(smoll
     assert any("prefix cache not loaded" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
     assert app.state.server.prefix_cache.num_blocks == 0
     with background(app) as url:
-        res = _ask(_client(url), QUESTIONS[3])
+        res = _ask(openai_client(url), QUESTIONS[3])
         assert res.usage.prompt_tokens_details.cached_tokens == 0 and res.choices[0].text == uncached(QUESTIONS[3])
 
 
@@ -170,5 +170,5 @@ def test_a_cache_saved_for_another_model_or_block_size_is_refused_and_the_server
     assert len(refused) == 1 and why in refused[0] and str(tmp_path / "prefix-cache.safetensors") in refused[0]
     assert app.state.server.prefix_cache.num_blocks == 0
     with background(app) as url:
-        res = _ask(_client(url), QUESTIONS[1])
+        res = _ask(openai_client(url), QUESTIONS[1])
         assert res.usage.prompt_tokens_details.cached_tokens == 0 and res.choices[0].text == uncached(QUESTIONS[1])

@@ -21,15 +21,14 @@ import ast
 import importlib
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
 from fastprefill.cli import build_parser
 from fastprefill.methods.registry import make_method
 from figures.headline import SUMMARY_ROWS, check_summary_table, summary_table
+from tests import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 RESULTS = REPO / "benchmarks" / "results"
 MAX_LINES = 250

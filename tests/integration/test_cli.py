@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import openai
 import pytest
@@ -17,8 +16,9 @@ from fastprefill.cli import main
 from fastprefill.distributed.runtime import free_port
 from fastprefill.engine import generate
 from fastprefill.models import zoo
+from tests import REPO
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(REPO / "src")
 
 
 def _cli(*args: str, stdin: bytes | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -121,17 +121,6 @@ def test_prepare_prompt_refuses_bad_prompts(tiny_llama, prompt, match):
         prepare_prompt(tiny_llama, None, prompt)
 
 
-def test_prepare_prompt_is_the_one_validator(tiny_llama, smollm2):
-    """Valid bytes decode as text; the ids land on the model's device; stream refuses what it refuses."""
-    model, tok = smollm2
-    ids = prepare_prompt(model, tok, "Hello wörld".encode())
-    assert ids.tolist() == [tok("Hello wörld")["input_ids"]] and ids.device == model.device
-    with pytest.raises(PromptError, match="not valid UTF-8"):
-        next(stream(model, tok, b"\xc3\x28"))
-    with pytest.raises(ConfigError, match="a tokenizer is needed"):
-        prepare_prompt(tiny_llama, None, "text")
-
-
 def test_method_support_is_a_static_query():
     from transformers import Gemma3TextConfig, LlamaConfig
 
@@ -167,28 +156,3 @@ def test_bad_method_type(tiny_llama):
         generate(tiny_llama, None, [1, 2, 3], method="lazyllm")
 
 
-@pytest.mark.integration
-def test_full_prefill_equals_hf_generate_smollm2(smollm2):
-    model, tok = smollm2
-    prompt = "The three primary colours are"
-    res = generate(model, tok, prompt, FullPrefill(), max_new_tokens=16)
-    ids = tok(prompt, return_tensors="pt").input_ids
-    hf = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
-    assert res.token_ids == hf
-    assert res.text == tok.decode(hf, skip_special_tokens=True)
-
-
-def test_stop_predicate_ends_generation_with_that_token(smollm2):
-    model, tok = smollm2
-    prompt = "Count: one, two, three,"
-    free = generate(model, tok, prompt, max_new_tokens=12, stop_at_eos=False)
-    seen: list[str] = []
-
-    def stop(text: str) -> bool:
-        seen.append(text)
-        return len(seen) == 4
-
-    cut = generate(model, tok, prompt, max_new_tokens=12, stop_at_eos=False, stop=stop)
-    assert cut.token_ids == free.token_ids[:4]  # same greedy tokens, cut after the 4th
-    assert seen == [tok.decode(free.token_ids[:i]) for i in range(1, 5)]
-    assert cut.timing.new_tokens == 4

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import REPO
+
 # --------------------------------------------------------------------------- the table to edit
 
 #: The layers, lowest first. A module may import modules of its own layer or a lower one.
@@ -65,7 +67,7 @@ LONG_MODULES: frozenset[str] = frozenset({
 # --------------------------------------------------------------------------- the graph
 
 PACKAGE = "fastprefill"
-SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
+SRC = REPO / "src" / PACKAGE
 _MODULE_STRING = re.compile(rf"{PACKAGE}(?:\.\w+)+(?::[\w.]+)?")
 
 

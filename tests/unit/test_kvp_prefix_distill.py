@@ -167,19 +167,3 @@ def test_bad_inputs(tiny_qwen2, lsq, targets, tmp_path):
         distill_prefix(random_model("qwen2", seed=5), lsq, tmp_path / "f", cfg, train, heldout, progress=False)
 
 
-def test_distillation_prompts_keep_out_sweep_and_calibration_prompts(smollm2):
-    from fastprefill.data.tasks import get_task
-    from fastprefill.methods.kv_prediction.prefix.distill import distillation_prompts
-
-    _, tok = smollm2
-    sweep = {s.id for s in get_task("humaneval-completion").build(tok, None, 4, split="dev", seed=0)}
-    calibration = ["HumanEval/0", "HumanEval/2"]
-    got = distillation_prompts(tok, ["humaneval-completion:3"], ["humaneval-completion:2"], exclude=calibration,
-                               keep_out_n=4)
-    assert len(got.train) == 3 and len(got.heldout) == 2 and len(set(got.ids)) == 5
-    assert not set(got.ids) & (sweep | set(calibration))
-    for bad in ("humaneval-completion", "humaneval-completion:0", "nosuch:3"):
-        with pytest.raises(ConfigError):
-            distillation_prompts(tok, [bad], [])
-    with pytest.raises(ConfigError, match="only"):
-        distillation_prompts(tok, ["humaneval-completion:1000"], [])

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 SRC = REPO / "src" / "fastprefill"
 
 #: Docstrings that hold measured figures today, as ``"<path under src/fastprefill>:<owner>"``

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from fastprefill.engine import decoder_for, generate
+from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import (
@@ -28,41 +23,22 @@ from fastprefill.methods.kv_prediction import (
     validate_layer_map,
 )
 from fastprefill.methods.kv_prediction.auxiliary.train import (
-    TrainConfig,
     base_logits_on_kv,
     fit_least_squares,
     kv_relative_errors,
-    train_kvp,
 )
 from fastprefill.methods.kv_prediction.checkpoint import read_checkpoint
 from fastprefill.models.kv import prefix_kv, rotate_keys, unrotate_keys
 from fastprefill.models.random import random_ids
 from fastprefill.models.shape import ModelShape
-
-
-def _identity_method(model) -> KVPrediction:
-    aux = copy.deepcopy(model)
-    return KVPrediction(KVPredictor.identity(ModelShape.from_config(model.config)), AuxSpec.model("copy"), aux)
-
-
-def _compare_with_full(model, method, ids, steps=8, atol=1e-5):
-    got, want = method.prefill(model, ids), FullPrefill().prefill(model, ids)
-    torch.testing.assert_close(got.logits, want.logits, atol=atol, rtol=0)
-    tok = int(want.logits.argmax())
-    got_decoder, want_decoder = decoder_for(model, got), decoder_for(model, want)
-    with torch.no_grad():
-        for _ in range(steps):
-            a, b = got_decoder.step(tok), want_decoder.step(tok)
-            torch.testing.assert_close(a, b, atol=atol, rtol=0)
-            tok = int(b.argmax())
-    return got
+from tests.kvp_helpers import ByteTokenizer, compare_with_full, identity_method, train_tiny
 
 
 # --------------------------------------------------------------------------- identity
 def test_identity_predictor_reproduces_base(tiny_model):
     """aux = copy of base, identity maps: logits equal base-only through prefill and 8 decode steps."""
-    method = _identity_method(tiny_model)
-    out = _compare_with_full(tiny_model, method, random_ids(23, 1))
+    method = identity_method(tiny_model)
+    out = compare_with_full(tiny_model, method, random_ids(23, 1))
     s = out.stats
     assert s.token_layers == 4 and s.total_token_layers == 23 * 4  # the base ran one token per layer
     assert s.extra["aux_token_layers"] == 22 * 4
@@ -74,18 +50,18 @@ def test_identity_predictor_reproduces_base(tiny_model):
 def test_identity_through_engine_matches_full(tiny_llama):
     ids = random_ids(31, 2)
     full = generate(tiny_llama, None, ids, max_new_tokens=8, stop_at_eos=False)
-    kvp = generate(tiny_llama, None, ids, method=_identity_method(tiny_llama), max_new_tokens=8, stop_at_eos=False)
+    kvp = generate(tiny_llama, None, ids, method=identity_method(tiny_llama), max_new_tokens=8, stop_at_eos=False)
     assert kvp.token_ids == full.token_ids
     assert kvp.timing.token_layers == 4
 
 
 def test_single_token_prompt_is_plain_prefill(tiny_llama):
-    _compare_with_full(tiny_llama, _identity_method(tiny_llama), random_ids(1, 3), steps=2)
+    compare_with_full(tiny_llama, identity_method(tiny_llama), random_ids(1, 3), steps=2)
 
 
 def test_perturbed_predictor_changes_logits(tiny_llama):
     """The predicted KV is really used: a non-identity map changes the first-token logits."""
-    method = _identity_method(tiny_llama)
+    method = identity_method(tiny_llama)
     with torch.no_grad():
         method.predictor.v_maps[2].bias.add_(0.5)
     ids = random_ids(23, 4)
@@ -218,27 +194,6 @@ def test_pre_rotation_map_beats_rotated_map():
 
 
 # --------------------------------------------------------------------------- training + checkpoints
-class _ByteTokenizer:
-    """Minimal tokenizer stand-in for the checks (vocab + encode)."""
-
-    def __init__(self, shift: int = 0) -> None:
-        self.shift = shift
-
-    def __len__(self) -> int:
-        return 128
-
-    def get_vocab(self) -> dict[str, int]:
-        return {chr(i): (i + self.shift) % 128 for i in range(128)}
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [(ord(c) + self.shift) % 128 for c in text]
-
-
-def _train_tiny(base, out, steps=4, resume=False, aux=None, **kw):
-    corpus = [random_ids(32, 200 + s) for s in range(6)]
-    cfg = TrainConfig(lsq_tokens=6 * 32, steps=steps, seq_len=32, lr=1e-3, checkpoint_every=2)
-    return train_kvp(base, aux or AuxSpec.layer_drop(2), out, tokenizer=_ByteTokenizer(), base_name="tiny",
-                     config=cfg, corpus=corpus, resume=resume, progress=False, **kw)
 
 
 def test_training_forward_on_true_kv_is_the_base_forward(tiny_model):
@@ -257,7 +212,7 @@ def test_training_forward_on_true_kv_is_the_base_forward(tiny_model):
 
 
 def test_train_lp_checkpoint_roundtrip_and_plot(tiny_llama, tmp_path):
-    method = _train_tiny(tiny_llama, tmp_path / "ck")
+    method = train_tiny(tiny_llama, tmp_path / "ck")
     config, _, train_state = read_checkpoint(tmp_path / "ck", with_train_state=True)
     assert config["step"] == 4 and config["base"]["name"] == "tiny" and config["layer_map"] == [0, 0, 1, 1]
     assert config["aux"]["spec"] == {"kind": "layer_drop", "name": None, "stride": 2}
@@ -282,57 +237,24 @@ def test_train_lp_checkpoint_roundtrip_and_plot(tiny_llama, tmp_path):
 
 def test_resume_continues_to_same_result(tiny_llama, tmp_path):
     """Training 4 steps, then resuming to 6, equals training 6 steps straight (atomic checkpoints)."""
-    straight = _train_tiny(tiny_llama, tmp_path / "a", steps=6)
-    _train_tiny(tiny_llama, tmp_path / "b", steps=4)
+    straight = train_tiny(tiny_llama, tmp_path / "a", steps=6)
+    train_tiny(tiny_llama, tmp_path / "b", steps=4)
     files_before = sorted(p.name for p in (tmp_path / "b").iterdir())
     assert not any(name.endswith(".tmp") for name in files_before)
-    resumed = _train_tiny(tiny_llama, tmp_path / "b", steps=6, resume=True)
+    resumed = train_tiny(tiny_llama, tmp_path / "b", steps=6, resume=True)
     assert read_checkpoint(tmp_path / "b")[0]["step"] == 6
     assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.name.startswith("predictor-")) == [
         "predictor-000006.safetensors"]
     for a, b in zip(straight.predictor.parameters(), resumed.predictor.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     with pytest.raises(CheckpointError, match="already holds"):
-        _train_tiny(tiny_llama, tmp_path / "b", steps=6)
-
-
-_KILLED_CHILD = """
-from fastprefill.models.random import random_model
-from test_kv_prediction import _train_tiny
-_train_tiny(random_model("llama"), {out!r}, steps=10_000)
-"""
-
-
-def test_kill_mid_training_leaves_resumable_checkpoint(tiny_llama, tmp_path):
-    """SIGKILL during training leaves a checkpoint that verifies and resumes."""
-    out = tmp_path / "k"
-    code = _KILLED_CHILD.format(out=str(out))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                    os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + 600  # a loaded machine can take minutes to reach step 4
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-            try:
-                if read_checkpoint(out)[0]["step"] >= 4:
-                    break
-            except CheckpointError:
-                pass
-    finally:
-        proc.kill()  # no warning, no cleanup in the child
-        _, err = proc.communicate()
-    assert proc.returncode != 0, err.decode()[-2000:]
-    config = read_checkpoint(out)[0]  # verifies the weights' sha256
-    assert config["step"] >= 4, err.decode()[-2000:]
-    _train_tiny(tiny_llama, out, steps=config["step"] + 2, resume=True)
-    assert read_checkpoint(out)[0]["step"] == config["step"] + 2
+        train_tiny(tiny_llama, tmp_path / "b", steps=6)
 
 
 def test_missing_and_corrupted_checkpoints(tiny_llama, tmp_path):
     with pytest.raises(CheckpointError, match="config.json missing"):
         KVPrediction.load(tmp_path / "nothing")
-    _train_tiny(tiny_llama, tmp_path / "ck", steps=0)
+    train_tiny(tiny_llama, tmp_path / "ck", steps=0)
     cfg_path = tmp_path / "ck" / "config.json"
     config = json.loads(cfg_path.read_text())
     weights = tmp_path / "ck" / config["weights"]
@@ -350,7 +272,7 @@ def test_missing_and_corrupted_checkpoints(tiny_llama, tmp_path):
 
 
 def test_wrong_base_is_refused(tiny_llama, tmp_path):
-    _train_tiny(tiny_llama, tmp_path / "ck", steps=0)
+    train_tiny(tiny_llama, tmp_path / "ck", steps=0)
     method = KVPrediction.load(tmp_path / "ck")
     other = copy.deepcopy(tiny_llama)
     with torch.no_grad():
@@ -364,26 +286,18 @@ def test_wrong_base_is_refused(tiny_llama, tmp_path):
 
 
 def test_tokenizer_mismatch_is_refused(tiny_llama, tmp_path):
-    check_tokenizers(_ByteTokenizer(), _ByteTokenizer())
+    check_tokenizers(ByteTokenizer(), ByteTokenizer())
     with pytest.raises(TokenizerMismatchError, match="same|differently|tokenizer"):
-        check_tokenizers(_ByteTokenizer(), _ByteTokenizer(shift=1))
+        check_tokenizers(ByteTokenizer(), ByteTokenizer(shift=1))
     aux = copy.deepcopy(tiny_llama)
     with pytest.raises(TokenizerMismatchError):
-        _train_tiny(tiny_llama, tmp_path / "c", steps=0, aux=aux, aux_tokenizer=_ByteTokenizer(shift=1))
-    _train_tiny(tiny_llama, tmp_path / "c", steps=0, aux=aux, aux_tokenizer=_ByteTokenizer(), aux_name="copy")
-    KVPrediction.load(tmp_path / "c", aux=aux, aux_tokenizer=_ByteTokenizer(), base_tokenizer=_ByteTokenizer())
+        train_tiny(tiny_llama, tmp_path / "c", steps=0, aux=aux, aux_tokenizer=ByteTokenizer(shift=1))
+    train_tiny(tiny_llama, tmp_path / "c", steps=0, aux=aux, aux_tokenizer=ByteTokenizer(), aux_name="copy")
+    KVPrediction.load(tmp_path / "c", aux=aux, aux_tokenizer=ByteTokenizer(), base_tokenizer=ByteTokenizer())
     with pytest.raises(TokenizerMismatchError):
-        KVPrediction.load(tmp_path / "c", aux=aux, aux_tokenizer=_ByteTokenizer(shift=3))
+        KVPrediction.load(tmp_path / "c", aux=aux, aux_tokenizer=ByteTokenizer(shift=3))
     with pytest.raises(CheckpointError, match="not 'copy'"):
         KVPrediction.load(tmp_path / "c", aux=AutoModelForCausalLM.from_config(tiny_llama.config))
-
-
-# --------------------------------------------------------------------------- real model
-@pytest.mark.integration
-def test_identity_predictor_reproduces_smollm2(smollm2):
-    model, tok = smollm2
-    ids = tok("The three primary colours are red, yellow and", return_tensors="pt").input_ids
-    _compare_with_full(model, _identity_method(model), ids, steps=8, atol=1e-4)
 
 
 def test_aux_alone_baseline_runs_the_aux_only(tiny_llama):

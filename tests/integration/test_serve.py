@@ -19,7 +19,6 @@ import time
 import unicodedata
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from urllib.parse import urlparse
 
 import openai
@@ -38,61 +37,18 @@ from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, de
 from fastprefill.serve.limits import NFC_MERGE, NFKC_MERGE, longest_token_chars, prompt_char_limit
 from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_request, prompt_bytes
 from fastprefill.serve.worker import StopText
+from tests import REPO
+from tests.integration.serving import (
+    MODEL,
+    http_request,
+    is_idle,
+    metric_value,
+    openai_client,
+    user_messages,
+    wait_health,
+)
 
-MODEL = "smollm2-135m"
 LAZY = "lazyllm:preset=default"
-
-
-# --- helpers -----------------------------------------------------------------------------------
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-def _http(url: str, method: str, path: str, body: bytes | Iterator[bytes] | None = None,
-          headers: dict[str, str] | None = None) -> tuple[int, dict | str]:
-    """``(status, JSON body or text)``; a ``body`` iterator is sent chunked (no Content-Length)."""
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
-    try:
-        conn.request(method, path, body=body, headers={**({"Content-Type": "application/json"} if body else {}),
-                                                       **(headers or {})},
-                     encode_chunked=body is not None and not isinstance(body, bytes))
-        resp = conn.getresponse()
-        raw = resp.read().decode()
-        ctype = resp.getheader("Content-Type", "")
-        return resp.status, json.loads(raw) if ctype.startswith("application/json") else raw
-    finally:
-        conn.close()
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels``."""
-    _, text = _http(url, "GET", "/metrics")
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-def _wait(url: str, cond, timeout: float = 240.0) -> dict:
-    """Poll ``/health`` until ``cond(health)``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        _, health = _http(url, "GET", "/health")
-        if cond(health):
-            return health
-        assert time.monotonic() < deadline, f"server never reached the state; last /health: {health}"
-        time.sleep(0.05)
-
-
-def _idle(h: dict) -> bool:
-    return not h["busy"] and h["queue"]["waiting"] == 0
-
-
-def _user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +83,8 @@ def served(served_app) -> Iterator[str]:
 
 @pytest.fixture
 def client(served) -> openai.OpenAI:
-    _wait(served, _idle)
-    return _client(served)
+    wait_health(served, is_idle)
+    return openai_client(served)
 
 
 # --- unit: no model ----------------------------------------------------------------------------
@@ -317,7 +273,7 @@ def test_no_text_has_more_characters_than_its_tokens_times_the_bound(name, smoll
 def test_chat_whole_and_streamed_equal_the_engine(client, ref):
     prompt = "What is the capital of France?"
     want = ref(prompt, 6)
-    r = client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=6)
+    r = client.chat.completions.create(model=MODEL, messages=user_messages(prompt), max_tokens=6)
     assert r.object == "chat.completion"
     assert r.choices[0].message.content == want.text
     assert r.choices[0].finish_reason == ("length" if len(want.token_ids) == 6 else "stop")
@@ -326,7 +282,7 @@ def test_chat_whole_and_streamed_equal_the_engine(client, ref):
     fp = r.usage.fastprefill
     assert fp["method"] == "full" and fp["ttft_s"] > 0 and fp["token_layer_fraction"] == 1.0
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=_user(prompt), max_completion_tokens=6,
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user_messages(prompt), max_completion_tokens=6,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -361,9 +317,9 @@ def test_streamed_non_ascii_text_equals_the_whole_answer(client, ref, smollm2, p
     _, tok = smollm2
     want = ref(prompt, n)
     assert _split_characters(tok, want.token_ids, want.text), want.text  # else the test proves nothing
-    whole = client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=n)
+    whole = client.chat.completions.create(model=MODEL, messages=user_messages(prompt), max_tokens=n)
     assert whole.choices[0].message.content == want.text
-    chunks = list(client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=n, stream=True))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user_messages(prompt), max_tokens=n, stream=True))
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert "".join(deltas) == want.text, deltas
     text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, stream=True)
@@ -414,9 +370,9 @@ def test_stop_strings_cut_the_answer_whole_and_streamed(client, ref):
     stop = full[len(full) // 2: len(full) // 2 + 3]  # straddles streamed tokens, most likely
     want = full[: full.find(stop)]
     assert stop and len(want) < len(full) // 2 + 1, full
-    r = client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=12, stop=[stop])
+    r = client.chat.completions.create(model=MODEL, messages=user_messages(prompt), max_tokens=12, stop=[stop])
     assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
-    chunks = list(client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=12, stop=stop,
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user_messages(prompt), max_tokens=12, stop=stop,
                                                  stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -436,8 +392,8 @@ BAD = [  # (create kwargs, status, words in the message)
     ({"extra_body": {"fastprefill": {"method": "runahead"}}}, 400, "not available in this server"),
     ({"extra_body": {"fastprefill": {"method": "tsp:procs=2"}}}, 400, "not available in this server"),
     ({"extra_body": {"fastprefill": {"speed": "max"}}}, 400, "unsupported field"),
-    ({"messages": _user("")}, 400, "empty"),
-    ({"messages": _user("nul \x00 inside")}, 400, "NUL"),
+    ({"messages": user_messages("")}, 400, "empty"),
+    ({"messages": user_messages("nul \x00 inside")}, 400, "NUL"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ({"model": "gpt-4o"}, 404, "not served"),
 ]
@@ -447,16 +403,16 @@ BAD = [  # (create kwargs, status, words in the message)
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_requests_are_refused_with_a_message_and_leave_no_trace(client, served, ref, stream):
     prompt = "Name a fruit."
-    before = _metric(served, "fastprefill_requests_total", outcome="bad_request")
+    before = metric_value(served, "fastprefill_requests_total", outcome="bad_request")
     for overrides, status, words in BAD:
-        kwargs = {"model": MODEL, "messages": _user(prompt), "max_tokens": 3, "stream": stream, **overrides}
+        kwargs = {"model": MODEL, "messages": user_messages(prompt), "max_tokens": 3, "stream": stream, **overrides}
         with pytest.raises(openai.APIStatusError) as info:
             client.chat.completions.create(**kwargs)
         err = info.value
         assert err.status_code == status, (overrides, err)
         assert words in err.body["message"], (overrides, err.body)
-    assert _metric(served, "fastprefill_requests_total", outcome="bad_request") - before == len(BAD)
-    r = client.chat.completions.create(model=MODEL, messages=_user(prompt), max_tokens=3)
+    assert metric_value(served, "fastprefill_requests_total", outcome="bad_request") - before == len(BAD)
+    r = client.chat.completions.create(model=MODEL, messages=user_messages(prompt), max_tokens=3)
     assert r.choices[0].message.content == ref(prompt, 3).text
 
 
@@ -483,14 +439,14 @@ def test_invalid_utf8_and_broken_bodies_get_400_never_500(served, client, ref):
          "not valid JSON"),
         (b'{"model": "smollm2-135m", "prompt": "x", "temperature": NaN}', "/v1/completions", "finite number"),
     ]
-    errors = _metric(served, "fastprefill_requests_total", outcome="error")
-    bad = _metric(served, "fastprefill_requests_total", outcome="bad_request")
+    errors = metric_value(served, "fastprefill_requests_total", outcome="error")
+    bad = metric_value(served, "fastprefill_requests_total", outcome="bad_request")
     for body, path, words in cases:
-        status, answer = _http(served, "POST", path, body)
+        status, answer = http_request(served, "POST", path, body)
         assert status == 400, (body[:80], answer)
         assert words in answer["error"]["message"], (body[:80], answer)
-    assert _metric(served, "fastprefill_requests_total", outcome="error") == errors
-    assert _metric(served, "fastprefill_requests_total", outcome="bad_request") - bad == len(cases)
+    assert metric_value(served, "fastprefill_requests_total", outcome="error") == errors
+    assert metric_value(served, "fastprefill_requests_total", outcome="bad_request") - bad == len(cases)
     r = client.completions.create(model=MODEL, prompt="café au lait is", max_tokens=3)
     assert r.choices[0].text == ref("café au lait is", 3, chat=False).text
 
@@ -515,7 +471,7 @@ def test_models_retrieve_and_unknown_ids(client, served):
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("gpt-4o")
     assert info.value.body["type"] == "not_found_error" and "not served here" in info.value.body["message"]
-    status, body = _http(served, "GET", "/v1/models/org/" + MODEL)  # ids with a slash are ids, not routes
+    status, body = http_request(served, "GET", "/v1/models/org/" + MODEL)  # ids with a slash are ids, not routes
     assert status == 404 and body["error"]["param"] == "model"
 
 
@@ -527,10 +483,10 @@ def test_unknown_routes_wrong_methods_and_bad_parameters_answer_in_openai_shape(
         assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == code
         return body["error"]
 
-    status, body = _http(served, "GET", "/v1/nope")
+    status, body = http_request(served, "GET", "/v1/nope")
     assert "no such route" in openai_error(status, body, 404)["message"]
     assert "POST /v1/chat/completions" in body["error"]["message"]
-    status, body = _http(served, "POST", "/v2/chat/completions", b"{}")
+    status, body = http_request(served, "POST", "/v2/chat/completions", b"{}")
     openai_error(status, body, 404)
     u = urlparse(served)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
@@ -546,8 +502,8 @@ def test_unknown_routes_wrong_methods_and_bad_parameters_answer_in_openai_shape(
     async def probe(n: int) -> dict:
         return {"n": n}
 
-    assert _http(served, "GET", "/v1/probe/3") == (200, {"n": 3})
-    status, body = _http(served, "GET", "/v1/probe/three")
+    assert http_request(served, "GET", "/v1/probe/3") == (200, {"n": 3})
+    status, body = http_request(served, "GET", "/v1/probe/three")
     assert "integer" in openai_error(status, body, 400)["message"]
 
 
@@ -558,18 +514,18 @@ def test_an_unexpected_failure_is_a_counted_500_in_openai_shape(client, served, 
     def broken(*_):
         raise RuntimeError("a bug")
 
-    errors = _metric(served, "fastprefill_requests_total", outcome="error")
+    errors = metric_value(served, "fastprefill_requests_total", outcome="error")
     monkeypatch.setattr(server, "prompt_ids", broken)
     for stream in (False, True):
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=stream)
         assert info.value.body == {"message": "internal error (RuntimeError); the server log has the details",
                                    "type": "server_error", "param": None, "code": 500}
-    assert _metric(served, "fastprefill_requests_total", outcome="error", method="full") - errors == 2
+    assert metric_value(served, "fastprefill_requests_total", outcome="error", method="full") - errors == 2
     monkeypatch.setattr(server, "health", broken)  # outside the completion routes too
-    status, body = _http(served, "GET", "/health")
+    status, body = http_request(served, "GET", "/health")
     assert status == 500 and body["error"]["type"] == "server_error"
-    assert _metric(served, "fastprefill_requests_total", outcome="error") - errors == 3
+    assert metric_value(served, "fastprefill_requests_total", outcome="error") - errors == 3
     monkeypatch.undo()
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices[0].finish_reason == "length"
 
@@ -593,7 +549,7 @@ def test_the_server_decodes_lazyllm_without_revival_unless_a_spec_names_it(tiny_
 def test_metrics_report_decode_seconds_per_token_by_method(client, served, ref):
     name = "fastprefill_decode_seconds_per_token"
     labels = ("full", "lazyllm[revival=none]", "lazyllm[revival=all]")
-    before = {m: (_metric(served, name + "_count", method=m), _metric(served, name + "_sum", method=m))
+    before = {m: (metric_value(served, name + "_count", method=m), metric_value(served, name + "_sum", method=m))
               for m in labels}
     for spec, label, policy in ((LAZY, labels[1], "revival=none"), (LAZY + ",revival=all", labels[2], "revival=all")):
         r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4,
@@ -602,20 +558,20 @@ def test_metrics_report_decode_seconds_per_token_by_method(client, served, ref):
         assert policy in r.usage.fastprefill["method"], r.usage.fastprefill
         per_token = r.usage.fastprefill["decode_s_per_token"]
         assert per_token > 0
-        assert _metric(served, name + "_count", method=label) - before[label][0] == 1
-        assert _metric(served, name + "_sum", method=label) - before[label][1] == pytest.approx(per_token)
-    assert _metric(served, name + "_count", method="full") == before["full"][0]  # the other method's untouched
+        assert metric_value(served, name + "_count", method=label) - before[label][0] == 1
+        assert metric_value(served, name + "_sum", method=label) - before[label][1] == pytest.approx(per_token)
+    assert metric_value(served, name + "_count", method="full") == before["full"][0]  # the other method's untouched
 
 
 @pytest.mark.integration
 def test_a_10mb_prompt_is_refused_at_once_while_a_small_request_is_answered(client, served, ref):
-    too_large = _metric(served, "fastprefill_requests_total", outcome="too_large")
+    too_large = metric_value(served, "fastprefill_requests_total", outcome="too_large")
     refused: list = []
 
     def huge() -> None:
         t0 = time.monotonic()
         with pytest.raises(openai.APIStatusError) as info:
-            _client(served).completions.create(model=MODEL, prompt="word " * (2 * 2**20), max_tokens=1)
+            openai_client(served).completions.create(model=MODEL, prompt="word " * (2 * 2**20), max_tokens=1)
         refused.append((time.monotonic() - t0, info.value))
 
     thread = threading.Thread(target=huge)
@@ -625,7 +581,7 @@ def test_a_10mb_prompt_is_refused_at_once_while_a_small_request_is_answered(clie
     assert small.choices[0].text == ref("The sky is", 2, chat=False).text
     (seconds, err), = refused
     assert err.status_code == 413 and "--max-body-mb" in err.body["message"] and seconds < 1.0, (seconds, err)
-    assert _metric(served, "fastprefill_requests_total", outcome="too_large") - too_large == 1
+    assert metric_value(served, "fastprefill_requests_total", outcome="too_large") - too_large == 1
 
 
 @pytest.mark.integration
@@ -633,14 +589,14 @@ def test_the_body_limit_holds_for_chunked_uploads_and_passes_what_fits(smollm2, 
     model, tok = smollm2
     with background(create_app(model, tok, ServeConfig(MODEL, max_body_mb=0.25))) as url:
         over = [b'{"model": "smollm2-135m", "prompt": "', *[b"x" * 65536] * 5, b'"}']
-        status, body = _http(url, "POST", "/v1/completions", iter(over))  # no Content-Length: counted as it comes
+        status, body = http_request(url, "POST", "/v1/completions", iter(over))  # no Content-Length: counted as it comes
         assert status == 413 and "262144 bytes" in body["error"]["message"], body
-        status, body = _http(url, "POST", "/v1/completions", b"".join(over))
+        status, body = http_request(url, "POST", "/v1/completions", b"".join(over))
         assert status == 413 and body["error"]["type"] == "invalid_request_error"
         fits = [b'{"model": "smollm2-135m", ', b'"prompt": "The sky is", ', b'"max_tokens": 2}']
-        status, body = _http(url, "POST", "/v1/completions", iter(fits))
+        status, body = http_request(url, "POST", "/v1/completions", iter(fits))
         assert status == 200 and body["choices"][0]["text"] == ref("The sky is", 2, chat=False).text
-        assert _metric(url, "fastprefill_requests_total", outcome="too_large") == 2
+        assert metric_value(url, "fastprefill_requests_total", outcome="too_large") == 2
 
 
 @pytest.mark.integration
@@ -659,7 +615,7 @@ def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, 
     monkeypatch.setattr(app_module, "prepare_prompt", counted)
     over = "a" * (limit + 1)
     for send in (lambda: client.completions.create(model=MODEL, prompt=over, max_tokens=1),
-                 lambda: client.chat.completions.create(model=MODEL, messages=_user(over), max_tokens=1),
+                 lambda: client.chat.completions.create(model=MODEL, messages=user_messages(over), max_tokens=1),
                  lambda: client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
                      {"role": "system", "content": "Be brief."}, {"role": "user", "content": over}])):
         t0 = time.monotonic()
@@ -690,7 +646,7 @@ def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref
 
     def long_request() -> None:
         with pytest.raises(openai.BadRequestError):
-            _client(served).completions.create(model=MODEL, prompt="a " * 20_000, max_tokens=1)
+            openai_client(served).completions.create(model=MODEL, prompt="a " * 20_000, max_tokens=1)
         long_done.set()
 
     thread = threading.Thread(target=long_request)
@@ -705,19 +661,19 @@ def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref
 @pytest.mark.integration
 def test_models_health_and_metrics(client, served, smollm2):
     assert [m.id for m in client.models.list()] == [MODEL]
-    status, health = _http(served, "GET", "/health")
+    status, health = http_request(served, "GET", "/health")
     assert status == 200 and health["model"] == MODEL and health["method"] == "full"
     assert health["queue"]["capacity"] == 32
-    client.chat.completions.create(model=MODEL, messages=_user("Hi"), max_tokens=2)
+    client.chat.completions.create(model=MODEL, messages=user_messages("Hi"), max_tokens=2)
     for name in ("fastprefill_ttft_seconds_count", "fastprefill_decode_seconds_per_token_count",
                  "fastprefill_queue_wait_seconds_count", "fastprefill_prompt_tokens_sum",
                  "fastprefill_prompt_token_layers_computed_total", "fastprefill_completion_tokens_total"):
-        assert _metric(served, name, method="full") > 0, name
+        assert metric_value(served, name, method="full") > 0, name
     # full prefill computes every prompt token at every layer, but those the prefix cache served
     layers = smollm2[0].config.num_hidden_layers
-    assert _metric(served, "fastprefill_prompt_token_layers_computed_total", method="full") + layers * _metric(
+    assert metric_value(served, "fastprefill_prompt_token_layers_computed_total", method="full") + layers * metric_value(
         served, "fastprefill_prompt_tokens_cached_total", method="full") == \
-        _metric(served, "fastprefill_prompt_token_layers_total", method="full")
+        metric_value(served, "fastprefill_prompt_token_layers_total", method="full")
 
 
 @pytest.mark.integration
@@ -732,10 +688,10 @@ def test_sixteen_clients_four_requests_each_all_equal_the_sequential_answers(ser
 
     want = {case(c, k): ref(case(c, k)[0], 2, case(c, k)[1], chat=False).text for c, k in jobs}
     assert len(set(want.values())) > 1  # the answers differ, so a mix-up would show
-    ok_before = _metric(served, "fastprefill_requests_total", outcome="ok")
+    ok_before = metric_value(served, "fastprefill_requests_total", outcome="ok")
 
     def one_client(c: int) -> list[tuple[tuple[str, str], str]]:
-        cl = _client(served)
+        cl = openai_client(served)
         out = []
         for k in range(4):
             prompt, spec = case(c, k)
@@ -748,15 +704,15 @@ def test_sixteen_clients_four_requests_each_all_equal_the_sequential_answers(ser
         answers = [a for res in pool.map(one_client, range(16)) for a in res]
     assert len(answers) == 64
     assert all(text == want[key] for key, text in answers), [(k, t, want[k]) for k, t in answers if t != want[k]]
-    assert _metric(served, "fastprefill_requests_total", outcome="ok") - ok_before == 64
+    assert metric_value(served, "fastprefill_requests_total", outcome="ok") - ok_before == 64
 
 
 @pytest.mark.integration
 def test_a_client_that_disconnects_stops_its_generation(served, client, ref):
     tokens = "fastprefill_completion_tokens_total"
-    before = _metric(served, tokens)
-    cancelled = _metric(served, "fastprefill_requests_total", outcome="cancelled")
-    stream = client.chat.completions.create(model=MODEL, messages=_user("Tell me a long story."), max_tokens=400,
+    before = metric_value(served, tokens)
+    cancelled = metric_value(served, "fastprefill_requests_total", outcome="cancelled")
+    stream = client.chat.completions.create(model=MODEL, messages=user_messages("Tell me a long story."), max_tokens=400,
                                             stream=True, extra_body={"fastprefill": {"ignore_eos": True}})
     got = 0
     for chunk in stream:
@@ -764,11 +720,11 @@ def test_a_client_that_disconnects_stops_its_generation(served, client, ref):
         if got == 2:
             break
     stream.close()
-    _wait(served, _idle)
-    generated = _metric(served, tokens) - before
+    wait_health(served, is_idle)
+    generated = metric_value(served, tokens) - before
     assert 2 <= generated < 100, generated  # 400 if the generation had run on
-    assert _metric(served, "fastprefill_requests_total", outcome="cancelled") - cancelled == 1
-    r = client.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=3)
+    assert metric_value(served, "fastprefill_requests_total", outcome="cancelled") - cancelled == 1
+    r = client.chat.completions.create(model=MODEL, messages=user_messages("Say hello."), max_tokens=3)
     assert r.choices[0].message.content == ref("Say hello.", 3).text
 
 
@@ -776,23 +732,23 @@ def test_a_client_that_disconnects_stops_its_generation(served, client, ref):
 def test_a_full_queue_answers_429_and_the_queued_request_still_completes(smollm2, ref):
     model, tok = smollm2
     with background(create_app(model, tok, ServeConfig(MODEL, queue_size=1, timeout_s=600))) as url:
-        cl = _client(url)
-        long = cl.chat.completions.create(model=MODEL, messages=_user("Tell me a long story."), max_tokens=400,
+        cl = openai_client(url)
+        long = cl.chat.completions.create(model=MODEL, messages=user_messages("Tell me a long story."), max_tokens=400,
                                           stream=True, extra_body={"fastprefill": {"ignore_eos": True}})
         next(c for c in long if c.choices and c.choices[0].delta.content)  # generating now
         waiting: list = []
         t = threading.Thread(target=lambda: waiting.append(
-            cl.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=3)))
+            cl.chat.completions.create(model=MODEL, messages=user_messages("Say hello."), max_tokens=3)))
         t.start()
-        _wait(url, lambda h: h["queue"]["waiting"] == 1)
+        wait_health(url, lambda h: h["queue"]["waiting"] == 1)
         with pytest.raises(openai.RateLimitError) as info:
-            cl.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=3)
+            cl.chat.completions.create(model=MODEL, messages=user_messages("Say hello."), max_tokens=3)
         assert "queue of 1 is full" in info.value.body["message"]
         long.close()
         t.join(300)
         assert waiting and waiting[0].choices[0].message.content == ref("Say hello.", 3).text
-        assert _metric(url, "fastprefill_requests_total", outcome="queue_full") == 1
-        after = cl.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=3)
+        assert metric_value(url, "fastprefill_requests_total", outcome="queue_full") == 1
+        after = cl.chat.completions.create(model=MODEL, messages=user_messages("Say hello."), max_tokens=3)
         assert after.choices[0].message.content == ref("Say hello.", 3).text
 
 
@@ -800,8 +756,8 @@ def test_a_full_queue_answers_429_and_the_queued_request_still_completes(smollm2
 def test_a_request_over_its_timeout_gets_504_and_the_generation_stops(smollm2):
     model, tok = smollm2
     with background(create_app(model, tok, ServeConfig(MODEL, timeout_s=2.0))) as url:
-        cl = _client(url)
-        kwargs = {"model": MODEL, "messages": _user("Tell me a long story."), "max_tokens": 500,
+        cl = openai_client(url)
+        kwargs = {"model": MODEL, "messages": user_messages("Tell me a long story."), "max_tokens": 500,
                   "extra_body": {"fastprefill": {"ignore_eos": True}}}
         with pytest.raises(openai.APIStatusError) as info:
             cl.chat.completions.create(**kwargs)
@@ -809,9 +765,9 @@ def test_a_request_over_its_timeout_gets_504_and_the_generation_stops(smollm2):
         with pytest.raises(openai.APIError, match="timeout of 2 s"):
             for _ in cl.chat.completions.create(stream=True, **kwargs):
                 pass
-        _wait(url, _idle)
-        assert _metric(url, "fastprefill_requests_total", outcome="timeout") == 2
-        assert _metric(url, "fastprefill_completion_tokens_total") < 1000
+        wait_health(url, is_idle)
+        assert metric_value(url, "fastprefill_requests_total", outcome="timeout") == 2
+        assert metric_value(url, "fastprefill_completion_tokens_total") < 1000
 
 
 def _sse_data(resp: http.client.HTTPResponse) -> Iterator[str]:
@@ -828,7 +784,7 @@ def test_sigterm_drains_the_stream_answers_the_waiting_and_exits_in_time(tmp_pat
     drain_s, n = 3.0, 1000
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(REPO / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = (tmp_path / "server.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "fastprefill.cli", "serve", "--port", str(port), "--threads", "1",
@@ -839,7 +795,7 @@ def test_sigterm_drains_the_stream_answers_the_waiting_and_exits_in_time(tmp_pat
         while True:
             assert proc.poll() is None, (tmp_path / "server.log").read_text()
             try:
-                if _http(url, "GET", "/health")[0] == 200:
+                if http_request(url, "GET", "/health")[0] == 200:
                     break
             except ConnectionError:
                 pass
@@ -858,18 +814,18 @@ def test_sigterm_drains_the_stream_answers_the_waiting_and_exits_in_time(tmp_pat
         assert first["choices"][0]["text"] is not None  # generating now
         waiting: list = []
         body = json.dumps({"model": MODEL, "prompt": "Say hello.", "max_tokens": 3}).encode()
-        waiter = threading.Thread(target=lambda: waiting.append(_http(url, "POST", "/v1/completions", body)))
+        waiter = threading.Thread(target=lambda: waiting.append(http_request(url, "POST", "/v1/completions", body)))
         waiter.start()
-        _wait(url, lambda h: h["queue"]["waiting"] == 1)
+        wait_health(url, lambda h: h["queue"]["waiting"] == 1)
 
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         waiter.join(30)
         (status, answer), = waiting
         assert status == 503 and "shutting down" in answer["error"]["message"], answer
-        status, answer = _http(url, "POST", "/v1/completions", body)  # a new request while the stream drains
+        status, answer = http_request(url, "POST", "/v1/completions", body)  # a new request while the stream drains
         assert status == 503 and "shutting down" in answer["error"]["message"], answer
-        status, health = _http(url, "GET", "/health")
+        status, health = http_request(url, "GET", "/health")
         assert status == 503 and health["status"] == "draining"
 
         rest = list(events)
@@ -926,7 +882,7 @@ def test_committed_load_figures_reproduce_from_their_records():
     ``summarize`` over its own records."""
     import serve_load as bench
     from fastprefill.bench.records import read_rows
-    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    results = REPO / "benchmarks" / "results"
     committed = sorted([*results.glob("serve_load_*.summary.json"), *results.glob("serve_runahead_load_*.summary.json")])
     assert committed, "no committed serve_load summary"
     for path in committed:

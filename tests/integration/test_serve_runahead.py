@@ -12,11 +12,19 @@ import time
 
 import openai
 import pytest
-from test_serve import MODEL, _client, _http, _idle, _metric, _user, _wait
 
 from fastprefill.engine import generate
 from fastprefill.serve import ServeConfig, background, create_app
 from fastprefill.serve.ranks import ServedPool
+from tests.integration.serving import (
+    MODEL,
+    http_request,
+    is_idle,
+    metric_value,
+    openai_client,
+    user_messages,
+    wait_health,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -53,8 +61,8 @@ def _full(smollm2, prompt: str, n: int = N, chat: bool = False):
 @pytest.mark.timeout(300)
 def test_runahead_answers_equal_full_prefill_whole_and_streamed(served, smollm2):
     url, _ = served
-    client = _client(url)
-    _, health = _http(url, "GET", "/health")
+    client = openai_client(url)
+    _, health = http_request(url, "GET", "/health")
     assert health["ranks"]["procs"] == 2 and health["ranks"]["up"] and health["method"].startswith("runahead")
     for prompt in PROMPTS:
         want = _full(smollm2, prompt).text
@@ -69,20 +77,20 @@ def test_runahead_answers_equal_full_prefill_whole_and_streamed(served, smollm2)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
         assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     chat_want = _full(smollm2, PROMPTS[0], chat=True).text
-    chat = client.chat.completions.create(model=MODEL, messages=_user(PROMPTS[0]), max_tokens=N, stream=True)
+    chat = client.chat.completions.create(model=MODEL, messages=user_messages(PROMPTS[0]), max_tokens=N, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == chat_want
     # per request: full prefill in the server's process, beside the ranks
     full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N,
                                      extra_body={"fastprefill": {"method": "full"}})
     assert full.choices[0].text == _full(smollm2, PROMPTS[1]).text and full.usage.fastprefill["method"] == "full"
     for name in ("fastprefill_ttft_seconds_count", "fastprefill_decode_seconds_per_token_count"):
-        assert _metric(url, name, method="runahead") >= 7 and _metric(url, name, method="full") == 1
+        assert metric_value(url, name, method="runahead") >= 7 and metric_value(url, name, method="full") == 1
 
 
 @pytest.mark.timeout(300)
 def test_a_request_for_another_rank_count_or_a_table_is_refused(served):
     url, _ = served
-    client = _client(url)
+    client = openai_client(url)
     for spec, words in (("runahead:procs=3", "rank pool has 2"), ("tsp:procs=3", "rank pool has 2"),
                         ("runahead:procs=2,table=/etc/passwd", "table")):
         with pytest.raises(openai.BadRequestError) as info:
@@ -97,7 +105,7 @@ def test_a_request_for_another_rank_count_or_a_table_is_refused(served):
 @pytest.mark.timeout(300)
 def test_a_client_that_disconnects_stops_the_decode_on_the_ranks(served, smollm2):
     url, ranks = served
-    client = _client(url)
+    client = openai_client(url)
     stopped = ranks.stopped_early
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
                                        extra_body={"fastprefill": {"ignore_eos": True}})
@@ -107,7 +115,7 @@ def test_a_client_that_disconnects_stops_the_decode_on_the_ranks(served, smollm2
         if got == 2:
             break
     stream.close()
-    _wait(url, _idle, timeout=60)
+    wait_health(url, is_idle, timeout=60)
     assert ranks.stopped_early == stopped + 1  # the last rank stopped before its 400th token
     assert client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=N).choices[0].text == \
         _full(smollm2, PROMPTS[2]).text  # the pool is still warm and usable
@@ -117,7 +125,7 @@ def test_a_client_that_disconnects_stops_the_decode_on_the_ranks(served, smollm2
 def test_a_dead_rank_ends_the_request_with_a_503_and_multi_rank_requests_are_refused_after(smollm2):
     ranks = _pool()
     with background(_app(smollm2, ranks, allow_methods=("full",))) as url:
-        client = _client(url)
+        client = openai_client(url)
         stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
                                            extra_body={"fastprefill": {"ignore_eos": True}})
         chunks = iter(stream)
@@ -132,12 +140,12 @@ def test_a_dead_rank_ends_the_request_with_a_503_and_multi_rank_requests_are_ref
         with pytest.raises(openai.InternalServerError) as refused:
             client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2)
         assert refused.value.status_code == 503 and "rank 1 died" in refused.value.body["message"]
-        health = _wait(url, _idle)
+        health = wait_health(url, is_idle)
         assert not health["ranks"]["up"] and "rank 1" in health["ranks"]["failure"]
         full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N,
                                          extra_body={"fastprefill": {"method": "full"}})
         assert full.choices[0].text == _full(smollm2, PROMPTS[1]).text
-        assert _metric(url, "fastprefill_requests_total", method="runahead", outcome="error") == 2
+        assert metric_value(url, "fastprefill_requests_total", method="runahead", outcome="error") == 2
     assert all(not p.is_alive() for p in ranks._procs)
 
 
@@ -145,7 +153,7 @@ def test_a_dead_rank_ends_the_request_with_a_503_and_multi_rank_requests_are_ref
 def test_a_hung_rank_ends_the_request_with_a_503_after_the_method_timeout(smollm2):
     ranks = _pool()
     with background(_app(smollm2, ranks)) as url:
-        stream = _client(url).completions.create(
+        stream = openai_client(url).completions.create(
             model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
             extra_body={"fastprefill": {"method": "runahead:procs=2,timeout_s=3", "ignore_eos": True}})
         chunks = iter(stream)
@@ -156,5 +164,5 @@ def test_a_hung_rank_ends_the_request_with_a_503_after_the_method_timeout(smollm
             for _ in chunks:
                 pass
         assert 2 < time.monotonic() - t0 < 30
-        assert not _wait(url, _idle)["ranks"]["up"]
+        assert not wait_health(url, is_idle)["ranks"]["up"]
     assert all(not p.is_alive() for p in ranks._procs)

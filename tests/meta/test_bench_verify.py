@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import verify
 from fastprefill.bench.records import read_rows
 from figures.pages import page_sources, verify_pages
 from figures.results import compare_tables, verify_results
 from research.kvp import lsweep_table
+from tests import REPO
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = REPO / "benchmarks" / "results"
 
 
 CEILING = "lazyllm_ceiling_qwen2.5-coder-0.5b_2048"
@@ -87,9 +87,6 @@ def test_tables_compare_to_the_printed_precision():
 
 
 # --------------------------------------------------------------------------- README and docs/results
-
-REPO = RESULTS.parents[1]
-
 
 def test_readme_and_docs_figures_reproduce():
     report = verify_pages(REPO)

@@ -1,6 +1,7 @@
 """KV Prediction reports and variants beyond the paper: centred R², errors after least squares
-and after the gradient phase, calibration text with dev task prompts, maps from aux hidden
-states, the dev gate, the kvp-prefix l-sweep and the CLI's message for a bare ``kvp``."""
+and after the gradient phase, maps from aux hidden states, the dev gate, the kvp-prefix l-sweep,
+the CLI's message for a bare ``kvp`` and KV Prediction in the demo (the calibration text and
+``train-kvp`` on the real model are in tests/integration/)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,12 @@ from fastprefill.methods.kv_prediction.auxiliary.train import (
     kv_relative_errors,
     train_kvp,
 )
-from fastprefill.methods.kv_prediction.corpus import calibration_corpus
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.registry import make_method
 from fastprefill.models.kv import attention_inputs, prefix_kv
 from fastprefill.models.random import random_ids
 from fastprefill.models.shape import ModelShape
-from research.kvp import GATE_V_ERROR, dev_gate, exclude_calibration, l_sweep
+from research.kvp import GATE_V_ERROR, dev_gate, l_sweep
 
 
 def _copy_pair(model, source):
@@ -114,23 +114,6 @@ def test_bad_train_config():
         TrainConfig(task_share=1.5)
 
 
-def test_calibration_text_holds_a_quarter_of_dev_task_prompts(smollm2):
-    from fastprefill.data.tasks import get_task
-
-    _, tok = smollm2
-    corpus = calibration_corpus(tok, 4096, 512, seed=0)
-    assert corpus.task_share >= 0.25
-    assert corpus.task_ids and all(isinstance(i, str) for i in corpus.task_ids)
-    assert sum(int(s.shape[1]) for s in corpus.sequences) >= 4096
-    text = tok.decode(torch.cat([s[0] for s in corpus.sequences]).tolist())
-    assert "<|im_start|>user" in text  # the tasks' chat template
-    dev = get_task("singledoc-qa").build(tok, 512, 8, split="dev", seed=1000)
-    assert {s.id for s in dev} & set(corpus.task_ids)  # the dev prompts of the calibration seed
-    assert exclude_calibration(dev, {"task_ids": corpus.task_ids}) == [s for s in dev if s.id not in corpus.task_ids]
-    none = calibration_corpus(tok, 1024, 512, seed=0, task_share=0.0)
-    assert none.task_share == 0.0 and not none.task_ids
-
-
 def test_dev_gate_passes_an_exact_predictor_and_fails_noise(tiny_llama):
     aux, pred = _copy_pair(tiny_llama, "hidden")
     prompts = [random_ids(24, 60 + i) for i in range(3)]
@@ -179,29 +162,3 @@ def test_demo_shows_kv_prediction(tiny_qwen2):
     assert KVPrefix(layer=3) in methods
 
 
-def test_train_kvp_prefix_command(tmp_path, capsys, smollm2):
-    out = tmp_path / "p28"
-    args = ["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--layer", "28", "--out", str(out),
-            "--lsq-tokens", "1024", "--threads", "1"]
-    assert main(args) == 0
-    method = KVPrefix(predictor=str(out))
-    assert method.layer == 28
-    config = json.loads((out / "config.json").read_text())
-    assert config["complete"] and config["calibration"]["task_share"] == 0.25 and config["task_ids"]
-    assert main(["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--out", str(tmp_path / "x")]) == 2
-    assert "--layer" in capsys.readouterr().err
-    # KL distillation of that checkpoint on (short) dev prompts
-    dist = tmp_path / "d28"
-    assert main(["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--distill-from", str(out),
-                 "--out", str(dist), "--steps", "2", "--tail", "8", "--train-prompts", "humaneval-completion:2",
-                 "--heldout-prompts", "humaneval-completion:1", "--threads", "1"]) == 0
-    distilled = json.loads((dist / "config.json").read_text())
-    assert distilled["distillation"]["step"] == 2 and distilled["layer"] == 28
-    assert len(distilled["task_ids"]) == len(config["task_ids"]) + 3
-    assert KVPrefix(predictor=str(dist), tail=8).bind(smollm2[0]).describe() == "distilled"
-    capsys.readouterr()
-    assert main(["train-kvp", "--variant", "prefix", "--model", "smollm2-135m", "--distill-from",
-                 str(tmp_path / "none"), "--out", str(tmp_path / "y")]) == 2
-    assert "no readable kvp-prefix checkpoint" in capsys.readouterr().err
-    assert main(["train-kvp", "--model", "smollm2-135m", "--distill-from", str(out), "--out", str(tmp_path / "z")]) == 2
-    assert "--variant prefix" in capsys.readouterr().err

@@ -58,13 +58,6 @@ def test_all_layers_exact_equals_full_prefill(tiny_model, n):
         tok = int(b.argmax())
 
 
-def test_all_layers_exact_on_smollm2(smollm2):
-    model, tok = smollm2
-    ids = torch.tensor([tok("The capital of France is Paris. The capital of Italy is")["input_ids"]])
-    got = make_method("kvp-prefix:layer=30").prefill(model, ids)
-    torch.testing.assert_close(got.logits, FullPrefill().prefill(model, ids).logits, atol=1e-5, rtol=0)
-
-
 def test_zero_shot_map_is_the_layers_own_projection(tiny_model):
     """Zero-shot map of layer j on h_l is exactly k_proj_j(norm_j(h_l)) (and v_proj_j), and at
     j = l it is the layer's true pre-rotation K and V."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,9 +25,9 @@ from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.registry import make_method, parse_spec
+from tests import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = REPO / "benchmarks" / "results"
 
 
 def _rec(method: str, sid: str, ttft: float, score: float, frac: float = 1.0, flops: float = 100.0,
@@ -367,7 +366,7 @@ def test_cli_errors_exit_2_without_traceback(capsys, tmp_path):
 def test_cli_bench_config_files_parse():
     from fastprefill.cli import _bench_config, build_parser
 
-    for path in sorted((ROOT / "benchmarks" / "configs").glob("*.toml")):
+    for path in sorted((REPO / "benchmarks" / "configs").glob("*.toml")):
         cfg = _bench_config(build_parser().parse_args(["bench", "--config", str(path)]))
         assert cfg["name"] == path.stem and cfg["out"] == "benchmarks/results"
 
