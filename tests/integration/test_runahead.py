@@ -37,15 +37,10 @@ from fastprefill.methods.runahead import (
 )
 from fastprefill.methods.runahead.tables import TABLES_DIR, find_table
 from fastprefill.models import load
-from fastprefill.models.random import random_ids
 from fastprefill.models.shape import ModelShape
 
 ATOL = 1e-4
 SHAPE_7B = ModelShape(32, 4096, 32, 32, 128, 11008, 32000, 4096)
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random_ids(n, seed)[0].tolist()
 
 
 def _reference(model, ids: list[int], n_new: int) -> tuple[torch.Tensor, list[int]]:
@@ -228,8 +223,8 @@ def test_chain_comm_refuses_misuse():
 
 # --- one process ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", [KVRunahead(procs=1), SequenceParallel(procs=1)], ids=["runahead", "tsp"])
-def test_single_rank_equals_full_prefill(tiny_model, method):
-    ids = _ids(29, 4)
+def test_single_rank_equals_full_prefill(tiny_model, method, make_ids):
+    ids = make_ids(29, 4)[0].tolist()
     ref_logits, hf = _reference(tiny_model, ids, 6)
     out = method.prefill(tiny_model, torch.tensor([ids]))
     torch.testing.assert_close(out.logits, ref_logits, atol=ATOL, rtol=0)
@@ -270,59 +265,60 @@ def _check_pool(pool, family: str, ids: list[int], methods, n_new: int = 6) -> N
         assert sum(chunks) == len(ids) and all(r["chunks"] == chunks for r in res.ranks)
 
 
-def test_two_ranks_exact(pool2):
+def test_two_ranks_exact(pool2, make_ids):
     """37 tokens (odd) on 2 ranks: even, searched, a single-token last chunk, a single-token first."""
     methods = [KVRunahead(procs=2), KVRunahead(procs=2, partition="searched"),
                KVRunahead(procs=2, partition=(36, 1)), KVRunahead(procs=2, partition=(1, 36)),
                SequenceParallel(procs=2)]
-    _check_pool(pool2, "llama", _ids(37, 5), methods)
-    _check_pool(pool2, "llama", _ids(2, 6), [KVRunahead(procs=2)])  # one token per rank
+    _check_pool(pool2, "llama", make_ids(37, 5)[0].tolist(), methods)
+    _check_pool(pool2, "llama", make_ids(2, 6)[0].tolist(), [KVRunahead(procs=2)])  # one token per rank
 
 
-def test_two_ranks_bytes_moved(pool2):
+def test_two_ranks_bytes_moved(pool2, make_ids):
     """Rank 0 sends exactly its chunk's K and V at every layer (4 layers, 2 KV heads, d=16)."""
-    res = pool2.generate(_ids(37, 7), KVRunahead(procs=2, partition=(20, 17)), 1, stop_at_eos=False)
+    res = pool2.generate(make_ids(37, 7)[0].tolist(), KVRunahead(procs=2, partition=(20, 17)), 1,
+                         stop_at_eos=False)
     per_row = 2 * 2 * 16 * 4  # K+V, heads, head_dim, float32 bytes
     assert res.ranks[0]["kv_bytes_sent_this_rank"] == 4 * 20 * per_row
     assert res.ranks[1]["kv_bytes_received_this_rank"] == 4 * 20 * per_row
     assert res.ranks[1]["kv_bytes_sent_this_rank"] == 0
 
 
-def test_three_ranks_exact(pool3):
+def test_three_ranks_exact(pool3, make_ids):
     """37 tokens on 3 ranks (not divisible), even / searched / single-token chunks, and TSP."""
     methods = [KVRunahead(procs=3), KVRunahead(procs=3, partition="searched"),
                KVRunahead(procs=3, partition=(1, 1, 35)), KVRunahead(procs=3, partition=(35, 1, 1)),
                SequenceParallel(procs=3)]
-    _check_pool(pool3, "qwen2", _ids(37, 8), methods)
+    _check_pool(pool3, "qwen2", make_ids(37, 8)[0].tolist(), methods)
 
 
-def test_pool_refuses_bad_requests_and_stays_usable(pool3):
+def test_pool_refuses_bad_requests_and_stays_usable(pool3, make_ids):
     with pytest.raises(ConfigError, match="larger than the prompt"):
         pool3.generate([1, 2], KVRunahead(procs=3), 2)
     with pytest.raises(ConfigError, match="procs=2"):
         pool3.generate([1, 2, 3, 4], KVRunahead(procs=2), 2)
     with pytest.raises(ConfigError, match="sum to"):
         pool3.generate([1, 2, 3, 4], KVRunahead(procs=3, partition=(1, 1, 1)), 2)
-    _check_pool(pool3, "qwen2", _ids(9, 9), [KVRunahead(procs=3)], n_new=2)
+    _check_pool(pool3, "qwen2", make_ids(9, 9)[0].tolist(), [KVRunahead(procs=3)], n_new=2)
 
 
-def test_pool_reports_user_errors_as_themselves_and_stays_usable(pool2):
+def test_pool_reports_user_errors_as_themselves_and_stays_usable(pool2, make_ids):
     with pytest.raises(PromptError, match="exceeds the model's context"):
-        pool2.generate(_ids(600, 3), KVRunahead(procs=2), 2)
+        pool2.generate(make_ids(600, 3)[0].tolist(), KVRunahead(procs=2), 2)
     with pytest.raises(ConfigError, match="tokenizer"):
         pool2.generate("text, but random models have no tokenizer", SequenceParallel(procs=2), 2)
     with pytest.raises(ConfigError, match="runs on one process, but this group has 2"):
         pool2.generate([1, 2, 3], FullPrefill(), 2)
-    _check_pool(pool2, "llama", _ids(11, 4), [SequenceParallel(procs=2)], n_new=2)
+    _check_pool(pool2, "llama", make_ids(11, 4)[0].tolist(), [SequenceParallel(procs=2)], n_new=2)
 
 
-def test_unsupported_family_is_refused_on_every_rank():
+def test_unsupported_family_is_refused_on_every_rank(make_ids):
     """random:gpt2 is no layer-loop family: every rank raises UnsupportedModelError before any
     communication, the driver re-raises it, and the ranks stay up for the next request."""
     with RankPool("random:gpt2", 2, timeout_s=30, start_method="fork") as pool:
         for method in (KVRunahead(procs=2), SequenceParallel(procs=2), KVRunahead(procs=2)):
             with pytest.raises(UnsupportedModelError, match="gpt2"):
-                pool.generate(_ids(8, 1), method, 2)
+                pool.generate(make_ids(8, 1)[0].tolist(), method, 2)
         assert not _gone(pool.pids)
 
 
@@ -332,24 +328,24 @@ def test_unknown_model_fails_at_start_with_its_own_error():
 
 
 # --- faults (last: they shut the pools down) --------------------------------------------------------
-def test_dead_rank_fails_every_rank_fast(pool3):
+def test_dead_rank_fails_every_rank_fast(pool3, make_ids):
     pids = pool3.pids
     t0 = time.monotonic()
     with pytest.raises(RankPoolError, match="rank 1"):
-        pool3.generate(_ids(30, 10), KVRunahead(procs=3, timeout_s=30), 4, fault=(1, 1, "exit"))
+        pool3.generate(make_ids(30, 10)[0].tolist(), KVRunahead(procs=3, timeout_s=30), 4, fault=(1, 1, "exit"))
     assert time.monotonic() - t0 < 20
     assert _gone(pids)
     with pytest.raises(RankPoolError, match="closed"):
         pool3.generate([1, 2, 3], KVRunahead(procs=3), 1)
 
 
-def test_hung_rank_times_out(pool2):
+def test_hung_rank_times_out(pool2, make_ids):
     """Rank 0 hangs after layer 1: rank 1's bounded wait fails, the pool reports it and no
     worker survives."""
     pids = pool2.pids
     t0 = time.monotonic()
     with pytest.raises(RankPoolError, match=r"rank 1|timed out|did not answer"):
-        pool2.generate(_ids(30, 11), KVRunahead(procs=2, timeout_s=3), 4, fault=(0, 1, "hang"))
+        pool2.generate(make_ids(30, 11)[0].tolist(), KVRunahead(procs=2, timeout_s=3), 4, fault=(0, 1, "hang"))
     assert time.monotonic() - t0 < 3 * 4 + 60
     assert _gone(pids)
     assert os.getpid() not in pids
@@ -365,12 +361,12 @@ def _subprocess_env() -> dict[str, str]:
     return env
 
 
-def test_torchrun_two_ranks_equal_full_prefill(tmp_path):
+def test_torchrun_two_ranks_equal_full_prefill(tmp_path, make_ids):
     """``torchrun --standalone --nproc-per-node 2 -m fastprefill.launch`` (torchrun is
     ``python -m torch.distributed.run`` of this interpreter) with KV-Runahead (searched and
     uneven explicit partitions) and TSP in turn on the same two ranks: each method's first-token
     logits and tokens are single-process full prefill's, and only the last rank prints."""
-    ids = _ids(37, 12)
+    ids = make_ids(37, 12)[0].tolist()
     saved = tmp_path / "logits.pt"
     methods = ["runahead:partition=searched", "runahead:partition=30/7", "tsp"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -398,9 +394,9 @@ class _ForkPool(RankPool):
         super().__init__(*args, **{**kwargs, "start_method": "fork"})
 
 
-def test_launch_local_pool_json(capsys, tmp_path, monkeypatch):
+def test_launch_local_pool_json(capsys, tmp_path, monkeypatch, make_ids):
     monkeypatch.setattr("fastprefill.distributed.pool.RankPool", _ForkPool)
-    ids = _ids(21, 13)
+    ids = make_ids(21, 13)[0].tolist()
     argv = ["--model", "random:qwen2", "--prompt-ids", ",".join(map(str, ids)), "--method", "runahead:partition=15/6",
             "--procs", "2", "--max-new-tokens", "3", "--json", "--save-logits", str(tmp_path / "l.pt")]
     assert launch.main(argv) == 0

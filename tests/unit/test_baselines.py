@@ -17,13 +17,12 @@ from fastprefill.methods.baselines import (
 )
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import keep_count
-from fastprefill.models.random import random_ids
 
 
-def test_random_subset_at_original_positions_matches_hf_forward(tiny_model):
+def test_random_subset_at_original_positions_matches_hf_forward(tiny_model, make_ids):
     """Non-contiguous kept positions: equal to the model's forward on the subset with position_ids."""
     n = 31
-    ids = random_ids(n, 2)
+    ids = make_ids(n, 2)
     method = RandomDrop(keep=0.4, seed=5)
     keep = method.choose(n)
     assert keep.numel() == keep_count(0.4, n) and int(keep[-1]) == n - 1
@@ -60,9 +59,9 @@ def test_random_scorer_keeps_the_subsets_of_a_seeded_randperm(n, keep, seed):
     assert torch.equal(RandomDrop(keep, seed=seed).choose(n), want)
 
 
-def test_static_pruning_selects_top_attention_and_pays_for_selection(tiny_llama):
+def test_static_pruning_selects_top_attention_and_pays_for_selection(tiny_llama, make_ids):
     n, s, keep = 24, 1, 0.25
-    ids = random_ids(n, 3)
+    ids = make_ids(n, 3)
     eager = tiny_llama.config._attn_implementation
     try:
         tiny_llama.config._attn_implementation = "eager"
@@ -83,10 +82,10 @@ def test_static_pruning_selects_top_attention_and_pays_for_selection(tiny_llama)
     assert out.stats.extra["selection_token_layers"] == n * (s + 1)
 
 
-def test_budgets_match_lazyllm(tiny_qwen2):
+def test_budgets_match_lazyllm(tiny_qwen2, make_ids):
     n, layers = 64, 4
     sched = ((0, 0.5), (2, 0.25))
-    ids = random_ids(n, 4)
+    ids = make_ids(n, 4)
     with torch.inference_mode():
         lazy = LazyLLM(schedule=sched).prefill(tiny_qwen2, ids).stats.token_layers
         rd = RandomDrop(keep=equivalent_keep(sched, layers, n), seed=0).prefill(tiny_qwen2, ids).stats.token_layers
@@ -98,7 +97,7 @@ def test_budgets_match_lazyllm(tiny_qwen2):
         equivalent_keep(sched, layers, n, select_layer=2)
 
 
-def test_matched_baselines_spend_lazyllm_budget_and_feed_the_demo(tiny_qwen2):
+def test_matched_baselines_spend_lazyllm_budget_and_feed_the_demo(tiny_qwen2, make_ids):
     """One place builds the baselines at LazyLLM's budget; the CLI demo takes them from there."""
     from fastprefill.demo import demo_methods
 
@@ -106,7 +105,7 @@ def test_matched_baselines_spend_lazyllm_budget_and_feed_the_demo(tiny_qwen2):
     lazy = LazyLLM(schedule=((0, 0.5), (2, 0.25)))
     methods = matched_baselines(lazy, layers, n, static_select_layer=0, gemfilter_select_layer=0)
     assert list(methods) == ["static", "random", "gemfilter"]
-    ids = random_ids(n, 8)
+    ids = make_ids(n, 8)
     with torch.inference_mode():
         budget = lazy.prefill(tiny_qwen2, ids).stats.token_layers
         spent = {name: m.prefill(tiny_qwen2, ids).stats.token_layers for name, m in methods.items()}
@@ -148,9 +147,9 @@ def test_baseline_validation(factory, match):
         factory()
 
 
-def test_static_select_layer_out_of_range(tiny_llama):
+def test_static_select_layer_out_of_range(tiny_llama, make_ids):
     with pytest.raises(ConfigError, match=r"allowed 0..3"):
-        StaticPruning(keep=0.5, select_layer=4).prefill(tiny_llama, random_ids(8, 0))
+        StaticPruning(keep=0.5, select_layer=4).prefill(tiny_llama, make_ids(8, 0))
 
 
 # --- GemFilter ------------------------------------------------------------------------------------
@@ -196,10 +195,11 @@ def peaked_models(tiny_llama, tiny_qwen2):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("kernel", [5, 1])
-def test_gemfilter_selects_as_an_eager_computation_and_renumbers_positions(peaked_models, family, kernel):
+def test_gemfilter_selects_as_an_eager_computation_and_renumbers_positions(peaked_models, family, kernel,
+                                                                            make_ids):
     tiny_model = peaked_models[family]
     n, keep = 40, 0.3
-    ids = random_ids(n, 9)
+    ids = make_ids(n, 9)
     k = keep_count(keep, n)
     with torch.inference_mode():
         want = _gemfilter_reference(tiny_model, ids, 1, k, kernel)
@@ -223,11 +223,11 @@ def test_gemfilter_selects_as_an_eager_computation_and_renumbers_positions(peake
     assert decoder.position == k + 2
 
 
-def test_gemfilter_pays_for_its_selection_pass(tiny_llama):
+def test_gemfilter_pays_for_its_selection_pass(tiny_llama, make_ids):
     from fastprefill.models.shape import ModelShape
 
     n, s, keep = 48, 2, 0.25
-    run = GemFilter(keep=keep, select_layer=s).run(tiny_llama, random_ids(n, 10))
+    run = GemFilter(keep=keep, select_layer=s).run(tiny_llama, make_ids(n, 10))
     out = run.output
     shape = ModelShape.from_config(tiny_llama.config)
     k = keep_count(keep, n)
@@ -238,10 +238,10 @@ def test_gemfilter_pays_for_its_selection_pass(tiny_llama):
     assert int(run.state.counter.counts.sum()) == k * 4  # the probe ran into a throwaway cache
 
 
-def test_gemfilter_selection_layer_and_validation(tiny_llama):
+def test_gemfilter_selection_layer_and_validation(tiny_llama, make_ids):
     assert GemFilter().selection_layer(24) == 9 and GemFilter().selection_layer(28) == 11
     assert GemFilter(select_depth=0.5).selection_layer(24) == 12
     assert GemFilter(select_layer=3).selection_layer(24) == 3
     assert GemFilter(keep=0.2, select_layer=3, kernel=7).describe() == "gemfilter[keep=0.2,select_layer=3,kernel=7]"
     with pytest.raises(ConfigError, match=r"select_layer 4 out of range.*allowed 0..3"):
-        GemFilter(keep=0.5, select_layer=4).prefill(tiny_llama, random_ids(8, 0))
+        GemFilter(keep=0.5, select_layer=4).prefill(tiny_llama, make_ids(8, 0))

@@ -18,8 +18,8 @@ def _hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def test_full_prefill_equals_hf_generate_tiny(tiny_model):
-    ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(1))
+def test_full_prefill_equals_hf_generate_tiny(tiny_model, make_ids):
+    ids = make_ids(37, 1)
     res = generate(tiny_model, None, ids, max_new_tokens=12, stop_at_eos=False)
     assert res.token_ids == _hf_greedy(tiny_model, ids, 12)
     t = res.timing
@@ -28,9 +28,9 @@ def test_full_prefill_equals_hf_generate_tiny(tiny_model):
     assert t.ttft_s > 0 and t.decode_s_per_token is not None and t.prefill_flops > 0
 
 
-def test_layer_loop_matches_model_forward(tiny_model):
+def test_layer_loop_matches_model_forward(tiny_model, make_ids):
     """The adapter's layer-by-layer run with a position cache reproduces the model's logits."""
-    ids = torch.randint(0, 128, (1, 29), generator=torch.Generator().manual_seed(2))
+    ids = make_ids(29, 2)
     ref = tiny_model(ids).logits[0].float()
     ad = DecoderAdapter(tiny_model)
     cache = PositionKVCache(ad.num_layers)
@@ -57,9 +57,9 @@ def test_layer_loop_matches_model_forward(tiny_model):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-def test_scores_equal_eager_attention_row(tiny_llama):
+def test_scores_equal_eager_attention_row(tiny_llama, make_ids):
     """The captured score is the last query's eager attention row averaged over all query heads."""
-    ids = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(3))
+    ids = make_ids(17, 3)
     eager = tiny_llama.config._attn_implementation
     try:
         tiny_llama.config._attn_implementation = "eager"

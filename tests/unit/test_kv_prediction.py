@@ -29,16 +29,15 @@ from fastprefill.methods.kv_prediction.auxiliary.train import (
 )
 from fastprefill.methods.kv_prediction.checkpoint import read_checkpoint
 from fastprefill.models.kv import prefix_kv, rotate_keys, unrotate_keys
-from fastprefill.models.random import random_ids
 from fastprefill.models.shape import ModelShape
 from tests.kvp_helpers import ByteTokenizer, compare_with_full, identity_method, train_tiny
 
 
 # --------------------------------------------------------------------------- identity
-def test_identity_predictor_reproduces_base(tiny_model):
+def test_identity_predictor_reproduces_base(tiny_model, make_ids):
     """aux = copy of base, identity maps: logits equal base-only through prefill and 8 decode steps."""
     method = identity_method(tiny_model)
-    out = compare_with_full(tiny_model, method, random_ids(23, 1))
+    out = compare_with_full(tiny_model, method, make_ids(23, 1))
     s = out.stats
     assert s.token_layers == 4 and s.total_token_layers == 23 * 4  # the base ran one token per layer
     assert s.extra["aux_token_layers"] == 22 * 4
@@ -47,24 +46,24 @@ def test_identity_predictor_reproduces_base(tiny_model):
     assert s.flops == pytest.approx(s.extra["aux_flops"] + s.extra["predictor_flops"] + s.extra["base_flops"])
 
 
-def test_identity_through_engine_matches_full(tiny_llama):
-    ids = random_ids(31, 2)
+def test_identity_through_engine_matches_full(tiny_llama, make_ids):
+    ids = make_ids(31, 2)
     full = generate(tiny_llama, None, ids, max_new_tokens=8, stop_at_eos=False)
     kvp = generate(tiny_llama, None, ids, method=identity_method(tiny_llama), max_new_tokens=8, stop_at_eos=False)
     assert kvp.token_ids == full.token_ids
     assert kvp.timing.token_layers == 4
 
 
-def test_single_token_prompt_is_plain_prefill(tiny_llama):
-    compare_with_full(tiny_llama, identity_method(tiny_llama), random_ids(1, 3), steps=2)
+def test_single_token_prompt_is_plain_prefill(tiny_llama, make_ids):
+    compare_with_full(tiny_llama, identity_method(tiny_llama), make_ids(1, 3), steps=2)
 
 
-def test_perturbed_predictor_changes_logits(tiny_llama):
+def test_perturbed_predictor_changes_logits(tiny_llama, make_ids):
     """The predicted KV is really used: a non-identity map changes the first-token logits."""
     method = identity_method(tiny_llama)
     with torch.no_grad():
         method.predictor.v_maps[2].bias.add_(0.5)
-    ids = random_ids(23, 4)
+    ids = make_ids(23, 4)
     assert (method.prefill(tiny_llama, ids).logits - FullPrefill().prefill(tiny_llama, ids).logits).abs().max() > 1e-3
 
 
@@ -110,14 +109,14 @@ def test_predictor_shapes_and_wrong_aux_shape(tiny_llama, tiny_qwen2):
 
 
 # --------------------------------------------------------------------------- KVP-LP aux
-def test_drop_layers_shares_weights_and_matches_manual_loop(tiny_qwen2):
+def test_drop_layers_shares_weights_and_matches_manual_loop(tiny_qwen2, make_ids):
     aux = AuxSpec.layer_drop(2).build(tiny_qwen2)
     assert aux.config.num_hidden_layers == 2 and tiny_qwen2.config.num_hidden_layers == 4
     assert len(tiny_qwen2.model.layers) == 4  # original untouched
     assert aux.model.layers[1].mlp.up_proj.weight is tiny_qwen2.model.layers[2].mlp.up_proj.weight
     assert [l.self_attn.layer_idx for l in aux.model.layers] == [0, 1]
     assert tiny_qwen2.model.layers[2].self_attn.layer_idx == 2
-    ids = random_ids(11, 5)
+    ids = make_ids(11, 5)
     with torch.no_grad():
         got = aux(ids).logits
         h = tiny_qwen2.model.embed_tokens(ids)
@@ -154,7 +153,7 @@ def test_least_squares_recovers_planted_linear_map(tiny_llama):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_pre_rotation_map_beats_rotated_map():
+def test_pre_rotation_map_beats_rotated_map(make_ids):
     """Evidence for the rotary choice: aux = base with another rope_theta, so layer-0 keys before
     rotation are identical while rotated keys differ by a position-dependent rotation. A
     least-squares map on pre-rotation keys is exact on held-out data; one on rotated keys is not."""
@@ -165,8 +164,8 @@ def test_pre_rotation_map_beats_rotated_map():
     base = AutoModelForCausalLM.from_config(LlamaConfig(**cfg, rope_theta=10000.0)).eval()
     aux = AutoModelForCausalLM.from_config(LlamaConfig(**cfg, rope_theta=100.0)).eval()
     aux.load_state_dict(base.state_dict())
-    train = [random_ids(64, s) for s in range(8)]
-    held_out = [random_ids(64, 50 + s) for s in range(3)]
+    train = [make_ids(64, s) for s in range(8)]
+    held_out = [make_ids(64, 50 + s) for s in range(3)]
 
     def rotated(model, ids):
         kv, _ = prefix_kv(model, ids)
@@ -196,10 +195,10 @@ def test_pre_rotation_map_beats_rotated_map():
 # --------------------------------------------------------------------------- training + checkpoints
 
 
-def test_training_forward_on_true_kv_is_the_base_forward(tiny_model):
+def test_training_forward_on_true_kv_is_the_base_forward(tiny_model, make_ids):
     """The training loss's base pass (every layer on given KV) equals the base's own forward when
     given the base's own KV, and its gradient reaches the KV of earlier positions."""
-    ids = random_ids(24, seed=3)
+    ids = make_ids(24, seed=3)
     with torch.no_grad():
         true_kv, _ = prefix_kv(tiny_model, ids)
         ref = tiny_model(ids).logits.float()
@@ -211,7 +210,7 @@ def test_training_forward_on_true_kv_is_the_base_forward(tiny_model):
     assert v0.grad[:, :, 11:].abs().sum() == 0 and k0.grad[:, :, 11:].abs().sum() == 0  # ... and nothing later
 
 
-def test_train_lp_checkpoint_roundtrip_and_plot(tiny_llama, tmp_path):
+def test_train_lp_checkpoint_roundtrip_and_plot(tiny_llama, tmp_path, make_ids):
     method = train_tiny(tiny_llama, tmp_path / "ck")
     config, _, train_state = read_checkpoint(tmp_path / "ck", with_train_state=True)
     assert config["step"] == 4 and config["base"]["name"] == "tiny" and config["layer_map"] == [0, 0, 1, 1]
@@ -221,7 +220,7 @@ def test_train_lp_checkpoint_roundtrip_and_plot(tiny_llama, tmp_path):
     loaded = KVPrediction.load(tmp_path / "ck")
     for a, b in zip(loaded.predictor.parameters(), method.predictor.parameters()):
         assert torch.equal(a, b)
-    ids = random_ids(20, 7)
+    ids = make_ids(20, 7)
     torch.testing.assert_close(loaded.prefill(tiny_llama, ids).logits, method.prefill(tiny_llama, ids).logits)
     loaded.save(tmp_path / "copy")
     again = KVPrediction.load(tmp_path / "copy")
@@ -229,7 +228,7 @@ def test_train_lp_checkpoint_roundtrip_and_plot(tiny_llama, tmp_path):
     # trained maps predict the base KV better than the untrained (random) initial maps
     aux = AuxSpec.layer_drop(2).build(tiny_llama)
     fresh = KVPredictor(ModelShape.from_config(aux.config), ModelShape.from_config(tiny_llama.config))
-    held = [random_ids(32, 300)]
+    held = [make_ids(32, 300)]
     trained_err = kv_relative_errors(tiny_llama, aux, loaded.predictor, held)
     fresh_err = kv_relative_errors(tiny_llama, aux, fresh, held)
     assert sum(trained_err["k"]) < sum(fresh_err["k"]) and sum(trained_err["v"]) < sum(fresh_err["v"])
@@ -271,18 +270,18 @@ def test_missing_and_corrupted_checkpoints(tiny_llama, tmp_path):
         KVPrediction.load(tmp_path / "ck")
 
 
-def test_wrong_base_is_refused(tiny_llama, tmp_path):
+def test_wrong_base_is_refused(tiny_llama, tmp_path, make_ids):
     train_tiny(tiny_llama, tmp_path / "ck", steps=0)
     method = KVPrediction.load(tmp_path / "ck")
     other = copy.deepcopy(tiny_llama)
     with torch.no_grad():
         other.model.layers[0].mlp.up_proj.weight.mul_(1.01)
     with pytest.raises(CheckpointError, match="fingerprint"):
-        method.prefill(other, random_ids(10, 8))
+        method.prefill(other, make_ids(10, 8))
     deeper = AutoModelForCausalLM.from_config(LlamaConfig(**{**tiny_llama.config.to_dict(), "num_hidden_layers": 6}))
     with pytest.raises(CheckpointError, match="base model of shape"):
-        method.prefill(deeper.eval(), random_ids(10, 8))
-    method.prefill(tiny_llama, random_ids(10, 8))  # the right base works
+        method.prefill(deeper.eval(), make_ids(10, 8))
+    method.prefill(tiny_llama, make_ids(10, 8))  # the right base works
 
 
 def test_tokenizer_mismatch_is_refused(tiny_llama, tmp_path):
@@ -300,11 +299,11 @@ def test_tokenizer_mismatch_is_refused(tiny_llama, tmp_path):
         KVPrediction.load(tmp_path / "c", aux=AutoModelForCausalLM.from_config(tiny_llama.config))
 
 
-def test_aux_alone_baseline_runs_the_aux_only(tiny_llama):
+def test_aux_alone_baseline_runs_the_aux_only(tiny_llama, make_ids):
     """AuxAlone (the paper's baseline) equals full prefill + greedy decoding of the aux model."""
     from fastprefill.methods.kv_prediction import AuxAlone
 
-    ids = random_ids(19, 9)
+    ids = make_ids(19, 9)
     method = AuxAlone(AuxSpec.layer_drop(2))
     got = generate(tiny_llama, None, ids, method=method, max_new_tokens=6, stop_at_eos=False)
     aux = AuxSpec.layer_drop(2).build(tiny_llama)

@@ -25,38 +25,38 @@ from fastprefill.methods.kv_prediction.auxiliary.train import (
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.registry import make_method
 from fastprefill.models.kv import attention_inputs, prefix_kv
-from fastprefill.models.random import random_ids
 from fastprefill.models.shape import ModelShape
 from research.kvp import GATE_V_ERROR, dev_gate, l_sweep
+from tests.kvp_helpers import ByteTokenizer
 
 
-def _copy_pair(model, source):
+def _copy_pair(make_ids, model, source):
     """aux = a copy of the base, identity layer map, maps fitted by least squares from ``source``."""
     aux = copy.deepcopy(model)
     shape = ModelShape.from_config(model.config)
     pred = KVPredictor(shape, shape, layer_map=tuple(range(shape.num_layers)), source=source)
     fit_least_squares(pred, ((pred.features(aux, ids)[0], prefix_kv(model, ids)[0])
-                             for ids in [random_ids(96, s) for s in range(4)]), ridge=0.0)
+                             for ids in [make_ids(96, s) for s in range(4)]), ridge=0.0)
     return aux, pred
 
 
 @pytest.mark.parametrize("source", ["hidden", "hidden2"])
-def test_hidden_state_maps_recover_the_base_kv(tiny_model, source):
+def test_hidden_state_maps_recover_the_base_kv(tiny_model, source, make_ids):
     """K and V are linear in the layer's normalised attention input, so with aux = base the
     least-squares maps from hidden states are exact (R² = 1) where KV-to-KV maps need not be."""
-    aux, pred = _copy_pair(tiny_model, source)
+    aux, pred = _copy_pair(make_ids, tiny_model, source)
     assert pred.in_features == (1 if source == "hidden" else 2) * tiny_model.config.hidden_size
-    errors = kv_relative_errors(tiny_model, aux, pred, [random_ids(40, 99)])
+    errors = kv_relative_errors(tiny_model, aux, pred, [make_ids(40, 99)])
     assert max(errors["k"] + errors["v"]) < 1e-4
     assert min(errors["r2_k"] + errors["r2_v"]) > 1 - 1e-6
     method = KVPrediction(pred, AuxSpec.model("copy"), aux)
-    ids = random_ids(30, 98)
+    ids = make_ids(30, 98)
     full = make_method("full").prefill(tiny_model, ids).logits
     torch.testing.assert_close(method.prefill(tiny_model, ids).logits, full, atol=1e-4, rtol=0)
 
 
-def test_attention_inputs_are_what_the_projections_read(tiny_qwen2):
-    ids = random_ids(12, 5)
+def test_attention_inputs_are_what_the_projections_read(tiny_qwen2, make_ids):
+    ids = make_ids(12, 5)
     inputs, _ = attention_inputs(tiny_qwen2, ids)
     kv, _ = prefix_kv(tiny_qwen2, ids)
     for layer, x, (k, _) in zip(tiny_qwen2.model.layers, inputs, kv):
@@ -64,13 +64,13 @@ def test_attention_inputs_are_what_the_projections_read(tiny_qwen2):
         torch.testing.assert_close(got, k, atol=1e-5, rtol=1e-5)
 
 
-def test_r2_is_centred(tiny_llama):
+def test_r2_is_centred(tiny_llama, make_ids):
     """R² divides the squared error by the energy around each feature's mean over tokens, the
     relative error by the raw energy (checked against a direct computation)."""
-    aux, pred = _copy_pair(tiny_llama, "kv")
+    aux, pred = _copy_pair(make_ids, tiny_llama, "kv")
     with torch.no_grad():
         pred.v_maps[0].weight.mul_(0.5)
-    ids = random_ids(40, 97)
+    ids = make_ids(40, 97)
     errors = kv_relative_errors(tiny_llama, aux, pred, [ids])
     with torch.no_grad():
         y = prefix_kv(tiny_llama, ids)[0][0][1][0].transpose(0, 1).reshape(40, -1).double()  # (N, H*d)
@@ -81,21 +81,10 @@ def test_r2_is_centred(tiny_llama):
     assert error_summary({"v": [0.2, 0.4], "r2_v": [0.5, 0.7]}) == pytest.approx({"mean_v": 0.3, "mean_r2_v": 0.6})
 
 
-class _ByteTokenizer:
-    def __len__(self) -> int:
-        return 128
-
-    def get_vocab(self) -> dict[str, int]:
-        return {chr(i): i for i in range(128)}
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) % 128 for c in text]
-
-
-def test_train_reports_errors_after_least_squares_and_after_gradient(tiny_llama, tmp_path):
+def test_train_reports_errors_after_least_squares_and_after_gradient(tiny_llama, tmp_path, make_ids):
     cfg = TrainConfig(lsq_tokens=6 * 32, steps=2, seq_len=32, lr=1e-3, checkpoint_every=2, source="hidden")
-    train_kvp(tiny_llama, AuxSpec.layer_drop(2), tmp_path / "ck", tokenizer=_ByteTokenizer(), config=cfg,
-              corpus=[random_ids(32, s) for s in range(6)], heldout=[random_ids(32, 50), random_ids(32, 51)], progress=False)
+    train_kvp(tiny_llama, AuxSpec.layer_drop(2), tmp_path / "ck", tokenizer=ByteTokenizer(), config=cfg,
+              corpus=[make_ids(32, s) for s in range(6)], heldout=[make_ids(32, 50), make_ids(32, 51)], progress=False)
     config = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert config["source"] == "hidden"
     report = config["heldout_errors"]
@@ -114,24 +103,24 @@ def test_bad_train_config():
         TrainConfig(task_share=1.5)
 
 
-def test_dev_gate_passes_an_exact_predictor_and_fails_noise(tiny_llama):
-    aux, pred = _copy_pair(tiny_llama, "hidden")
-    prompts = [random_ids(24, 60 + i) for i in range(3)]
-    good = dev_gate(tiny_llama, KVPrediction(pred, AuxSpec.model("copy"), aux), prompts, [random_ids(32, 70)],
+def test_dev_gate_passes_an_exact_predictor_and_fails_noise(tiny_llama, make_ids):
+    aux, pred = _copy_pair(make_ids, tiny_llama, "hidden")
+    prompts = [make_ids(24, 60 + i) for i in range(3)]
+    good = dev_gate(tiny_llama, KVPrediction(pred, AuxSpec.model("copy"), aux), prompts, [make_ids(32, 70)],
                     progress=False)
     assert good.passed and good.mean_v_error < 1e-4 and good.first_token_agreement == 1.0 and good.n_prompts == 3
     assert "PASS" in good.describe()
     with torch.no_grad():
         for lin in pred.v_maps:
             lin.weight.add_(torch.randn(lin.weight.shape, generator=torch.Generator().manual_seed(1)))
-    bad = dev_gate(tiny_llama, KVPrediction(pred, AuxSpec.model("copy"), aux), prompts, [random_ids(32, 70)],
+    bad = dev_gate(tiny_llama, KVPrediction(pred, AuxSpec.model("copy"), aux), prompts, [make_ids(32, 70)],
                    progress=False)
     assert not bad.passed and bad.mean_v_error > GATE_V_ERROR and "FAIL" in bad.describe()
     assert json.dumps(bad.to_json())
 
 
-def test_l_sweep_rows(tiny_qwen2):
-    prompts = [random_ids(20, 80 + i) for i in range(2)]
+def test_l_sweep_rows(tiny_qwen2, make_ids):
+    prompts = [make_ids(20, 80 + i) for i in range(2)]
     rows = l_sweep(tiny_qwen2, prompts, [1, 4], progress=False, extra=[(1, KVPrefix(layer=1, tail=20))])
     assert [r["layer"] for r in rows] == [1, 4, 1]
     # the extra row (a tail covering the whole prompt: full prefill) is scored against the same

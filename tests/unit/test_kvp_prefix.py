@@ -25,28 +25,29 @@ from fastprefill.methods.kv_prediction.prefix.calibrate import choose_rank
 from fastprefill.methods.registry import make_method
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.kv import prefix_kv, rotate_keys
-from fastprefill.models.random import random_ids, random_model
+from fastprefill.models.random import random_model
 from fastprefill.models.shape import ModelShape
 
 
-def _corpus(n: int, length: int, seed: int) -> list[torch.Tensor]:
-    return [random_ids(length, seed * 1000 + i) for i in range(n)]
+def _corpus(make_ids, n: int, length: int, seed: int) -> list[torch.Tensor]:
+    return [make_ids(length, seed * 1000 + i) for i in range(n)]
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory, tiny_qwen2):
+def calibrated(tmp_path_factory, tiny_qwen2, make_ids):
     """kvp-prefix at l = 1 on the tiny qwen2, calibrated on random token text."""
     out = tmp_path_factory.mktemp("prefix") / "l1"
     method = calibrate_prefix(tiny_qwen2, out, PrefixCalibration(layer=1, checkpoint_every=4),
-                              corpus=_corpus(24, 128, 1), heldout=_corpus(4, 128, 2), progress=False)
+                              corpus=_corpus(make_ids, 24, 128, 1), heldout=_corpus(make_ids, 4, 128, 2),
+                              progress=False)
     return out, method
 
 
 # --------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("n", [1, 2, 29])
-def test_all_layers_exact_equals_full_prefill(tiny_model, n):
+def test_all_layers_exact_equals_full_prefill(tiny_model, n, make_ids):
     """l = L predicts nothing: logits equal full prefill within 1e-5, and so do 6 decode steps."""
-    ids = random_ids(n, 3)
+    ids = make_ids(n, 3)
     got, want = make_method("kvp-prefix:layer=4").prefill(tiny_model, ids), FullPrefill().prefill(tiny_model, ids)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
     assert got.stats.token_layers == got.stats.total_token_layers == 4 * n
@@ -58,11 +59,11 @@ def test_all_layers_exact_equals_full_prefill(tiny_model, n):
         tok = int(b.argmax())
 
 
-def test_zero_shot_map_is_the_layers_own_projection(tiny_model):
+def test_zero_shot_map_is_the_layers_own_projection(tiny_model, make_ids):
     """Zero-shot map of layer j on h_l is exactly k_proj_j(norm_j(h_l)) (and v_proj_j), and at
     j = l it is the layer's true pre-rotation K and V."""
     ad = DecoderAdapter(tiny_model)
-    ids = random_ids(17, 4)
+    ids = make_ids(17, 4)
     with torch.no_grad():
         true_kv, _ = prefix_kv(tiny_model, ids)
         for l in range(4):
@@ -109,8 +110,8 @@ def _reference(model, ids, predictor, steps, tail=1):
 
 
 @pytest.mark.parametrize("layer", [0, 1, 2])
-def test_prefill_and_decode_agree_with_reference(tiny_model, layer):
-    ids = random_ids(26, 5)
+def test_prefill_and_decode_agree_with_reference(tiny_model, layer, make_ids):
+    ids = make_ids(26, 5)
     method = make_method(f"kvp-prefix:layer={layer}")
     ref = _reference(tiny_model, ids, PrefixPredictor.zero_shot(tiny_model, layer), steps=6)
     out = method.prefill(tiny_model, ids)
@@ -122,10 +123,10 @@ def test_prefill_and_decode_agree_with_reference(tiny_model, layer):
 
 
 @pytest.mark.parametrize("tail", [2, 7])
-def test_exact_tail_agrees_with_reference(tiny_model, tail):
+def test_exact_tail_agrees_with_reference(tiny_model, tail, make_ids):
     """tail = W: the last W prompt tokens run every layer over the predicted rows (the model's own
     forward on them is the reference); prefill and decode match it, and the counts add up."""
-    ids = random_ids(26, 5)
+    ids = make_ids(26, 5)
     method = make_method(f"kvp-prefix:layer=1,tail={tail}")
     ref = _reference(tiny_model, ids, PrefixPredictor.zero_shot(tiny_model, 1), steps=4, tail=tail)
     out = method.prefill(tiny_model, ids)
@@ -139,15 +140,15 @@ def test_exact_tail_agrees_with_reference(tiny_model, tail):
     assert one.flops < out.stats.flops < FullPrefill().prefill(tiny_model, ids).stats.flops
 
 
-def test_tail_covering_the_prompt_is_full_prefill(tiny_model):
-    ids = random_ids(12, 8)
+def test_tail_covering_the_prompt_is_full_prefill(tiny_model, make_ids):
+    ids = make_ids(12, 8)
     got = make_method("kvp-prefix:layer=1,tail=12").prefill(tiny_model, ids)
     torch.testing.assert_close(got.logits, FullPrefill().prefill(tiny_model, ids).logits, atol=1e-5, rtol=0)
     assert got.stats.extra["predicted_layers"] == 0
 
 
-def test_engine_generate_and_stats(tiny_llama):
-    ids = random_ids(31, 6)
+def test_engine_generate_and_stats(tiny_llama, make_ids):
+    ids = make_ids(31, 6)
     res = generate(tiny_llama, None, ids, method=make_method("kvp-prefix:layer=2"), max_new_tokens=6, stop_at_eos=False)
     assert len(res.token_ids) == 6
     shape = ModelShape.from_config(tiny_llama.config)
@@ -162,9 +163,9 @@ def test_engine_generate_and_stats(tiny_llama):
 
 
 # --------------------------------------------------------------------------- least squares
-def test_least_squares_beats_zero_shot_on_heldout_text(calibrated, tiny_qwen2):
+def test_least_squares_beats_zero_shot_on_heldout_text(calibrated, tiny_qwen2, make_ids):
     out, method = calibrated
-    held = _corpus(4, 128, 7)  # not the calibration's nor the report's sequences
+    held = _corpus(make_ids, 4, 128, 7)  # not the calibration's nor the report's sequences
     fitted, zero = method.bind(tiny_qwen2), PrefixPredictor.zero_shot(tiny_qwen2, 1)
     e_fit, e_zero = prefix_errors(tiny_qwen2, fitted, held), prefix_errors(tiny_qwen2, zero, held)
     assert e_fit["layers"] == [1, 2, 3]
@@ -179,8 +180,8 @@ def test_least_squares_beats_zero_shot_on_heldout_text(calibrated, tiny_qwen2):
     assert all(a <= b + 1e-6 for a, b in zip(report["least-squares"]["v"], report["zero-shot"]["v"]))
 
 
-def test_reduced_rank_correction(tmp_path, tiny_llama):
-    corpus, held = _corpus(16, 128, 8), _corpus(3, 128, 9)
+def test_reduced_rank_correction(tmp_path, tiny_llama, make_ids):
+    corpus, held = _corpus(make_ids, 16, 128, 8), _corpus(make_ids, 3, 128, 9)
     method = calibrate_prefix(tiny_llama, tmp_path / "r", PrefixCalibration(layer=1, rank=4), corpus=corpus,
                               heldout=held, progress=False)
     state = load_file(str(next((tmp_path / "r").glob("predictor-*.safetensors"))))
@@ -202,7 +203,7 @@ def test_rank_choice_fits_the_size_budget():
 
 
 # --------------------------------------------------------------------------- checkpoints
-def test_checkpoint_records_layer_and_shape(calibrated, tiny_qwen2):
+def test_checkpoint_records_layer_and_shape(calibrated, tiny_qwen2, make_ids):
     out, method = calibrated
     config = json.loads((out / "config.json").read_text())
     assert config["variant"] == "prefix" and config["layer"] == 1 and config["complete"]
@@ -212,7 +213,7 @@ def test_checkpoint_records_layer_and_shape(calibrated, tiny_qwen2):
     assert not (out / "calib-stats.pt").exists()
     spec = make_method(f"kvp-prefix:predictor={out}")
     assert spec.layer == 1 and "l=1" in spec.describe()
-    ids = random_ids(20, 10)
+    ids = make_ids(20, 10)
     torch.testing.assert_close(spec.prefill(tiny_qwen2, ids).logits, method.prefill(tiny_qwen2, ids).logits)
 
 
@@ -241,8 +242,8 @@ class _DiesAfter(list):
         return gen()
 
 
-def test_calibration_resumes_after_a_kill(tmp_path, tiny_llama):
-    corpus = _corpus(10, 64, 11)
+def test_calibration_resumes_after_a_kill(tmp_path, tiny_llama, make_ids):
+    corpus = _corpus(make_ids, 10, 64, 11)
     cfg = PrefixCalibration(layer=2, checkpoint_every=3)
     whole = calibrate_prefix(tiny_llama, tmp_path / "whole", cfg, corpus=corpus, heldout=[], progress=False)
     with pytest.raises(_Killed):
@@ -254,13 +255,13 @@ def test_calibration_resumes_after_a_kill(tmp_path, tiny_llama):
         calibrate_prefix(tiny_llama, tmp_path / "cut", cfg, corpus=corpus, heldout=[], progress=False)
     resumed = calibrate_prefix(tiny_llama, tmp_path / "cut", cfg, corpus=corpus, heldout=[], resume=True,
                                progress=False)
-    ids = random_ids(21, 12)
+    ids = make_ids(21, 12)
     torch.testing.assert_close(resumed.prefill(tiny_llama, ids).logits, whole.prefill(tiny_llama, ids).logits,
                                atol=1e-6, rtol=0)
 
 
 # --------------------------------------------------------------------------- refused inputs
-def test_bad_inputs_are_config_errors(calibrated, tiny_llama, tmp_path):
+def test_bad_inputs_are_config_errors(calibrated, tiny_llama, tmp_path, make_ids):
     out, _ = calibrated
     with pytest.raises(ConfigError, match="layer=L .*predictor=DIR.*train-kvp"):
         make_method("kvp-prefix")
@@ -272,12 +273,12 @@ def test_bad_inputs_are_config_errors(calibrated, tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="not an integer"):
         make_method("kvp-prefix:layer=1,tail=lots")
     with pytest.raises(ConfigError, match=r"in \[0, 4\]"):
-        make_method("kvp-prefix:layer=5").prefill(tiny_llama, random_ids(8, 0))
+        make_method("kvp-prefix:layer=5").prefill(tiny_llama, make_ids(8, 0))
     with pytest.raises(ConfigError, match="weights differ"):  # same shape, other weights
-        make_method(f"kvp-prefix:predictor={out}").prefill(tiny_llama, random_ids(8, 0))
+        make_method(f"kvp-prefix:predictor={out}").prefill(tiny_llama, make_ids(8, 0))
     shallow = random_model("qwen2", num_hidden_layers=2)
     with pytest.raises(ConfigError, match="shape"):
-        make_method(f"kvp-prefix:predictor={out}").prefill(shallow, random_ids(8, 0))
+        make_method(f"kvp-prefix:predictor={out}").prefill(shallow, make_ids(8, 0))
     with pytest.raises(ConfigError, match="calibrated for layer=1"):
         make_method(f"kvp-prefix:layer=2,predictor={out}")
     with pytest.raises(ConfigError, match="no KV Prediction checkpoint"):
@@ -294,13 +295,13 @@ def test_bad_inputs_are_config_errors(calibrated, tiny_llama, tmp_path):
         make_method(f"kvp-prefix:predictor={broken}")
 
 
-def test_calibrated_fill_in_the_pruning_loop_is_kvp_prefix(calibrated, tiny_qwen2):
+def test_calibrated_fill_in_the_pruning_loop_is_kvp_prefix(calibrated, tiny_qwen2, make_ids):
     """LazyLLM's fill=calibrated:DIR with one cut after layer l - 1 keeping the last W tokens gives
     the calibrated kvp-prefix's logits; a checkpoint of another source layer is refused."""
     from fastprefill.methods.lazyllm import LazyLLM
 
     out, _ = calibrated
-    ids = random_ids(30, 13)
+    ids = make_ids(30, 13)
     lazy = LazyLLM(schedule=((0, 0.01),), options={"keep_recent": 5, "revival": "none", "fill": f"calibrated:{out}"})
     with torch.inference_mode():
         got = lazy.prefill(tiny_qwen2, ids)

@@ -19,22 +19,21 @@ from fastprefill.methods.kv_prediction.prefix.distill import (
     tail_kl,
 )
 from fastprefill.models.adapters import DecoderAdapter
-from fastprefill.models.random import random_ids
 
 
 @pytest.fixture(scope="module")
-def lsq(tmp_path_factory, tiny_qwen2):
+def lsq(tmp_path_factory, tiny_qwen2, make_ids):
     """A least-squares kvp-prefix checkpoint at l = 1 (full rank) on the tiny qwen2."""
     out = tmp_path_factory.mktemp("distill") / "lsq"
-    calibrate_prefix(tiny_qwen2, out, PrefixCalibration(layer=1), corpus=[random_ids(96, i) for i in range(12)],
+    calibrate_prefix(tiny_qwen2, out, PrefixCalibration(layer=1), corpus=[make_ids(96, i) for i in range(12)],
                      heldout=[], progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
-def targets(tiny_qwen2):
-    train = prefix_targets(tiny_qwen2, 1, [random_ids(80, 100 + i) for i in range(4)], progress=False)
-    heldout = prefix_targets(tiny_qwen2, 1, [random_ids(80, 200 + i) for i in range(2)], progress=False)
+def targets(tiny_qwen2, make_ids):
+    train = prefix_targets(tiny_qwen2, 1, [make_ids(80, 100 + i) for i in range(4)], progress=False)
+    heldout = prefix_targets(tiny_qwen2, 1, [make_ids(80, 200 + i) for i in range(2)], progress=False)
     return train, heldout
 
 
@@ -45,9 +44,9 @@ def _mean_kl(model, maps, targets, tail):
 
 
 @pytest.mark.parametrize("tail", [1, 8])
-def test_training_forward_is_kvp_prefix_prefill(tiny_qwen2, lsq, tail):
+def test_training_forward_is_kvp_prefix_prefill(tiny_qwen2, lsq, tail, make_ids):
     """At the prompt's end the training forward's last row is KVPrefix(tail=W).prefill's logits."""
-    ids = random_ids(70, 7)
+    ids = make_ids(70, 7)
     target = prefix_targets(tiny_qwen2, 1, [ids], progress=False)[0]
     _, state, _ = read_checkpoint(lsq)
     maps = _Maps(tiny_qwen2, 1, state)
@@ -59,9 +58,9 @@ def test_training_forward_is_kvp_prefix_prefill(tiny_qwen2, lsq, tail):
     torch.testing.assert_close(got[-1], want, atol=1e-4, rtol=1e-4)
 
 
-def test_reference_rows_are_full_prefill(tiny_qwen2):
+def test_reference_rows_are_full_prefill(tiny_qwen2, make_ids):
     """The targets' last layer output, through the head, is the model's own forward."""
-    ids = random_ids(50, 3)
+    ids = make_ids(50, 3)
     target = prefix_targets(tiny_qwen2, 1, [ids], progress=False)[0]
     ad = DecoderAdapter(tiny_qwen2)
     with torch.no_grad():
@@ -70,7 +69,7 @@ def test_reference_rows_are_full_prefill(tiny_qwen2):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_distillation_lowers_the_training_kl_and_keeps_the_best(tiny_qwen2, lsq, targets, tmp_path):
+def test_distillation_lowers_the_training_kl_and_keeps_the_best(tiny_qwen2, lsq, targets, tmp_path, make_ids):
     train, heldout = targets
     cfg = PrefixDistillation(steps=30, batch=2, lr=3e-3, tail=8, end_share=1.0, eval_every=10)
     _, state, _ = read_checkpoint(lsq)
@@ -94,7 +93,7 @@ def test_distillation_lowers_the_training_kl_and_keeps_the_best(tiny_qwen2, lsq,
             torch.testing.assert_close(new_state[key], value.to(torch.float16))
     assert "x-1" in config["task_ids"]
     assert method.bind(tiny_qwen2).describe() == "distilled"
-    assert KVPrefix(predictor=str(tmp_path / "d")).prefill(tiny_qwen2, random_ids(40, 1)).logits.shape == (128,)
+    assert KVPrefix(predictor=str(tmp_path / "d")).prefill(tiny_qwen2, make_ids(40, 1)).logits.shape == (128,)
 
 
 def test_distillation_lowers_training_kl(tiny_qwen2, lsq, targets, tmp_path):
@@ -142,7 +141,7 @@ def test_distillation_resumes_after_a_kill(tiny_qwen2, lsq, targets, tmp_path):
         torch.testing.assert_close(cut[1][key], value)
 
 
-def test_bad_inputs(tiny_qwen2, lsq, targets, tmp_path):
+def test_bad_inputs(tiny_qwen2, lsq, targets, tmp_path, make_ids):
     train, heldout = targets
     for bad in ({"steps": 0}, {"lr": 0.0}, {"tail": 0}, {"end_share": 1.5}, {"batch": 0}):
         with pytest.raises(ConfigError, match="PrefixDistillation"):
@@ -159,7 +158,7 @@ def test_bad_inputs(tiny_qwen2, lsq, targets, tmp_path):
     with pytest.raises(ConfigError, match="already distilled"):
         distill_prefix(tiny_qwen2, tmp_path / "c", tmp_path / "e", cfg, train, heldout, progress=False)
     full = tmp_path / "l4"
-    calibrate_prefix(tiny_qwen2, full, PrefixCalibration(layer=4), corpus=[random_ids(64, 1)], heldout=[], progress=False)
+    calibrate_prefix(tiny_qwen2, full, PrefixCalibration(layer=4), corpus=[make_ids(64, 1)], heldout=[], progress=False)
     with pytest.raises(ConfigError, match="no maps to distill"):
         distill_prefix(tiny_qwen2, full, tmp_path / "g", cfg, train, heldout, progress=False)
     with pytest.raises(ConfigError, match="another model|differ|shape"):

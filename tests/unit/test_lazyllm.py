@@ -21,7 +21,6 @@ from fastprefill.methods.pruning import (
 )
 from fastprefill.methods.registry import make_method
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
-from fastprefill.models.random import random_ids
 
 
 def _decode_n(method, model, ids, n):
@@ -36,9 +35,9 @@ def _decode_n(method, model, ids, n):
 
 
 # --- equivalence --------------------------------------------------------------------------------
-def test_keep_all_counts_every_token_layer_once_and_revives_nothing(tiny_model):
+def test_keep_all_counts_every_token_layer_once_and_revives_nothing(tiny_model, make_ids):
     """Logit/token equality with full prefill is in test_method_table.py; here the counts."""
-    ids = random_ids(41, 1)
+    ids = make_ids(41, 1)
     lazy = generate(tiny_model, None, ids, LazyLLM(preset="keep-all"), max_new_tokens=10, stop_at_eos=False)
     assert lazy.timing.token_layers == lazy.timing.total_token_layers == 41 * 4
     assert "revived_tokens_total" not in lazy.timing.extra  # nothing deferred: the model's own forward decodes
@@ -61,9 +60,9 @@ class _ForcedLazy(LazyLLM):
         return super().select(scores, k)
 
 
-def test_revival_resumes_from_aux_cache_at_the_right_layer(tiny_llama):
+def test_revival_resumes_from_aux_cache_at_the_right_layer(tiny_llama, make_ids):
     n = 16
-    ids = random_ids(n, 5)
+    ids = make_ids(n, 5)
     method = _ForcedLazy(schedule=((0, 0.25), (2, 0.25)))
     with torch.inference_mode():
         out = method.run(tiny_llama, ids)
@@ -95,10 +94,10 @@ def test_revival_resumes_from_aux_cache_at_the_right_layer(tiny_llama):
 
 
 # --- positions and masks ------------------------------------------------------------------------
-def test_pruned_prefill_matches_masked_reference(tiny_model):
+def test_pruned_prefill_matches_masked_reference(tiny_model, make_ids):
     """Gathered rows at original positions == all rows computed with pruned keys masked out."""
     n = 30
-    ids = random_ids(n, 6)
+    ids = make_ids(n, 6)
     method = LazyLLM(schedule=((1, 0.4),))
     with torch.inference_mode():
         run = method.run(tiny_model, ids)
@@ -143,14 +142,14 @@ def test_schedule_validation(schedule, match):
         LazyLLM(schedule=schedule)
 
 
-def test_validation_against_the_model(tiny_llama):
+def test_validation_against_the_model(tiny_llama, make_ids):
     with pytest.raises(ConfigError, match=r"out of range.*allowed 0..2"):
-        LazyLLM(schedule=((3, 0.5),)).prefill(tiny_llama, random_ids(8, 0))
-    LazyLLM(schedule=((2, 0.5),)).prefill(tiny_llama, random_ids(8, 0))  # the deepest allowed layer
+        LazyLLM(schedule=((3, 0.5),)).prefill(tiny_llama, make_ids(8, 0))
+    LazyLLM(schedule=((2, 0.5),)).prefill(tiny_llama, make_ids(8, 0))  # the deepest allowed layer
     with pytest.raises(PromptError, match="empty"):  # the engine validates every prompt, before prefill
         generate(tiny_llama, None, torch.zeros(1, 0, dtype=torch.long), LazyLLM(preset="keep-all"))
     with pytest.raises(ConfigError, match=r"out of range.*allowed 0..2"):  # ... and the schedule against the model
-        generate(tiny_llama, None, random_ids(8, 0), LazyLLM(schedule=((3, 0.5),)))
+        generate(tiny_llama, None, make_ids(8, 0), LazyLLM(schedule=((3, 0.5),)))
     with pytest.raises(ConfigError, match="preset"):
         LazyLLM(preset="fastest")
     with pytest.raises(ConfigError, match="not both"):
@@ -159,14 +158,14 @@ def test_validation_against_the_model(tiny_llama):
         LazyLLM(depth_schedule=((1.0, 0.5),))
 
 
-def test_gemma3_refused():
+def test_gemma3_refused(make_ids):
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(UnsupportedModelError, match="LazyLLM"):
-        LazyLLM(preset="keep-all").prefill(model, random_ids(5, 0) % 64)
+        LazyLLM(preset="keep-all").prefill(model, make_ids(5, 0) % 64)
 
 
 def test_presets_and_spec_resolve():
@@ -182,16 +181,16 @@ def test_presets_and_spec_resolve():
 
 
 # --- the cost really shrinks --------------------------------------------------------------------
-def test_pruning_reduces_token_layers_by_the_expected_count(tiny_qwen2):
+def test_pruning_reduces_token_layers_by_the_expected_count(tiny_qwen2, make_ids):
     n = 40
-    run, _ = _decode_n(LazyLLM(schedule=((0, 0.5), (2, 0.25))), tiny_qwen2, random_ids(n, 7), 0)
+    run, _ = _decode_n(LazyLLM(schedule=((0, 0.5), (2, 0.25))), tiny_qwen2, make_ids(n, 7), 0)
     out = run.output
     # layer 0: 40, layers 1-2: 20, layer 3: 10
     assert out.stats.token_layers == 40 + 20 + 20 + 10 == schedule_token_layers(((0, 0.5), (2, 0.25)), 4, n)
     assert out.stats.total_token_layers == 160
     assert out.stats.extra["kept_per_stage"] == [20, 10]
     assert int(run.state.counter.counts.sum()) == 90  # rows really run, not just masked
-    full = FullPrefill().prefill(tiny_qwen2, random_ids(n, 7)).stats
+    full = FullPrefill().prefill(tiny_qwen2, make_ids(n, 7)).stats
     assert out.stats.flops < full.flops
     assert len(run.state.aux) == 20 + 10  # every pruned token is waiting in the Aux Cache
 

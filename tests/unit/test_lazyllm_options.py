@@ -23,7 +23,7 @@ from fastprefill.methods.pruning import (
 from fastprefill.methods.pruning.scorers import AttentionScorer, last_query_attention, window_attention
 from fastprefill.methods.registry import make_method
 from fastprefill.models.adapters import DecoderAdapter
-from fastprefill.models.random import random_ids, random_model
+from fastprefill.models.random import random_model
 
 FAMILIES = ("llama", "qwen2")
 
@@ -95,11 +95,11 @@ def _eager_progressive(model, ids: torch.Tensor, schedule, window=1, pool=1, sin
 # --- the scorer beside SDPA -----------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("window", [1, 5, 64])
-def test_window_scores_equal_eager_attention(family, window, eager_models, tiny_llama, tiny_qwen2):
+def test_window_scores_equal_eager_attention(family, window, eager_models, tiny_llama, tiny_qwen2, make_ids):
     """The last W queries' probabilities over the whole prompt, averaged over heads and queries,
     equal transformers' eager attention weights at every layer (W larger than T: all rows)."""
     model = {"llama": tiny_llama, "qwen2": tiny_qwen2}[family]
-    ids = random_ids(37, 2)
+    ids = make_ids(37, 2)
     with torch.no_grad():
         eager = eager_models[family](ids, output_attentions=True).attentions
     ad = DecoderAdapter(model)
@@ -153,11 +153,12 @@ CASES = {
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_prefill_selection_equals_eager_reimplementation(family, case, eager_models, tiny_llama, tiny_qwen2):
+def test_prefill_selection_equals_eager_reimplementation(family, case, eager_models, tiny_llama, tiny_qwen2,
+                                                         make_ids):
     model = {"llama": tiny_llama, "qwen2": tiny_qwen2}[family]
     opts = CASES[case]
     schedule = ((1, 0.5), (2, 0.25))
-    ids = random_ids(40, 11)
+    ids = make_ids(40, 11)
     lazy = LazyLLM(schedule=schedule, options=opts)
     with torch.inference_mode():
         run = lazy.run(model, ids)
@@ -176,10 +177,10 @@ def test_prefill_selection_equals_eager_reimplementation(family, case, eager_mod
             assert set(range(opts["sinks"])) | set(range(40 - opts["keep_recent"], 40)) <= set(kept.tolist())
 
 
-def test_protected_tokens_raise_the_keep_count(tiny_llama):
+def test_protected_tokens_raise_the_keep_count(tiny_llama, make_ids):
     """More protected tokens than the keep count: all of them stay, and nothing else."""
     with torch.inference_mode():
-        run = LazyLLM(schedule=((1, 0.1),), options={"sinks": 5, "keep_recent": 6}).run(tiny_llama, random_ids(30, 1))
+        run = LazyLLM(schedule=((1, 0.1),), options={"sinks": 5, "keep_recent": 6}).run(tiny_llama, make_ids(30, 1))
     out = run.output
     assert run.state.selected[0].tolist() == [0, 1, 2, 3, 4, *range(24, 30)]
     assert out.stats.extra["kept_per_stage"] == [11]
@@ -199,7 +200,8 @@ class _Recording(LazyLLM):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_score_equals_eager_attention_of_the_new_token(family, eager_models, tiny_llama, tiny_qwen2):
+def test_decode_score_equals_eager_attention_of_the_new_token(family, eager_models, tiny_llama, tiny_qwen2,
+                                                              make_ids):
     """At a cut ending stage 0 every key is present at every layer, so the new token's attention
     there is the full model's: summed over layers 0..p (accumulate), pooled, the sinks, the
     prompt's last tokens and every generated token (decode_protect) at +inf."""
@@ -207,7 +209,7 @@ def test_decode_score_equals_eager_attention_of_the_new_token(family, eager_mode
     n, steps, p = 30, 5, 1
     lazy = _Recording(schedule=((p, 0.3),), options={"accumulate": True, "pool_kernel": 3, "sinks": 2,
                                                      "keep_recent": 3, "decode_protect": True, "score_window": 4})
-    ids = random_ids(n, 21)
+    ids = make_ids(n, 21)
     with torch.inference_mode():
         out = lazy.prefill(model, ids)
         tokens = [int(out.logits.argmax())]
@@ -229,7 +231,7 @@ def test_decode_score_equals_eager_attention_of_the_new_token(family, eager_mode
         assert k == max(keep_count(0.3, t + 1), int(forced.sum()))
 
 
-def test_decode_protect_keeps_sinks_recent_and_generated_in_every_stage(tiny_qwen2):
+def test_decode_protect_keeps_sinks_recent_and_generated_in_every_stage(tiny_qwen2, make_ids):
     """Counted: at every step every stage's set holds the protected positions; without
     decode_protect generated tokens do drop out (so the check can fail)."""
     n, steps = 40, 10
@@ -239,7 +241,7 @@ def test_decode_protect_keeps_sinks_recent_and_generated_in_every_stage(tiny_qwe
         lazy = LazyLLM(schedule=sched, options={"sinks": 2, "keep_recent": 3, "decode_protect": protect})
         missing = []
         with torch.inference_mode():
-            out = lazy.run(tiny_qwen2, random_ids(n, 8))
+            out = lazy.run(tiny_qwen2, make_ids(n, 8))
             st, tok = out.state, int(out.output.logits.argmax())
             for step in range(steps):
                 tok = int(out.output.decoder.step(tok).argmax())
@@ -257,10 +259,10 @@ def test_decode_protect_keeps_sinks_recent_and_generated_in_every_stage(tiny_qwe
 
 # --- keep-all with every option -------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
-def test_keep_everything_with_every_option_equals_full_and_generate(family, tiny_llama, tiny_qwen2):
+def test_keep_everything_with_every_option_equals_full_and_generate(family, tiny_llama, tiny_qwen2, make_ids):
     """Cuts that keep every token, all options on: full prefill's logits and transformers' tokens."""
     model = {"llama": tiny_llama, "qwen2": tiny_qwen2}[family]
-    ids = random_ids(33, 4)
+    ids = make_ids(33, 4)
     lazy = LazyLLM(schedule=((0, 1.0), (2, 1.0)), options={"score_window": 8, "pool_kernel": 5, "sinks": 2,
                                                            "keep_recent": 4, "accumulate": True, "decode_protect": True})
     with torch.inference_mode():
@@ -350,13 +352,13 @@ def test_late_schedules_compute_at_most_47_percent(layers):
 
 # --- fill policies: pruned tokens keep predicted K/V rows at later layers -------------------------
 @pytest.mark.parametrize(("layer", "tail"), [(1, 4), (2, 7)])
-def test_fill_with_the_last_w_kept_is_kvp_prefix(tiny_model, layer, tail):
+def test_fill_with_the_last_w_kept_is_kvp_prefix(tiny_model, layer, tail, make_ids):
     """One cut after layer l - 1 keeping only the last W tokens, the others filled with kvp-prefix's
     zero-shot maps from the cut's hidden state, is kvp-prefix(layer=l, tail=W): the same logits and
     greedy tokens."""
     from fastprefill.methods.kv_prediction.prefix import KVPrefix
 
-    ids = random_ids(30, 12)
+    ids = make_ids(30, 12)
     lazy = LazyLLM(schedule=((layer - 1, 0.01),), options={"keep_recent": tail, "revival": "none", "fill": "zero-shot"})
     with torch.inference_mode():
         run = lazy.run(tiny_model, ids)
@@ -374,11 +376,11 @@ def test_fill_with_the_last_w_kept_is_kvp_prefix(tiny_model, layer, tail):
     assert float((drop.logits - want.logits).abs().max()) > 1e-3
 
 
-def test_fill_refusals(tiny_llama):
+def test_fill_refusals(tiny_llama, make_ids):
     with pytest.raises(ConfigError, match="needs revival=none"):
         LazyLLM(schedule=((1, 0.5),), options={"fill": "zero-shot"})
     with pytest.raises(ConfigError, match="not a policy"):
         LazyLLM(schedule=((1, 0.5),), options={"fill": "calibrated", "revival": "none"})
     lazy = LazyLLM(schedule=((0, 0.5), (1, 0.3)), options={"fill": "zero-shot", "revival": "none"})
     with pytest.raises(ConfigError, match="one-cut schedules"):
-        lazy.prefill(tiny_llama, random_ids(20, 1))
+        lazy.prefill(tiny_llama, make_ids(20, 1))

@@ -13,7 +13,6 @@ from fastprefill.engine import decoder_for, generate
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.models.adapters import DecoderAdapter, causal_mask
-from fastprefill.models.random import random_ids
 
 SCHEDULE = ((0, 0.5), (1, 0.25), (2, 0.1))
 POLICIES = ("all", "budget:0", "budget:2", "none", "catch-up")
@@ -22,14 +21,14 @@ REVIVING = ("all", "budget:0", "budget:2", "catch-up")
 
 
 
-def _run(model, lazy: LazyLLM, n: int = 40, steps: int = 8, seed: int = 4):
+def _run(make_ids, model, lazy: LazyLLM, n: int = 40, steps: int = 8, seed: int = 4):
     """Prefill and ``steps`` greedy decode steps, checking at every step that the revival
     counters equal what the compute counter saw. Returns (the pruned prefill, per-step (L, t) deltas)."""
     sched = lazy.resolved(4)
     stage_of = torch.tensor([sum(layer > p for p, _ in sched) for layer in range(4)])  # (L,)
     deltas = []
     with torch.inference_mode():
-        run = lazy.run(model, random_ids(n, seed))
+        run = lazy.run(model, make_ids(n, seed))
         out = run.output
         st, tok = run.state, int(out.logits.argmax())
         for step in range(steps):
@@ -57,8 +56,8 @@ def _run(model, lazy: LazyLLM, n: int = 40, steps: int = 8, seed: int = 4):
 
 
 @pytest.mark.parametrize("policy", REVIVING)
-def test_every_policy_computes_each_token_layer_at_most_once(tiny_model, policy):
-    run, _ = _run(tiny_model, LazyLLM(schedule=SCHEDULE, options={"revival": policy}))
+def test_every_policy_computes_each_token_layer_at_most_once(tiny_model, policy, make_ids):
+    run, _ = _run(make_ids, tiny_model, LazyLLM(schedule=SCHEDULE, options={"revival": policy}))
     st = run.state
     stats = run.output.decoder.stats()
     assert stats["revived_token_layers_total"] == sum(st.revived_token_layers_per_step)
@@ -67,12 +66,12 @@ def test_every_policy_computes_each_token_layer_at_most_once(tiny_model, policy)
         assert 0 < sum(st.revived_tokens_per_step) < sum(st.revived_token_stages_per_step)
 
 
-def test_none_revives_nothing(tiny_model):
+def test_none_revives_nothing(tiny_model, make_ids):
     """``none`` has no decode step of its own: the model's forward decodes the pruned cache, so
     nothing deferred is ever computed (the paper's policy does revive on this prompt: see the
     budget test)."""
     lazy = LazyLLM(schedule=SCHEDULE, options={"revival": "none"})
-    ids = random_ids(40, 4)
+    ids = make_ids(40, 4)
     with torch.inference_mode():
         run = lazy.run(tiny_model, ids)
         counts = run.state.counter.counts.clone()
@@ -99,21 +98,21 @@ def _most_per_stage(deltas) -> int:
     return most
 
 
-def test_budget_revives_at_most_r_per_stage_per_step(tiny_model):
+def test_budget_revives_at_most_r_per_stage_per_step(tiny_model, make_ids):
     sched = SCHEDULE
-    _, paper = _run(tiny_model, LazyLLM(schedule=sched))
+    _, paper = _run(make_ids, tiny_model, LazyLLM(schedule=sched))
     assert _most_per_stage(paper) > 1  # the paper's policy would revive more: both budgets bind
     for budget in (0, 1):
-        run, deltas = _run(tiny_model, LazyLLM(schedule=sched, options={"revival": f"budget:{budget}"}))
+        run, deltas = _run(make_ids, tiny_model, LazyLLM(schedule=sched, options={"revival": f"budget:{budget}"}))
         assert _most_per_stage(deltas) == budget  # used up to R, never beyond
         st = run.state  # each step's sets hold only tokens with KV at the stage
         for (layer, _), chosen in zip(sched, st.selected):
             assert bool(st.cache.has(layer + 1, chosen).all())
 
 
-def test_an_unbinding_budget_is_the_papers_policy(tiny_model):
+def test_an_unbinding_budget_is_the_papers_policy(tiny_model, make_ids):
     """budget:R with R above any stage's revivals chooses and computes exactly as ``all``."""
-    ids = random_ids(40, 4)
+    ids = make_ids(40, 4)
     paper = generate(tiny_model, None, ids, LazyLLM(schedule=SCHEDULE), max_new_tokens=12, stop_at_eos=False)
     wide = generate(tiny_model, None, ids, LazyLLM(schedule=SCHEDULE, options={"revival": "budget:1000"}),
                     max_new_tokens=12, stop_at_eos=False)
@@ -124,9 +123,9 @@ def test_an_unbinding_budget_is_the_papers_policy(tiny_model):
     assert tight.timing.extra["revived_tokens_total"] < paper.timing.extra["revived_tokens_total"]
 
 
-def test_catch_up_completes_every_prompt_token_at_the_first_step(tiny_model):
+def test_catch_up_completes_every_prompt_token_at_the_first_step(tiny_model, make_ids):
     n = 40
-    run, deltas = _run(tiny_model, LazyLLM(schedule=SCHEDULE, options={"revival": "catch-up"}), n=n)
+    run, deltas = _run(make_ids, tiny_model, LazyLLM(schedule=SCHEDULE, options={"revival": "catch-up"}), n=n)
     st, out = run.state, run.output
     deferred = n * 4 - out.stats.token_layers  # prompt token-layers the prefill skipped
     assert int(deltas[0].sum()) == deferred == st.revived_token_layers_per_step[0] > 0
@@ -171,12 +170,12 @@ def _masked_reference(model, ids: torch.Tensor, kept_sets, sched, new_rows_see_a
 
 
 @pytest.mark.parametrize("policy", ["catch-up", "none"])
-def test_catch_up_and_none_attend_what_the_masked_reference_attends(tiny_model, policy):
+def test_catch_up_and_none_attend_what_the_masked_reference_attends(tiny_model, policy, make_ids):
     """catch-up: deferred tokens attend every key from their resume layer on, the kept tokens
     keep their prefill KV, the new tokens attend everything. none: the new tokens attend only
     the KV present (kept prompt tokens and generated ones)."""
     n, steps = 30, 3
-    ids = random_ids(n, 9)
+    ids = make_ids(n, 9)
     lazy = LazyLLM(schedule=((0, 0.5), (2, 0.25)), options={"revival": policy})
     with torch.inference_mode():
         run = lazy.run(tiny_model, ids)
@@ -199,8 +198,8 @@ def test_catch_up_and_none_attend_what_the_masked_reference_attends(tiny_model, 
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_keep_all_under_every_policy_equals_full_prefill_and_generate(tiny_model, policy):
-    ids = random_ids(29, 6)
+def test_keep_all_under_every_policy_equals_full_prefill_and_generate(tiny_model, policy, make_ids):
+    ids = make_ids(29, 6)
     with torch.inference_mode():
         ref = FullPrefill().prefill(tiny_model, ids).logits
         expected = tiny_model.generate(ids, max_new_tokens=10, do_sample=False)[0, 29:].tolist()

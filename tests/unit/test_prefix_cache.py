@@ -18,15 +18,15 @@ from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.runahead import KVRunahead
 from fastprefill.models.adapters import DecoderAdapter, _suffix_causal_sdpa, causal_mask
-from fastprefill.models.random import random_ids, random_model
+from fastprefill.models.random import random_model
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 
 MB = 1 << 20
 
 
-def _shared(base: torch.Tensor, keep: int, total: int, seed: int) -> torch.Tensor:
+def _shared(make_ids, base: torch.Tensor, keep: int, total: int, seed: int) -> torch.Tensor:
     """``base[:, :keep]`` followed by fresh tokens up to ``total``."""
-    return torch.cat([base[:, :keep], random_ids(total - keep, seed)], dim=1)
+    return torch.cat([base[:, :keep], make_ids(total - keep, seed)], dim=1)
 
 
 # --------------------------------------------------------------------------- exactness (tiny models)
@@ -48,15 +48,15 @@ def test_suffix_attention_equals_the_masked_reference(prefix, heads):
 
 
 @pytest.mark.parametrize(("share", "expect_hit"), [(0, 0), (10, 8), (28, 24), (47, 40), (48, 47), (60, 47)])
-def test_full_prefill_over_a_cached_prefix_is_exact(tiny_model, share, expect_hit):
+def test_full_prefill_over_a_cached_prefix_is_exact(tiny_model, share, expect_hit, make_ids):
     """Prompts of 48 tokens sharing 0, 10 (a short hit: the suffix runs with padded causal
     attention), 28 (the shared part ends mid-block: the hit is its 3 whole blocks), 47 or all 48 tokens with a cached 48-token prompt, or being a strict prefix of a cached
     64-token one (``share=60``): the logits equal full prefill's, the tokens transformers'
     ``generate``, and only the uncached part is computed (at least the last token)."""
     cache = PrefixCache(64 * MB, block_tokens=8)
-    first = random_ids(64 if share == 60 else 48, 1)
+    first = make_ids(64 if share == 60 else 48, 1)
     generate(tiny_model, None, first, max_new_tokens=1, prefix_cache=cache)
-    prompt = first[:, :48] if share == 60 else _shared(first, share, 48, 2)
+    prompt = first[:, :48] if share == 60 else _shared(make_ids, first, share, 48, 2)
     with torch.inference_mode():
         ref = FullPrefill().prefill(tiny_model, prompt).logits
         hit = cache.lookup(tiny_model, prompt)
@@ -71,13 +71,13 @@ def test_full_prefill_over_a_cached_prefix_is_exact(tiny_model, share, expect_hi
     assert res.timing.token_layers == (48 - expect_hit) * 4 and res.timing.total_token_layers == 48 * 4
 
 
-def test_generated_tokens_are_cached_for_the_next_turn(tiny_llama):
+def test_generated_tokens_are_cached_for_the_next_turn(tiny_llama, make_ids):
     """Full prefill's decoding is exact too: the next turn (prompt + answer + more) hits past the prompt."""
     cache = PrefixCache(64 * MB, block_tokens=4)
-    prompt = random_ids(21, 3)
+    prompt = make_ids(21, 3)
     first = generate(tiny_llama, None, prompt, max_new_tokens=12, stop_at_eos=False, prefix_cache=cache)
     assert first.timing.stored_tokens == 32  # 21 + 11 fed tokens = 32 whole blocks of 4
-    follow = torch.cat([prompt, torch.tensor([first.token_ids]), random_ids(5, 4)], dim=1)  # 21 + 12 + 5
+    follow = torch.cat([prompt, torch.tensor([first.token_ids]), make_ids(5, 4)], dim=1)  # 21 + 12 + 5
     res = generate(tiny_llama, None, follow, max_new_tokens=6, stop_at_eos=False, prefix_cache=cache)
     assert res.timing.cached_tokens == 32
     plain = generate(tiny_llama, None, follow, max_new_tokens=6, stop_at_eos=False)
@@ -104,11 +104,11 @@ def _masked_lazy_reference(model, ids, p, kept, cut):
         return ad.head(h[:, -1:])[0, -1]
 
 
-def test_lazyllm_prunes_only_the_suffix_and_stores_nothing_it_pruned(tiny_model):
+def test_lazyllm_prunes_only_the_suffix_and_stores_nothing_it_pruned(tiny_model, make_ids):
     cache = PrefixCache(64 * MB, block_tokens=8)
-    first = random_ids(40, 5)
+    first = make_ids(40, 5)
     generate(tiny_model, None, first, max_new_tokens=1, prefix_cache=cache)  # full prefill stores 40
-    prompt = _shared(first, 32, 56, 6)  # 32 cached, 24 new
+    prompt = _shared(make_ids, first, 32, 56, 6)  # 32 cached, 24 new
     lazy = LazyLLM(schedule=((1, 0.4),))
     with torch.inference_mode():
         hit = cache.lookup(tiny_model, prompt)
@@ -129,12 +129,12 @@ def test_lazyllm_prunes_only_the_suffix_and_stores_nothing_it_pruned(tiny_model)
     torch.testing.assert_close(keep_all.logits, full, atol=1e-5, rtol=0)
 
 
-def test_kvp_prefix_over_a_cached_prefix(tiny_model):
+def test_kvp_prefix_over_a_cached_prefix(tiny_model, make_ids):
     """l = L is exact (stored back); l < L predicts only the uncached rows (nothing new stored)."""
     cache = PrefixCache(64 * MB, block_tokens=8)
-    first = random_ids(40, 7)
+    first = make_ids(40, 7)
     generate(tiny_model, None, first, max_new_tokens=1, prefix_cache=cache)
-    prompt = _shared(first, 24, 44, 8)
+    prompt = _shared(make_ids, first, 24, 44, 8)
     with torch.inference_mode():
         full = FullPrefill().prefill(tiny_model, prompt).logits
         exact = KVPrefix(layer=4).prefill(tiny_model, prompt, cache.lookup(tiny_model, prompt).cache)
@@ -145,11 +145,11 @@ def test_kvp_prefix_over_a_cached_prefix(tiny_model):
     assert float((approx.logits - full).abs().max()) > 1e-3  # the maps really stand in for layers 1..3
 
 
-def test_methods_without_prefix_support_run_the_whole_prompt(tiny_llama):
+def test_methods_without_prefix_support_run_the_whole_prompt(tiny_llama, make_ids):
     """Random drop takes no prefix (nothing looked up, nothing stored); single-rank KV-Runahead is
     exact: it computes the whole prompt and its cache is stored."""
     cache = PrefixCache(64 * MB, block_tokens=8)
-    prompt = random_ids(33, 9)
+    prompt = make_ids(33, 9)
     generate(tiny_llama, None, prompt, max_new_tokens=1, prefix_cache=cache)
     res = generate(tiny_llama, None, prompt, RandomDrop(keep=0.5), max_new_tokens=3, prefix_cache=cache)
     assert res.timing.cached_tokens == 0 and res.timing.stored_tokens == 0
@@ -163,65 +163,65 @@ def test_methods_without_prefix_support_run_the_whole_prompt(tiny_llama):
 
 
 # --------------------------------------------------------------------------- index and eviction
-def test_lookup_walks_blocks_and_checks_tokens(tiny_llama):
+def test_lookup_walks_blocks_and_checks_tokens(tiny_llama, make_ids):
     cache = PrefixCache(64 * MB, block_tokens=4)
-    a = random_ids(16, 10)
+    a = make_ids(16, 10)
     generate(tiny_llama, None, a, max_new_tokens=1, prefix_cache=cache)
     assert cache.num_blocks == 4
     b = a.clone()
     b[0, 9] = (int(b[0, 9]) + 1) % 128  # differs in block 2
     assert cache.lookup(tiny_llama, b).tokens == 8
-    assert cache.lookup(tiny_llama, random_ids(16, 11)).tokens == 0
+    assert cache.lookup(tiny_llama, make_ids(16, 11)).tokens == 0
     assert cache.stats.lookups == 3 and cache.stats.hits == 1  # generate's own lookup missed
     assert cache.stats.hit_tokens == 8 and cache.stats.miss_tokens == 16 + 8 + 16
 
 
-def test_eviction_drops_least_recently_used_leaves_under_the_bound(tiny_llama):
+def test_eviction_drops_least_recently_used_leaves_under_the_bound(tiny_llama, make_ids):
     probe = PrefixCache(64 * MB, block_tokens=4)
-    generate(tiny_llama, None, random_ids(8, 0), max_new_tokens=1, prefix_cache=probe)
+    generate(tiny_llama, None, make_ids(8, 0), max_new_tokens=1, prefix_cache=probe)
     block = probe.nbytes // 2  # bytes of one block of this model
     cache = PrefixCache(6 * block, block_tokens=4)
-    root = random_ids(8, 12)  # two blocks shared by both branches
-    branch_a = torch.cat([root, random_ids(8, 13)], dim=1)
-    branch_b = torch.cat([root, random_ids(8, 14)], dim=1)
+    root = make_ids(8, 12)  # two blocks shared by both branches
+    branch_a = torch.cat([root, make_ids(8, 13)], dim=1)
+    branch_b = torch.cat([root, make_ids(8, 14)], dim=1)
     generate(tiny_llama, None, branch_a, max_new_tokens=1, prefix_cache=cache)
     generate(tiny_llama, None, branch_b, max_new_tokens=1, prefix_cache=cache)
     assert cache.num_blocks == 6 and cache.nbytes == 6 * block
     cache.lookup(tiny_llama, branch_a)  # branch a is now the more recent
-    generate(tiny_llama, None, random_ids(8, 15), max_new_tokens=1, prefix_cache=cache)  # 2 more blocks: evict 2
+    generate(tiny_llama, None, make_ids(8, 15), max_new_tokens=1, prefix_cache=cache)  # 2 more blocks: evict 2
     assert cache.nbytes <= 6 * block and cache.stats.evicted_blocks == 2
     assert cache.lookup(tiny_llama, branch_a).tokens == 15  # whole, capped at T - 1
     assert cache.lookup(tiny_llama, branch_b).tokens == 8  # its leaves went; the shared root stayed
 
 
-def test_bad_bounds_and_other_models_are_refused(tiny_llama, tiny_qwen2):
+def test_bad_bounds_and_other_models_are_refused(tiny_llama, tiny_qwen2, make_ids):
     with pytest.raises(ConfigError, match="max_bytes"):
         PrefixCache(0)
     with pytest.raises(ConfigError, match="block_tokens"):
         PrefixCache(MB, block_tokens=0)
     tiny = PrefixCache(100, block_tokens=16)
     with pytest.raises(ConfigError, match="cannot hold one block of 16 tokens"):
-        generate(tiny_llama, None, random_ids(20, 0), max_new_tokens=1, prefix_cache=tiny)
+        generate(tiny_llama, None, make_ids(20, 0), max_new_tokens=1, prefix_cache=tiny)
     cache = PrefixCache(64 * MB)
-    generate(tiny_llama, None, random_ids(20, 0), max_new_tokens=1, prefix_cache=cache)
+    generate(tiny_llama, None, make_ids(20, 0), max_new_tokens=1, prefix_cache=cache)
     with pytest.raises(ConfigError, match="another model"):
-        generate(tiny_qwen2, None, random_ids(20, 0), max_new_tokens=1, prefix_cache=cache)
+        generate(tiny_qwen2, None, make_ids(20, 0), max_new_tokens=1, prefix_cache=cache)
 
 
-def test_sliding_window_models_are_refused():
+def test_sliding_window_models_are_refused(make_ids):
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(ConfigError, match="sliding-window"):
-        generate(model, None, random_ids(9, 0) % 64, max_new_tokens=1, prefix_cache=PrefixCache(MB))
+        generate(model, None, make_ids(9, 0) % 64, max_new_tokens=1, prefix_cache=PrefixCache(MB))
 
 
 # --------------------------------------------------------------------------- persistence
-def test_save_and_load_round_trip(tmp_path, tiny_llama):
+def test_save_and_load_round_trip(tmp_path, tiny_llama, make_ids):
     cache = PrefixCache(64 * MB, block_tokens=4)
-    prompt = random_ids(19, 16)
+    prompt = make_ids(19, 16)
     generate(tiny_llama, None, prompt, max_new_tokens=1, prefix_cache=cache)
     cache.save(tmp_path)
     again = PrefixCache(64 * MB, block_tokens=4)
@@ -234,9 +234,9 @@ def test_save_and_load_round_trip(tmp_path, tiny_llama):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-def test_corrupt_or_mismatched_files_are_refused_and_not_loaded(tmp_path, tiny_llama):
+def test_corrupt_or_mismatched_files_are_refused_and_not_loaded(tmp_path, tiny_llama, make_ids):
     cache = PrefixCache(64 * MB, block_tokens=4)
-    generate(tiny_llama, None, random_ids(19, 17), max_new_tokens=1, prefix_cache=cache)
+    generate(tiny_llama, None, make_ids(19, 17), max_new_tokens=1, prefix_cache=cache)
     path = cache.save(tmp_path)
     other = random_model("llama", seed=1)  # same architecture, other weights
     with pytest.raises(PrefixCacheError, match="another model"):
