@@ -1,8 +1,10 @@
 """The model zoo: locate packaged GGUF files, verify, convert once, cache atomically, load.
 
-The unit tests build a tiny random Llama GGUF (byte-level BPE tokenizer included) and install it
-as fake distributions on a temporary ``sys.path`` entry, so the real ``importlib.metadata``
-lookup, hashing, conversion and cache code all run in about a second each.
+The tests build a tiny random Llama GGUF (byte-level BPE tokenizer included) and install it as
+fake distributions in a temporary folder that ``importlib.metadata`` searches first (the lookup
+by name is pointed at it for the test; nothing is added to the import path), so the real
+metadata reading, hashing, conversion and cache code all run in about a second each. The
+packages installed here are checked in tests/integration/test_zoo_installed.py.
 """
 
 from __future__ import annotations
@@ -123,10 +125,17 @@ def make_entry(packages, files, sha256: str, name: str = "tiny-test") -> zoo.Zoo
 
 @pytest.fixture
 def site(tmp_path, monkeypatch) -> Path:
-    """A folder on sys.path where fake distributions can be installed."""
+    """A folder where fake distributions can be installed: ``importlib.metadata.distribution``
+    finds a name there first, then where it always looks."""
     path = tmp_path / "site"
     path.mkdir()
-    monkeypatch.syspath_prepend(str(path))
+    installed = importlib.metadata.distribution
+
+    def distribution(name: str) -> importlib.metadata.Distribution:
+        found = next(iter(importlib.metadata.distributions(name=name, path=[str(path)])), None)
+        return found if found is not None else installed(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
     return path
 
 
