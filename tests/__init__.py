@@ -1,6 +1,6 @@
 """The test suite, in three groups (docs/architecture.md, "How the tests are grouped"):
 
-- ``unit/``: no real model (random tiny models, pure logic), one process;
+- ``unit/``: no real model (random tiny models, pure logic);
 - ``integration/``: the real smollm2-135m, servers, child processes and torchrun ranks;
 - ``meta/``: the repository itself (import layers, docstrings, the README, committed figures,
   result names).

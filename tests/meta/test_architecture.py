@@ -17,6 +17,11 @@ To place a new module, or move one, edit :data:`LAYERS` (and nothing else).
 
 No module may be longer than :data:`MAX_LINES` lines, except those listed in
 :data:`LONG_MODULES` (being split).
+
+Two boundaries around the package: no module of ``src/fastprefill`` imports from ``benchmarks/``
+(its scripts, ``research``, ``figures``: they exist only in a checkout), and no test file edits
+the import path or loads a module from a file path (tests import shared helpers as
+``tests.<module>``; pyproject.toml's ``pythonpath`` says where from).
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ LONG_MODULES: frozenset[str] = frozenset({
 
 PACKAGE = "fastprefill"
 SRC = REPO / "src" / PACKAGE
+BENCHMARKS = REPO / "benchmarks"
+TESTS = REPO / "tests"
 _MODULE_STRING = re.compile(rf"{PACKAGE}(?:\.\w+)+(?::[\w.]+)?")
 
 
@@ -347,3 +354,62 @@ def test_no_module_is_over_the_line_limit() -> None:
 def test_long_module_exceptions_are_still_long() -> None:
     fixed = LONG_MODULES - set(long_modules())
     assert not fixed, f"no longer over {MAX_LINES} lines, remove from LONG_MODULES: {sorted(fixed)}"
+
+
+# --------------------------------------------------------------------------- boundaries
+
+#: Text no test file may hold: editing the import path, or importing a module from a file path
+#: (written in two parts so that this file does not hold it either).
+FORBIDDEN_IN_TESTS = ("sys" + ".path", "syspath" + "_prepend", "spec_from_file" + "_location")
+
+
+def benchmark_modules() -> set[str]:
+    """The top-level names importable from ``benchmarks/``: its scripts and packages."""
+    names = {p.stem for p in BENCHMARKS.glob("*.py")} | {p.parent.name for p in BENCHMARKS.glob("*/__init__.py")}
+    return names | {"benchmarks"}
+
+
+def imported_roots(path: Path) -> set[str]:
+    """The top-level names a file imports anywhere: ``import``, ``from ... import`` (absolute) and
+    ``importlib.import_module`` / ``__import__`` with a literal name."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text("utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None) in
+                   ("import_module", "__import__"))):
+            found.add(node.args[0].value.split(".")[0])
+    return found
+
+
+def test_the_boundary_readers_see_imports() -> None:
+    """The readers find what they must (a reader that finds nothing passes the checks below)."""
+    assert {"research", "figures", "verify", "kvp_bench"} <= benchmark_modules()
+    assert {"figures", "fastprefill"} <= imported_roots(BENCHMARKS / "verify.py")
+    assert "research" in imported_roots(BENCHMARKS / "lazyllm_bench.py")
+
+
+def test_the_package_imports_nothing_from_benchmarks() -> None:
+    outside = benchmark_modules()
+    found = {f"{path.relative_to(REPO)}: {name}" for path in modules().values()
+             for name in imported_roots(path) & outside}
+    assert not found, (
+        "src/ imports from benchmarks/, which an installed package does not have (move the code into "
+        "the package, or keep it beside the scripts):\n" + "\n".join(sorted(found))
+    )
+
+
+def test_no_test_edits_the_import_path() -> None:
+    files = sorted(TESTS.rglob("*.py"))
+    assert Path(__file__).resolve() in files and len(files) > 10
+    found = [f"{path.relative_to(REPO)}: {text}" for path in files for text in FORBIDDEN_IN_TESTS
+             if text in path.read_text("utf-8")]
+    assert not found, (
+        "tests edit the import path or load modules from files; import shared helpers as tests.<module> "
+        "(a module of the tests package) and benchmark code as research.*, figures.* or the script's name:\n"
+        + "\n".join(found)
+    )

@@ -1,1 +1,1 @@
-"""Tests without a real model: random tiny models and pure logic, in one process."""
+"""Tests without a real model: random tiny models and pure logic."""
