@@ -24,7 +24,7 @@ def test_every_committed_summary_reproduces_from_its_records():
     report = verify_results(RESULTS)
     assert report.ok, "\n".join(map(str, report.mismatches))
     # serve_load and serve_runahead_load summaries are load rows, not bench records:
-    # tests/test_serve.py re-summarizes them
+    # tests/integration/test_serve.py re-summarizes them
     summaries = [p.name for p in RESULTS.iterdir() if p.name.endswith((".summary.jsonl", ".summary.json"))
                  and not p.name.startswith(("serve_load_", "serve_runahead_load_"))]
     assert set(summaries) <= set(report.checked)

@@ -43,7 +43,7 @@ def test_keep_all_counts_every_token_layer_once_and_revives_nothing(tiny_model, 
     assert "revived_tokens_total" not in lazy.timing.extra  # nothing deferred: the model's own forward decodes
 
 
-# --- the at-most-once invariant: tests/test_lazyllm_revival.py (every revival policy) -------------
+# --- the at-most-once invariant: tests/unit/test_lazyllm_revival.py (every revival policy) --------
 
 
 # --- revival from the Aux Cache ----------------------------------------------------------------
