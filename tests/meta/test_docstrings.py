@@ -1,4 +1,6 @@
-"""Docstrings of ``src/fastprefill`` name only files that exist and hold no measured figures.
+"""Docstrings of ``src/fastprefill`` and of the code beside the benchmark scripts
+(``benchmarks/research``, ``benchmarks/figures``, ``benchmarks/verify.py``) name only files that
+exist and hold no measured figures.
 
 "Docstrings" here are module, class and function docstrings and ``#:`` comment blocks (the
 attribute docs Sphinx renders), read with :mod:`ast` and :mod:`tokenize`; nothing is imported.
@@ -29,8 +31,12 @@ import pytest
 from tests import REPO
 
 SRC = REPO / "src" / "fastprefill"
+#: Read besides ``src/fastprefill``: the benchmarks' packages and the figure check's script.
+BENCHMARK_CODE = [*sorted((REPO / "benchmarks" / "research").rglob("*.py")),
+                  *sorted((REPO / "benchmarks" / "figures").rglob("*.py")), REPO / "benchmarks" / "verify.py"]
 
-#: Docstrings that hold measured figures today, as ``"<path under src/fastprefill>:<owner>"``
+#: Docstrings that hold measured figures today, as ``"<path>:<owner>"`` (the path under
+#: ``src/fastprefill``, or from the repository root for the benchmarks' code)
 #: (``owner`` as :func:`docstrings` names it). Each is to move to docs/results/ or
 #: docs/decisions.md, and the lead empties this set. An entry
 #: that no longer offends must be removed (the test says so).
@@ -48,7 +54,8 @@ class Doc:
 
     @property
     def key(self) -> str:
-        return f"{self.path.relative_to(SRC).as_posix()}:{self.owner}"
+        base = SRC if self.path.is_relative_to(SRC) else REPO
+        return f"{self.path.relative_to(base).as_posix()}:{self.owner}"
 
 
 def _definitions(tree: ast.Module) -> Iterator[tuple[str, ast.AST]]:
@@ -92,7 +99,7 @@ def docstrings(path: Path) -> list[Doc]:
 
 
 def all_docstrings() -> list[Doc]:
-    return [doc for path in sorted(SRC.rglob("*.py")) for doc in docstrings(path)]
+    return [doc for path in [*sorted(SRC.rglob("*.py")), *BENCHMARK_CODE] for doc in docstrings(path)]
 
 
 # --------------------------------------------------------------------------- 1. paths
