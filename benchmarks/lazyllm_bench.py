@@ -144,19 +144,23 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
 FILL_DEPTH = 0.3
 
 
-def fill_methods(keeps: Sequence[float], policies: Sequence[str]) -> dict[str, Method]:
+def fill_methods(keeps: Sequence[float], policies: Sequence[str], shares: Sequence[float] = (1.0,)) -> dict[str, Method]:
     """One-cut LazyLLM at :data:`FILL_DEPTH` keeping each of ``keeps`` (snap selection, no revival)
-    under each fill policy (``none``, ``zero-shot``, ``calibrated:DIR``), named
-    ``lazyllm-k<keep %>/<policy kind>``."""
+    under each fill policy (``none``, ``zero-shot``, ``calibrated:DIR``) and, for an active
+    policy, each fill share, named ``lazyllm-k<keep %>/<policy kind>`` (``...-s<share %>`` when
+    only a share of the pruned tokens is filled)."""
     from fastprefill.methods.pruning.fill import Fill
 
     out: dict[str, Method] = {}
     for keep in keeps:
         for policy in policies:
             fill = Fill.parse(policy)
-            out[f"lazyllm-k{round(100 * keep):02d}/{fill.kind}"] = LazyLLM(
-                depth_schedule=((FILL_DEPTH, keep),), selection="snap", label=f"cut{round(100 * FILL_DEPTH)}k{round(100 * keep):02d}+snap",
-                options={"revival": "none", "fill": policy})
+            for share in shares if fill.active else (1.0,):
+                suffix = "" if share == 1 else f"-s{round(100 * share):02d}"
+                options = {"revival": "none", "fill": policy} | ({"fill_share": share} if share != 1 else {})
+                out[f"lazyllm-k{round(100 * keep):02d}/{fill.kind}{suffix}"] = LazyLLM(
+                    depth_schedule=((FILL_DEPTH, keep),), selection="snap",
+                    label=f"cut{round(100 * FILL_DEPTH)}k{round(100 * keep):02d}+snap", options=options)
     return out
 
 
@@ -298,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "token-layers computed exactly)")
     ap.add_argument("--fills", nargs="+", default=["none", "zero-shot"],
                     help="fill-gate: fill policies (none, zero-shot, calibrated:DIR with maps from the cut's layer + 1)")
+    ap.add_argument("--fill-shares", type=float, nargs="+", default=[1.0],
+                    help="fill-gate: shares of the pruned tokens an active policy fills (highest-ranked first)")
     ap.add_argument("--new-tokens", type=int, default=None,
                     help="tokens generated per run, EOS ignored (default: 16 for equivalence, 64 for decode)")
     return ap
@@ -347,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
                      lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=SWEEP[k], label=k) for k in args.schedules},
                      "dev", "multidoc-qa", choose=choose_default)
         elif args.command == "fill-gate":
-            cmd_task(args, f"lazyllm_fill_gate_{tag}", lambda L: fill_methods(args.keeps, args.fills), "dev",
+            cmd_task(args, f"lazyllm_fill_gate_{tag}", lambda L: fill_methods(args.keeps, args.fills, args.fill_shares), "dev",
                      "multidoc-qa", max_new_tokens=args.answer_tokens,
                      gate=fill_gate)
         elif args.command == "fidelity-sweep":

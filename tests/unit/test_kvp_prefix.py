@@ -313,3 +313,58 @@ def test_calibrated_fill_in_the_pruning_loop_is_kvp_prefix(calibrated, tiny_qwen
     wrong = LazyLLM(schedule=((1, 0.01),), options={"revival": "none", "fill": f"calibrated:{out}"})
     with pytest.raises(ConfigError, match="maps from layer 1.*layer 2 needed"):
         wrong.prefill(tiny_qwen2, ids)
+
+
+def test_fill_share_fills_the_highest_ranked_pruned_tokens(calibrated, tiny_qwen2):
+    """fill_share=s gives filled rows to ceil(s * pruned) pruned tokens, the best-ranked ones, at
+    every later layer (counted in the cache and the stat); s = 1 is the whole fill, and a partial
+    fill is neither the whole fill nor dropping."""
+    import math
+
+    from fastprefill.methods.lazyllm import LazyLLM
+    from fastprefill.methods.pruning.loop import _filled_rows, progressive_prefill
+    from fastprefill.methods.pruning.options import PruneOptions
+    from fastprefill.methods.pruning.select import top_k_keep
+
+    ranked = torch.tensor([5.0, 1.0, float("inf"), 3.0, 4.0, 2.0])
+    drop = torch.tensor([True, True, False, True, False, True])
+    assert _filled_rows(ranked, drop, 0.5).tolist() == [0, 3]  # dropped 0, 1, 3, 5: the top 2 by score
+    assert _filled_rows(ranked, drop, 1.0).tolist() == [0, 1, 3, 5]
+    assert _filled_rows(ranked, drop, 0.01).tolist() == [0]
+
+    out, _ = calibrated
+    ids = random_ids(40, 21)
+    n, layers = 40, 4
+
+    def lazy(**extra):
+        opts = {"revival": "none", "fill": f"calibrated:{out}", **extra}
+        return LazyLLM(schedule=((0, 0.25),), options=opts).prefill(tiny_qwen2, ids)
+
+    with torch.inference_mode():
+        whole, default, part = lazy(fill_share=1.0), lazy(), lazy(fill_share=0.5)
+        dropped = LazyLLM(schedule=((0, 0.25),), options={"revival": "none"}).prefill(tiny_qwen2, ids)
+        state = progressive_prefill(DecoderAdapter(tiny_qwen2), ids, ((0, 0.25),), top_k_keep,
+                                    PruneOptions(revival="none", fill=f"calibrated:{out}", fill_share=0.5)).state
+    torch.testing.assert_close(whole.logits, default.logits, atol=0, rtol=0)
+    kept = part.stats.extra["kept_per_stage"][0]
+    pruned = n - kept
+    filled = math.ceil(0.5 * pruned)
+    assert part.stats.extra["filled_token_layers"] == filled * (layers - 1)
+    assert whole.stats.extra["filled_token_layers"] == pruned * (layers - 1)
+    for j in range(1, layers):
+        assert int(state.cache.positions(j).numel()) == kept + filled
+    assert float((part.logits - whole.logits).abs().max()) > 1e-5
+    assert float((part.logits - dropped.logits).abs().max()) > 1e-5
+    assert part.stats.flops < whole.stats.flops
+
+
+def test_fill_share_is_validated():
+    from fastprefill.methods.pruning.options import PruneOptions
+
+    for bad in (0, 1.5, -0.1, "half", True):
+        with pytest.raises(ConfigError, match="fill_share must be a number in"):
+            PruneOptions(revival="none", fill="zero-shot", fill_share=bad)
+    with pytest.raises(ConfigError, match="fill_share=0.5 needs a fill policy"):
+        PruneOptions(fill_share=0.5)
+    assert "fill_share=0.5" in PruneOptions(revival="none", fill="zero-shot", fill_share=0.5).describe()
+    assert make_method("lazyllm:revival=none,fill=zero-shot,fill_share=0.25").options.fill_share == 0.25
