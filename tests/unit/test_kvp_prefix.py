@@ -315,7 +315,7 @@ def test_calibrated_fill_in_the_pruning_loop_is_kvp_prefix(calibrated, tiny_qwen
         wrong.prefill(tiny_qwen2, ids)
 
 
-def test_fill_share_fills_the_highest_ranked_pruned_tokens(calibrated, tiny_qwen2):
+def test_fill_share_fills_the_highest_ranked_pruned_tokens(calibrated, tiny_qwen2, make_ids):
     """fill_share=s gives filled rows to ceil(s * pruned) pruned tokens, the best-ranked ones, at
     every later layer (counted in the cache and the stat); s = 1 is the whole fill, and a partial
     fill is neither the whole fill nor dropping."""
@@ -333,7 +333,7 @@ def test_fill_share_fills_the_highest_ranked_pruned_tokens(calibrated, tiny_qwen
     assert _filled_rows(ranked, drop, 0.01).tolist() == [0]
 
     out, _ = calibrated
-    ids = random_ids(40, 21)
+    ids = make_ids(40, 21)
     n, layers = 40, 4
 
     def lazy(**extra):
