@@ -23,15 +23,15 @@ CEILING = "lazyllm_ceiling_qwen2.5-coder-0.5b_2048"
 def test_every_committed_summary_reproduces_from_its_records():
     report = verify_results(RESULTS)
     assert report.ok, "\n".join(map(str, report.mismatches))
-    # serve_load and serve_runahead_load summaries are load rows, not bench records:
-    # tests/integration/test_serve.py re-summarizes them
+    # serve_load, serve_runahead_load and serve_soak summaries are load rows, not bench records:
+    # tests/integration/test_serve.py and test_serve_soak.py re-summarize them
     summaries = [p.name for p in RESULTS.iterdir() if p.name.endswith((".summary.jsonl", ".summary.json"))
-                 and not p.name.startswith(("serve_load_", "serve_runahead_load_"))]
+                 and not p.name.startswith(("serve_load_", "serve_runahead_load_", "serve_soak_"))]
     assert set(summaries) <= set(report.checked)
     records_with_md = [p.name for p in RESULTS.glob("*.md") if p.with_suffix(".jsonl").exists()]
-    # every committed table over records is checked, except the KV-Runahead, load and kvp-prefix
-    # sweep ones (not bench records: the sweeps are checked below)
-    not_records = ("runahead_", "serve_load_", "serve_runahead_load_", "kvp_lsweep_")
+    # every committed table over records is checked, except the KV-Runahead, load, soak and
+    # kvp-prefix sweep ones (not bench records: the sweeps are checked below)
+    not_records = ("runahead_", "serve_load_", "serve_runahead_load_", "serve_soak_", "kvp_lsweep_")
     assert {m for m in records_with_md if not m.startswith(not_records)} <= set(report.checked)
     assert all(not name.startswith(("lazyllm_", "kvp_", "baseline_")) or name.startswith(not_records)
                or "no committed summary" in why for name, why in report.skipped.items())
