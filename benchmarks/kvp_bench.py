@@ -32,9 +32,9 @@ Subcommands:
   (:func:`~fastprefill.methods.kv_prediction.prefix.distill.distill_prefix`) on dev task prompts
   other than the l-sweep's and the calibration's; writes ``kvp_distill_<checkpoint>.json``.
 - ``l-sweep``: kvp-prefix at several ``l`` beside full prefill on dev prompts
-  (:func:`fastprefill.bench.kvp.l_sweep`): first-token agreement, median first-token KL and TTFT
+  (:func:`research.kvp.l_sweep`): first-token agreement, median first-token KL and TTFT
   FLOPs fraction per ``l``, zero-shot or from ``--predictor L=DIR`` checkpoints.
-- ``gate``: the dev gate of a KV predictor (:func:`fastprefill.bench.kvp.dev_gate`): mean held-out
+- ``gate``: the dev gate of a KV predictor (:func:`research.kvp.dev_gate`): mean held-out
   V error <= 0.5 and median first-token KL <= 1.0 on 16 dev prompts; writes pass/fail with the numbers.
 
 ``eval`` specs: ``full``, ``kvp:<dir>``, ``drop:<stride>`` or any registry spec
@@ -58,8 +58,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fastprefill.bench.ablation import ablation_table, ablation_variants, run_ablation
-from fastprefill.bench.kvp import dev_gate, exclude_calibration, l_sweep, lsweep_table
 from fastprefill.bench.records import FULL, RecordLog, environment, result_name, write_json, write_rows
 from fastprefill.bench.report import (
     merge_eval_summaries,
@@ -97,6 +95,8 @@ from fastprefill.methods.registry import make_method
 from fastprefill.models import zoo
 from fastprefill.models.kv import prefix_kv, rotate_keys
 from fastprefill.models.shape import ModelShape
+from research.ablation import ablation_table, ablation_variants, run_ablation
+from research.kvp import dev_gate, exclude_calibration, l_sweep, lsweep_table
 
 PAIRS: dict[str, dict[str, Any]] = {
     "c": {"base": "qwen2.5-coder-1.5b", "aux": "qwen2.5-coder-0.5b"},

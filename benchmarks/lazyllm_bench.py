@@ -17,14 +17,14 @@ each result file's header and on the pages of ``docs/results/``):
   many, stopping at EOS): total time vs full prefill plus plain decoding, revivals per step;
   each preset under each ``--revivals`` policy.
 - ``sweep``: the dev-split schedule sweep that picked the default preset
-  (:func:`fastprefill.bench.selection.choose_default`).
-- ``fidelity-sweep``: the later-cut candidates (:data:`fastprefill.bench.selection.FIDELITY_CANDIDATES`)
+  (:func:`research.selection.choose_default`).
+- ``fidelity-sweep``: the later-cut candidates (:data:`research.selection.FIDELITY_CANDIDATES`)
   on the dev split, chosen by the fidelity rule fixed before the sweep
-  (:func:`fastprefill.bench.selection.choose_by_fidelity`).
+  (:func:`research.selection.choose_by_fidelity`).
 - ``speed``: realised vs ideal speedup on a handful of random-token prompts (no scoring).
 - ``ceiling``: a one-cut preset's own selection against two oracles at the same cut and budget
   (the gold passages first; the attention at a deeper probe layer), first token vs full prefill
-  on the dev split (:func:`fastprefill.bench.ceiling.selection_ceiling`).
+  on the dev split (:func:`research.ceiling.selection_ceiling`).
 
 The runs, records, summaries and files come from :mod:`fastprefill.bench` (threads fixed,
 warm-up excluded, TTFT from the engine's timing window); this script holds the method tables.
@@ -38,17 +38,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastprefill.bench.ceiling import ceiling_summary, selection_ceiling
 from fastprefill.bench.records import FULL, environment, result_name, write_rows
 from fastprefill.bench.report import markdown_table, write_paired_rows
 from fastprefill.bench.runner import Unscored, random_samples, run_benchmark, run_samples
-from fastprefill.bench.selection import (
-    FIDELITY_CANDIDATES,
-    choose_by_fidelity,
-    choose_default,
-    describe_choice,
-    fidelity_methods,
-)
 from fastprefill.bench.summary import needle_by_depth, summarize
 from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
@@ -58,6 +50,14 @@ from fastprefill.methods.baselines import matched_baselines
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LATE_SCHEDULES, PRESETS, LazyLLM
 from fastprefill.models.shape import ModelShape
+from research.ceiling import ceiling_summary, selection_ceiling
+from research.selection import (
+    FIDELITY_CANDIDATES,
+    choose_by_fidelity,
+    choose_default,
+    describe_choice,
+    fidelity_methods,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -108,7 +108,7 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
              choose=None, gate=None) -> None:
     """Run ``task`` through :func:`run_benchmark` (``<name>.{jsonl,md,png}``), then write the
     paired rows (``<name>.summary.jsonl``); ``choose`` (a rule of
-    :mod:`fastprefill.bench.selection`) picks among the methods, recorded in the header;
+    :mod:`research.selection`) picks among the methods, recorded in the header;
     ``gate`` (:func:`fill_gate`) is recorded under ``fill_gate``."""
     name = result_name(args.out, name, name=args.name, resume=args.resume)
     model, tok = _load(args.model)
@@ -144,19 +144,23 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
 FILL_DEPTH = 0.3
 
 
-def fill_methods(keeps: Sequence[float], policies: Sequence[str]) -> dict[str, Method]:
+def fill_methods(keeps: Sequence[float], policies: Sequence[str], shares: Sequence[float] = (1.0,)) -> dict[str, Method]:
     """One-cut LazyLLM at :data:`FILL_DEPTH` keeping each of ``keeps`` (snap selection, no revival)
-    under each fill policy (``none``, ``zero-shot``, ``calibrated:DIR``), named
-    ``lazyllm-k<keep %>/<policy kind>``."""
+    under each fill policy (``none``, ``zero-shot``, ``calibrated:DIR``) and, for an active
+    policy, each fill share, named ``lazyllm-k<keep %>/<policy kind>`` (``...-s<share %>`` when
+    only a share of the pruned tokens is filled)."""
     from fastprefill.methods.pruning.fill import Fill
 
     out: dict[str, Method] = {}
     for keep in keeps:
         for policy in policies:
             fill = Fill.parse(policy)
-            out[f"lazyllm-k{round(100 * keep):02d}/{fill.kind}"] = LazyLLM(
-                depth_schedule=((FILL_DEPTH, keep),), selection="snap", label=f"cut{round(100 * FILL_DEPTH)}k{round(100 * keep):02d}+snap",
-                options={"revival": "none", "fill": policy})
+            for share in shares if fill.active else (1.0,):
+                suffix = "" if share == 1 else f"-s{round(100 * share):02d}"
+                options = {"revival": "none", "fill": policy} | ({"fill_share": share} if share != 1 else {})
+                out[f"lazyllm-k{round(100 * keep):02d}/{fill.kind}{suffix}"] = LazyLLM(
+                    depth_schedule=((FILL_DEPTH, keep),), selection="snap",
+                    label=f"cut{round(100 * FILL_DEPTH)}k{round(100 * keep):02d}+snap", options=options)
     return out
 
 
@@ -298,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "token-layers computed exactly)")
     ap.add_argument("--fills", nargs="+", default=["none", "zero-shot"],
                     help="fill-gate: fill policies (none, zero-shot, calibrated:DIR with maps from the cut's layer + 1)")
+    ap.add_argument("--fill-shares", type=float, nargs="+", default=[1.0],
+                    help="fill-gate: shares of the pruned tokens an active policy fills (highest-ranked first)")
     ap.add_argument("--new-tokens", type=int, default=None,
                     help="tokens generated per run, EOS ignored (default: 16 for equivalence, 64 for decode)")
     return ap
@@ -347,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
                      lambda L: {f"lazyllm-{k}": LazyLLM(depth_schedule=SWEEP[k], label=k) for k in args.schedules},
                      "dev", "multidoc-qa", choose=choose_default)
         elif args.command == "fill-gate":
-            cmd_task(args, f"lazyllm_fill_gate_{tag}", lambda L: fill_methods(args.keeps, args.fills), "dev",
+            cmd_task(args, f"lazyllm_fill_gate_{tag}", lambda L: fill_methods(args.keeps, args.fills, args.fill_shares), "dev",
                      "multidoc-qa", max_new_tokens=args.answer_tokens,
                      gate=fill_gate)
         elif args.command == "fidelity-sweep":

@@ -1,7 +1,7 @@
 """Prefix-cache benchmarks: TTFT with and without exact prefix reuse, on the same prompts.
 
 Subcommands (each writes ``<name>.jsonl`` records, ``<name>.summary.jsonl`` paired rows and a
-``<name>.md`` table into ``--out``; ``fastprefill bench verify`` re-summarizes them):
+``<name>.md`` table into ``--out``; ``python benchmarks/verify.py`` re-summarizes them):
 
 - ``questions``: many questions over the same document. Per session (a SQuAD article cut to
   ``--lengths`` tokens, :mod:`fastprefill.data.tasks.sessions`), each of ``--questions``

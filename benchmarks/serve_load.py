@@ -85,17 +85,34 @@ class LoadRecord:
 
 
 class ServerProcess:
-    """``fastprefill serve`` in a subprocess on a free loopback port."""
+    """``fastprefill serve`` in a subprocess on a free loopback port.
 
-    def __init__(self, model: str, threads: int, queue: int, max_tokens: int, extra: Sequence[str] = ()) -> None:
+    By default without a prefix cache (the load cells send the same prompts again, and every
+    prefill must be computed) and with a request timeout of an hour. ``log``: a file that takes
+    the server's stderr (else a pipe, read only if the server fails to start: a long run that
+    logs must give a file, or a full pipe stops the server)."""
+
+    def __init__(self, model: str, threads: int, queue: int, max_tokens: int, extra: Sequence[str] = (), *,
+                 timeout_s: float = 3600, prefix_cache_mb: float = 0, log: Path | None = None) -> None:
         self.port = free_port()
         self.model = model
-        # no prefix cache: the cells send the same prompts again, and every prefill must be computed
-        cmd = [sys.executable, "-m", "fastprefill.cli", "serve", "--model", model, "--port", str(self.port),
-               "--threads", str(threads), "--queue", str(queue), "--timeout", "3600",
-               "--max-tokens", str(max_tokens), "--log-level", "warning", "--prefix-cache-mb", "0", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.log = log
+        self.cmd = [sys.executable, "-m", "fastprefill.cli", "serve", "--model", model, "--port", str(self.port),
+                    "--threads", str(threads), "--queue", str(queue), "--timeout", f"{timeout_s:g}",
+                    "--max-tokens", str(max_tokens), "--log-level", "warning",
+                    "--prefix-cache-mb", f"{prefix_cache_mb:g}", *extra]
+        if log is None:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        else:
+            with log.open("wb") as err:  # the child holds its own copy of the descriptor
+                self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=err)
         self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def stderr_tail(self, chars: int = 2000) -> str:
+        """The end of what the server wrote to stderr (once it has exited, when it goes to a pipe)."""
+        if self.log is not None:
+            return self.log.read_text(errors="replace")[-chars:]
+        return self.proc.stderr.read().decode(errors="replace")[-chars:]
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=3600)
@@ -104,7 +121,7 @@ class ServerProcess:
         client, deadline = self.client(), time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"the server exited: {self.stderr_tail()}")
             try:
                 client.models.list()
                 return

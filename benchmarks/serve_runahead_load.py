@@ -40,12 +40,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from serve_load import markdown, run_model, summarize
-
 from fastprefill.bench.records import environment, result_name, write_json, write_rows
 from fastprefill.distributed.pool import RankPool
 from fastprefill.distributed.runtime import set_threads
 from fastprefill.errors import FastprefillError
+from serve_load import markdown, run_model, summarize
 
 
 def _pool_inproc(pool: RankPool) -> Any:

@@ -1,11 +1,12 @@
 """Shared fixtures: tiny random decoder models (`random:llama`, `random:qwen2` of
-fastprefill.models.random; no download) and the real smollm2-135m."""
+fastprefill.models.random; no download), prompts for them (`make_ids`) and the real
+smollm2-135m."""
 
 from __future__ import annotations
 
 import pytest
 
-from fastprefill.models.random import random_model
+from fastprefill.models.random import random_ids, random_model
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +19,14 @@ def tiny_llama():
 def tiny_qwen2():
     """A 4-layer random Qwen2 (q/k/v biases) with GQA, vocab 128."""
     return random_model("qwen2")
+
+
+@pytest.fixture(scope="session")
+def make_ids():
+    """``make_ids(n, seed)``: ``(1, n)`` token ids drawn from the tiny models' vocabulary (128) by a
+    generator seeded with ``seed``, the same on every machine (:func:`random_ids`). A helper that
+    needs prompts takes it as its first argument."""
+    return random_ids
 
 
 @pytest.fixture(params=["llama", "qwen2"])

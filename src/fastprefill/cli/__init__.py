@@ -6,9 +6,9 @@ Subcommands:
 - ``generate``: answer a prompt (argument, ``--file`` or stdin) and print its TTFT.
 - ``serve``: an OpenAI-compatible HTTP server over one model (per-request method); under torchrun,
   one server over the torchrun ranks (rank 0 serves HTTP, every rank joins each prefill).
-- ``bench``: run methods beside full prefill over a task (flags or a TOML ``--config``);
-  ``bench verify`` re-summarizes committed result files and compares them with their summaries,
-  and (in a checkout) the README's summary table and the tables of ``docs/`` with the results.
+- ``bench``: run methods beside full prefill over a task (flags or a TOML ``--config``).
+  Checking that committed figures reproduce needs a repository checkout: ``bench verify`` says
+  so and names the script that does it (``python benchmarks/verify.py``).
 - ``demo``: one multi-document QA prompt, answered by full prefill and every available method.
 - ``train-kvp``: train a KV Prediction predictor (``--variant prefix``: calibrate kvp-prefix maps).
 - ``tune``: measure candidate methods on your prompts and write a profile that
@@ -198,6 +198,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # --- bench -------------------------------------------------------------------------------------
 BENCH_KEYS = ("model", "task", "lengths", "n", "methods", "split", "seed", "threads", "warmup",
               "max_new_tokens", "out", "name", "device", "dtype")
+#: What ``fastprefill bench verify`` prints: the check of committed figures reads a checkout's files.
+VERIFY_HINT = ("checking that committed figures reproduce needs a repository checkout: "
+               "run `python benchmarks/verify.py` there")
 
 
 def _bench_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -229,7 +232,7 @@ def _bench_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.action == "verify":
-        return _bench_verify(args.out or "benchmarks/results")
+        raise FastprefillError(VERIFY_HINT)
     from fastprefill.bench.report import markdown_table
     from fastprefill.bench.runner import run_benchmark
     from fastprefill.bench.summary import summarize
@@ -247,24 +250,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console.print(markdown_table(summarize(records)))
     console.print(f"results: {cfg['out']}/{cfg['name']}.jsonl (.md, .png)")
     return 0
-
-
-def _bench_verify(results: str) -> int:
-    from fastprefill.bench.pages import verify_pages
-    from fastprefill.bench.verify import verify_results
-
-    report = verify_results(results)
-    root = Path(results).resolve().parents[1]
-    if Path(results).resolve() == root / "benchmarks" / "results" and (root / "README.md").exists():
-        pages = verify_pages(root)  # the figures the README and docs/ print from these results
-        report.checked += pages.checked
-        report.mismatches += pages.mismatches
-    for name, reason in report.skipped.items():
-        console.print(f"[dim]skipped {name}: {reason}[/dim]")
-    for mismatch in report.mismatches:
-        err_console.print(f"[red]differs[/red] {mismatch}", highlight=False)
-    console.print(f"{len(report.checked)} files checked, {len(report.mismatches)} values differ")
-    return 0 if report.ok else 1
 
 
 # --- demo --------------------------------------------------------------------------------------
@@ -361,11 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("bench", help="benchmark methods beside full prefill, or verify committed results")
+    p = sub.add_parser("bench", help="benchmark methods beside full prefill")
     p.add_argument("action", nargs="?", choices=["run", "verify"], default="run",
-                   help="run (default) a benchmark; verify: re-summarize the result files in --out and "
-                        "compare with their committed summaries (and, for a checkout's benchmarks/results, "
-                        "the figures of README.md and docs/)")
+                   help=f"run (default) a benchmark; verify: {VERIFY_HINT}")
     p.add_argument("--config", help="TOML file with any of: " + ", ".join(BENCH_KEYS))
     p.add_argument("--model")
     p.add_argument("--task", help=f"one of {_names(TASKS)}")

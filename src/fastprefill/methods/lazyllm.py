@@ -65,15 +65,16 @@ __all__ = ["DEFAULT_PRESET", "LATE_SCHEDULES", "OPTION_FIELDS", "PRESETS", "SELE
 #: Named schedules as ``(relative depth in [0, 1), keep fraction)``; resolved against the
 #: model's layer count at prefill by :func:`resolve_depth_schedule` (layer ``floor(d * L)``).
 #: ``"default"`` is an alias of :data:`DEFAULT_PRESET`, the schedule a dev-split sweep chose by
-#: a rule fixed in code (:mod:`fastprefill.bench.selection`); ``docs/results/lazyllm.md`` gives
-#: the run, its figures and its command. ``"paper"`` is the four-stage schedule under the paper's selection
-#: rule, an explicit name for the faithful path.
+#: a rule fixed in code before the run (``choose_default`` in benchmarks/research/selection.py,
+#: beside the benchmark scripts); docs/results/lazyllm.md gives the run, its figures and its
+#: command. ``"paper"`` is the four-stage schedule under the paper's selection rule, an explicit
+#: name for the faithful path.
 #:
 #: The ``cutDDkFF`` family cuts later with small keep fractions (a cut at ``DD``% of the depth
 #: keeping ``FF``% of the prompt; two cuts joined by ``-``): each computes at most
-#: :data:`fastprefill.bench.selection.FIDELITY_BUDGET` of the prompt token-layers on 24, 28 and
-#: 30 layers (a test checks it), so it can reach 2x. Which one becomes ``default`` is decided by
-#: :func:`fastprefill.bench.selection.choose_by_fidelity` on the dev split.
+#: ``FIDELITY_BUDGET`` (benchmarks/research/selection.py) of the prompt token-layers on 24, 28
+#: and 30 layers (a test checks it), so it can reach 2x. Which one becomes ``default`` is decided
+#: by that file's ``choose_by_fidelity`` on the dev split (docs/results/lazyllm.md).
 _NAMED: dict[str, DepthSchedule] = {
     "keep-all": (),
     "late-quarter": ((0.75, 0.25),),

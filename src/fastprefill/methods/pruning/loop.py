@@ -36,6 +36,7 @@ the tokens present.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -106,6 +107,17 @@ def _cut_scores(
     ``-inf`` outside them, ``+inf`` at ``forced`` (all ``(N,)``)."""
     row = pool_in_position_order(row, positions, candidates, kernel)
     return row.masked_fill(~candidates, float("-inf")).masked_fill(forced, float("inf"))
+
+
+def _filled_rows(ranked: torch.Tensor, drop: torch.Tensor, share: float) -> torch.Tensor:
+    """Indices (ascending) of the pruned rows that get filled rows: of ``drop`` ``(R,)`` (bool),
+    the ``ceil(share * pruned)`` with the highest selection scores ``ranked`` ``(R,)``."""
+    dropped = drop.nonzero().flatten()
+    count = math.ceil(share * int(dropped.numel()))
+    if count >= dropped.numel():
+        return dropped
+    top = ranked[dropped].topk(count).indices
+    return dropped[top].sort().values
 
 
 def _scored_layers(schedule: Schedule, options: PruneOptions) -> set[int]:
@@ -200,18 +212,20 @@ def progressive_prefill(
             k = max(keep_count(prune[layer], m), int(forced.sum()))
             if k < r:
                 everyone = torch.ones(r, dtype=torch.bool, device=rows.device)
-                keep = select(_cut_scores(row, rows, everyone, forced, opts.pool_kernel), k)
+                ranked = _cut_scores(row, rows, everyone, forced, opts.pool_kernel)
+                keep = select(ranked, k)
                 drop = torch.ones(r, dtype=torch.bool, device=rows.device)
                 drop[keep] = False
                 state.aux.put(layer + 1, rows[drop], hidden[:, drop])
                 if opts.fill.active:
+                    filled = _filled_rows(ranked, drop, opts.fill_share)
                     maps = FillMaps(opts.fill, ad, layer + 1)
-                    for j, (k_j, v_j) in maps.fill(hidden[:, drop], rows[drop]).items():
-                        state.cache.stage(j, rows[drop])
+                    for j, (k_j, v_j) in maps.fill(hidden[:, filled], rows[filled]).items():
+                        state.cache.stage(j, rows[filled])
                         state.cache.update(k_j, v_j, j)
                     filled_from = layer + 1
-                    filled_token_layers += int(drop.sum()) * (ad.num_layers - layer - 1)
-                    flops += maps.flops(int(drop.sum()))
+                    filled_token_layers += int(filled.numel()) * (ad.num_layers - layer - 1)
+                    flops += maps.flops(int(filled.numel()))
                 hidden = hidden.index_select(1, keep)
                 cos, sin = cos.index_select(1, keep), sin.index_select(1, keep)
                 rows = rows[keep]

@@ -106,6 +106,9 @@ class PruneOptions:
         fill: what later layers keep of a pruned token (:class:`~fastprefill.methods.pruning.fill.Fill`;
             ``none``, the paper: nothing). Any other needs ``revival=none`` and a one-cut
             schedule.
+        fill_share: in ``(0, 1]``: the share of a cut's pruned tokens that get filled rows, those
+            with the highest selection scores first (``ceil(fill_share * pruned)``); the others
+            are dropped as under ``none``. ``1`` fills every pruned token. Needs a fill policy.
 
     A cut keeps ``max(keep_count(keep, n), forced)`` tokens, ``forced`` being the protected
     ones present (the last token, sinks, recent, generated); the protected ones are always
@@ -120,6 +123,7 @@ class PruneOptions:
     decode_protect: bool = False
     revival: Revival = field(default_factory=Revival)
     fill: Fill = field(default_factory=Fill)
+    fill_share: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int(self.score_window, "score_window", 1, MAX_SCORE_WINDOW)
@@ -132,6 +136,13 @@ class PruneOptions:
         _check_bool(self.decode_protect, "decode_protect")
         object.__setattr__(self, "revival", Revival.parse(self.revival))
         object.__setattr__(self, "fill", Fill.parse(self.fill))
+        share = self.fill_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ConfigError(f"fill_share must be a number in (0, 1], got {share!r}")
+        object.__setattr__(self, "fill_share", float(share))
+        if share != 1 and not self.fill.active:
+            raise ConfigError(f"fill_share={share} needs a fill policy (fill=calibrated:DIR or zero-shot); "
+                              "with fill=none no pruned token is filled")
         if self.fill.active and self.revival.kind != "none":
             raise ConfigError(f"fill={self.fill} needs revival=none: a revived token would have both a filled and "
                               "an exact K/V row")
@@ -152,6 +163,6 @@ class PruneOptions:
         default = PruneOptions()
         items = [f"{name}={getattr(self, name)}" for name in
                  ("score_window", "pool_kernel", "sinks", "keep_recent", "accumulate", "decode_protect", "revival",
-                  "fill")
+                  "fill", "fill_share")
                  if getattr(self, name) != getattr(default, name)]
         return ",".join(items)

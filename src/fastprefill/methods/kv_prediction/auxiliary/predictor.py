@@ -14,7 +14,7 @@ own rotary embedding is applied at the original positions when the cache is fill
 (:func:`~fastprefill.models.kv.cache_from_kv`). A linear map on *rotated* keys has to
 undo one position-dependent rotation and apply another with a single position-independent
 matrix; when the two models' rotary frequencies differ (e.g. ``rope_theta`` 1e6 in Qwen2.5 vs
-1e5 in SmolLM2) no such matrix exists. Evidence: ``tests/test_kv_prediction.py::
+1e5 in SmolLM2) no such matrix exists. Evidence: ``tests/unit/test_kv_prediction.py::
 test_pre_rotation_map_beats_rotated_map`` plants exactly that situation (aux = base with another
 ``rope_theta``): the pre-rotation least-squares map is exact at layer 0 while the rotated one
 keeps a large held-out error; ``benchmarks/kvp_bench.py rope`` measures both on a real pair

@@ -1,0 +1,162 @@
+"""KV-Runahead behind the server: a warm pool of 2 ranks (smollm2-135m) through the real ``openai`` client.
+
+Every answer is compared with :func:`fastprefill.engine.generate` with full prefill in this
+process (greedy: token-identical text). Prompts are short and answers a few tokens, to stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from fastprefill.engine import generate
+from fastprefill.serve import ServeConfig, background, create_app
+from fastprefill.serve.ranks import ServedPool
+from tests.integration.serving import (
+    MODEL,
+    http_request,
+    is_idle,
+    leave_mid_stream,
+    metric_value,
+    openai_client,
+    user_messages,
+    wait_health,
+)
+
+pytestmark = pytest.mark.integration
+
+RUNAHEAD = "runahead:procs=2"
+PROMPTS = ["The capital of France is", "Water boils at a temperature of", "The three primary colours are"]
+N = 6
+
+
+def _pool() -> ServedPool:
+    return ServedPool(MODEL, 2, timeout_s=60, start_method="fork")
+
+
+def _app(smollm2, ranks: ServedPool, **config):
+    model, tok = smollm2
+    return create_app(model, tok, ServeConfig(MODEL, method=RUNAHEAD, timeout_s=120, **config), ranks)
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """A server whose default method is runahead on a warm 2-rank pool (``full`` per request runs
+    in the server's process); its URL and its pool."""
+    ranks = _pool()
+    app = _app(smollm2, ranks)
+    app.state.server.warm_up()
+    with background(app) as url:
+        yield url, ranks
+
+
+def _full(smollm2, prompt: str, n: int = N, chat: bool = False):
+    model, tok = smollm2
+    return generate(model, tok, prompt, None, n, chat=chat)
+
+
+@pytest.mark.timeout(300)
+def test_runahead_answers_equal_full_prefill_whole_and_streamed(served, smollm2):
+    url, _ = served
+    client = openai_client(url)
+    _, health = http_request(url, "GET", "/health")
+    assert health["ranks"]["procs"] == 2 and health["ranks"]["up"] and health["method"].startswith("runahead")
+    for prompt in PROMPTS:
+        want = _full(smollm2, prompt).text
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N)
+        assert r.choices[0].text == want
+        fp = r.usage.fastprefill
+        assert fp["method"].startswith("runahead(procs=2") and fp["ttft_s"] > 0
+        assert fp["prefix_cache"] == "not used: runahead takes no cached prefix"
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    chat_want = _full(smollm2, PROMPTS[0], chat=True).text
+    chat = client.chat.completions.create(model=MODEL, messages=user_messages(PROMPTS[0]), max_tokens=N, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == chat_want
+    # per request: full prefill in the server's process, beside the ranks
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N,
+                                     extra_body={"fastprefill": {"method": "full"}})
+    assert full.choices[0].text == _full(smollm2, PROMPTS[1]).text and full.usage.fastprefill["method"] == "full"
+    for name in ("fastprefill_ttft_seconds_count", "fastprefill_decode_seconds_per_token_count"):
+        assert metric_value(url, name, method="runahead") >= 7 and metric_value(url, name, method="full") == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_request_for_another_rank_count_or_a_table_is_refused(served):
+    url, _ = served
+    client = openai_client(url)
+    for spec, words in (("runahead:procs=3", "rank pool has 2"), ("tsp:procs=3", "rank pool has 2"),
+                        ("runahead:procs=2,table=/etc/passwd", "table")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=1,
+                                      extra_body={"fastprefill": {"method": spec}})
+        assert words in info.value.body["message"], info.value.body
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=2,
+                                  extra_body={"fastprefill": {"method": "runahead:procs=2,partition=even"}})
+    assert r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.timeout(300)
+def test_a_client_that_disconnects_stops_the_decode_on_the_ranks(served, smollm2):
+    url, ranks = served
+    client = openai_client(url)
+    stopped = ranks.stopped_early
+    leave_mid_stream(client, PROMPTS[0])
+    wait_health(url, is_idle, timeout=60)
+    assert ranks.stopped_early == stopped + 1  # the last rank stopped before its 400th token
+    assert client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=N).choices[0].text == \
+        _full(smollm2, PROMPTS[2]).text  # the pool is still warm and usable
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_rank_ends_the_request_with_a_503_and_multi_rank_requests_are_refused_after(smollm2):
+    ranks = _pool()
+    with background(_app(smollm2, ranks, allow_methods=("full",))) as url:
+        client = openai_client(url)
+        stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
+                                           extra_body={"fastprefill": {"ignore_eos": True}})
+        chunks = iter(stream)
+        next(c for c in chunks if c.choices and c.choices[0].text)  # decoding on the last rank now
+        t0 = time.monotonic()
+        os.kill(ranks.pids[1], signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="rank 1 died") as info:
+            for _ in chunks:
+                pass
+        assert time.monotonic() - t0 < 30, "the dead rank was not noticed in time"
+        assert info.value.body["code"] == 503 and info.value.body["type"] == "server_error"
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2)
+        assert refused.value.status_code == 503 and "rank 1 died" in refused.value.body["message"]
+        health = wait_health(url, is_idle)
+        assert not health["ranks"]["up"] and "rank 1" in health["ranks"]["failure"]
+        full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N,
+                                         extra_body={"fastprefill": {"method": "full"}})
+        assert full.choices[0].text == _full(smollm2, PROMPTS[1]).text
+        assert metric_value(url, "fastprefill_requests_total", method="runahead", outcome="error") == 2
+    assert all(not link.alive() for link in ranks._links)
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_rank_ends_the_request_with_a_503_after_the_method_timeout(smollm2):
+    ranks = _pool()
+    with background(_app(smollm2, ranks)) as url:
+        stream = openai_client(url).completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
+            extra_body={"fastprefill": {"method": "runahead:procs=2,timeout_s=3", "ignore_eos": True}})
+        chunks = iter(stream)
+        next(c for c in chunks if c.choices and c.choices[0].text)
+        os.kill(ranks.pids[1], signal.SIGSTOP)  # alive, silent
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError, match=r"ranks \[1\] did not answer within 3 s"):
+            for _ in chunks:
+                pass
+        assert 2 < time.monotonic() - t0 < 30
+        assert not wait_health(url, is_idle)["ranks"]["up"]
+    assert all(not link.alive() for link in ranks._links)

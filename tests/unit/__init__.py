@@ -1,0 +1,1 @@
+"""Tests without a real model: random tiny models and pure logic."""
