@@ -476,6 +476,32 @@ def test_models_retrieve_and_unknown_ids(client, served):
 
 
 @pytest.mark.integration
+def test_an_idle_connection_outlives_the_clients_pool_timeout(served):
+    """A keep-alive connection left idle past httpx's 5 s (the ``openai`` client's pool) is still
+    open: the server never closes one the client may be reusing at that moment."""
+    from fastprefill.serve.runner import KEEP_ALIVE_S
+
+    assert KEEP_ALIVE_S > 5
+    parts = urlparse(served)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        for pause in (0.0, 6.0):
+            time.sleep(pause)
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == 200 and resp.getheader("connection", "keep-alive") != "close"
+            sock = conn.sock
+            assert sock is not None
+        # the same socket answered both: http.client reopens only a connection it saw closed
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        assert conn.sock is sock
+    finally:
+        conn.close()
+
+
+@pytest.mark.integration
 def test_unknown_routes_wrong_methods_and_bad_parameters_answer_in_openai_shape(served, served_app):
     def openai_error(status: int, body: object, code: int) -> dict:
         assert status == code, body

@@ -21,6 +21,11 @@ __all__ = ["background", "run"]
 
 log = logging.getLogger("fastprefill.serve.app")
 
+#: Seconds an idle keep-alive connection stays open. Above the idle time of common client pools
+#: (httpx, under the ``openai`` client, keeps one for 5 s; uvicorn's own default is also 5 s), so
+#: a client never sends a request on a connection the server is closing at that moment.
+KEEP_ALIVE_S = 30
+
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server; the first SIGTERM or SIGINT, or ``until`` being set, drains the app's
@@ -71,7 +76,8 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: s
     """Serve ``app`` (made by :func:`create_app`) with uvicorn until SIGTERM or SIGINT (or
     ``until`` is set, checked every 0.1 s: a torchrun server's ranks failed), then shut down
     as the module docstring says (one process: the model is loaded once)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=CLOSE_GRACE_S)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=CLOSE_GRACE_S,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     _DrainingServer(config, app.state.server, until).run()
 
 
@@ -83,7 +89,8 @@ def background(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                            timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="fastprefill-uvicorn",
                               daemon=True)
     thread.start()
