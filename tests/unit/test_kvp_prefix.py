@@ -368,3 +368,33 @@ def test_fill_share_is_validated():
         PruneOptions(fill_share=0.5)
     assert "fill_share=0.5" in PruneOptions(revival="none", fill="zero-shot", fill_share=0.5).describe()
     assert make_method("lazyllm:revival=none,fill=zero-shot,fill_share=0.25").options.fill_share == 0.25
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_a_fills_flops_are_dropping_plus_the_maps_plus_attention_to_the_filled_rows(calibrated, tiny_qwen2, share,
+                                                                                   make_ids):
+    """Counted: a fill's FLOPs = dropping's + the maps' for the filled rows + the kept rows'
+    attention to the filled rows before them, at every layer after the cut."""
+    from fastprefill.methods.pruning.fill import Fill, FillMaps
+    from fastprefill.methods.pruning.loop import progressive_prefill
+    from fastprefill.methods.pruning.options import PruneOptions
+    from fastprefill.methods.pruning.select import top_k_keep
+
+    out, _ = calibrated
+    ad = DecoderAdapter(tiny_qwen2)
+    ids = make_ids(48, 5)
+    schedule = ((0, 0.25),)
+    fill = PruneOptions(revival="none", fill=f"calibrated:{out}", fill_share=share)
+    with torch.inference_mode():
+        filled = progressive_prefill(ad, ids, schedule, top_k_keep, fill)
+        dropped = progressive_prefill(ad, ids, schedule, top_k_keep, PruneOptions(revival="none"))
+    kept = filled.state.selected[-1]
+    assert torch.equal(kept, dropped.state.selected[-1])  # the cut is the same
+    present = filled.state.cache.positions(3)
+    filled_pos = present[~torch.isin(present, kept)].sort().values
+    pairs = sum(int((filled_pos < q).sum()) for q in kept.tolist())
+    shape = ModelShape.from_config(tiny_qwen2.config)
+    maps = FillMaps(Fill.parse(f"calibrated:{out}"), ad, 1)
+    want = dropped.output.stats.flops + maps.flops(int(filled_pos.numel())) + 3 * shape.attention_flops(pairs)  # layers 1..3
+    assert pairs > 0
+    assert filled.output.stats.flops == pytest.approx(want, rel=1e-12)

@@ -15,8 +15,9 @@ with source layer ``l + 1``):
 
 Filled keys are rotated at the token's original position. A filled row is never computed
 exactly later (fill needs ``revival=none``: a revived token would have both), never stored in
-a prefix cache, and its cost (``2 (D + 1) H_kv d`` multiply-adds per token, layer and K/V) is
-inside TTFT, in the FLOP count and in the ``filled_token_layers`` stat.
+a prefix cache, and its cost (``2 (D + 1) H_kv d`` multiply-adds per token, layer and K/V for
+the maps, and the kept rows' attention to the filled rows before them) is inside TTFT, in the
+FLOP count and in the ``filled_token_layers`` stat.
 """
 
 from __future__ import annotations

@@ -185,6 +185,7 @@ def progressive_prefill(
     if opts.fill.active and len(schedule) > 1:
         raise ConfigError(f"fill={opts.fill} supports one-cut schedules; this one cuts {len(schedule)} times")
     filled_from, filled_token_layers = ad.num_layers, 0  # layers from which pruned tokens have filled rows
+    filled_positions = rows[:0]  # (F,) ascending: the positions that have filled rows
     with torch.inference_mode(), ad.attention_scope():
         hidden = ad.embed(input_ids[:, p:])  # (1, R, D)
         cos, sin = ad.rotary(hidden, rows[None])  # (1, R, d) each
@@ -197,7 +198,9 @@ def progressive_prefill(
                 else None
             hidden = run_rows(state, layer, hidden, rows, (cos, sin), mask, scores, scorer)
             token_layers += r
-            flops += shape.layer_flops(r, r * p + causal_pairs(r))
+            # the rows also attend the filled rows before them (none before the cut)
+            filled_pairs = int(torch.searchsorted(filled_positions, rows).sum()) if layer >= filled_from else 0
+            flops += shape.layer_flops(r, r * p + causal_pairs(r) + filled_pairs)
             if scores is None:
                 continue
             flops += min(scorer.queries, r) * shape.scoring_flops(r + p)
@@ -223,7 +226,7 @@ def progressive_prefill(
                     for j, (k_j, v_j) in maps.fill(hidden[:, filled], rows[filled]).items():
                         state.cache.stage(j, rows[filled])
                         state.cache.update(k_j, v_j, j)
-                    filled_from = layer + 1
+                    filled_from, filled_positions = layer + 1, rows[filled]
                     filled_token_layers += int(filled.numel()) * (ad.num_layers - layer - 1)
                     flops += maps.flops(int(filled.numel()))
                 hidden = hidden.index_select(1, keep)
