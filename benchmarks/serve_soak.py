@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import numpy as np
 import openai
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
@@ -425,15 +426,15 @@ def soak(args: argparse.Namespace, rows: Rows, server: ServerProcess) -> None:
 
 
 # --- report ------------------------------------------------------------------------------------
+def _nearest(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile of ``values``, one of them (nearest rank)."""
+    return float(np.percentile(values, q, method="nearest"))
+
+
 def _status_name(row: Mapping[str, Any]) -> str:
     if row["status"] is None:
         return "left" if row.get("deliberate") else "no answer"
     return str(row["status"])
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 #: The request counts a soak must keep at 0.
@@ -498,7 +499,7 @@ def summarize(header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> d
         "requests": len(reqs),
         "statuses": dict(sorted(Counter(_status_name(r) for r in reqs).items())),
         "by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())},
-        "latency_s": {k: {"p50": _pct(v, 0.5), "p95": _pct(v, 0.95), "max": max(v)} for k, v in sorted(latency.items())},
+        "latency_s": {k: {"p50": _nearest(v, 50), "p95": _nearest(v, 95), "max": max(v)} for k, v in sorted(latency.items())},
         "checks": checks,
         "rss": rss,
         "answers_varying": sorted(k for k, v in answers.items() if len(v) > 1),
