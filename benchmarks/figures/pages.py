@@ -6,7 +6,8 @@
 - every table of a page that is preceded by a line ``<!-- from: benchmarks/results/<file> -->``
   quotes that result: each of its columns is a column of the table recomputed from the file (for
   bench records :func:`markdown_table` plus the columns of :data:`EXTRA_COLUMNS` and, for a
-  prefix-cache run, :func:`prefix_overhead_table`'s; for a run paired by a ``.summary.json``
+  prefix-cache run, :func:`prefix_overhead_table`'s, for a tune run its figures per length, half
+  and candidate; for a run paired by a ``.summary.json``
   :func:`reference_table`; for a selection-ceiling run its rows re-summarized; for any other
   result the committed ``.md``'s tables), and each of
   its rows is the recomputed row with the same key cells (:data:`KEY_COLUMNS`; without any, the
@@ -57,7 +58,7 @@ EXTRA_COLUMNS: dict[str, Any] = {
 
 #: Cells that name a row (matched as text) rather than measure it.
 KEY_COLUMNS = ("length", "method", "model", "tokens", "prompt", "clients", "l", "maps", "link GB/s",
-               "cache the base reads", "selection")
+               "cache the base reads", "selection", "half", "candidate")
 
 _SOURCE = re.compile(r"^<!--\s*from:\s*(?:\.\./)*benchmarks/results/([^\s()]+)\s*(?:\(([^)]*)\))?\s*-->", re.MULTILINE)
 _RESULT_PATH = re.compile(r"benchmarks/results/[\w.*{},+-]+")
@@ -76,6 +77,36 @@ def _ceiling_table(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
              "median first-token KL": f"{r['median_first_token_kl']:.2f}",
              "gold tokens kept": f"{100 * r['gold_kept_share_mean']:.0f}%",
              "token-layers": f"{100 * r['token_layer_fraction_mean']:.0f}%"} for r in ceiling_summary(rows)]
+
+
+def _tune_table(records: list[Any]) -> list[dict[str, str]]:
+    """A tune run's figures per prompt length, half and candidate (what its chooser saw), on
+    first-token agreement with a 95% Wilson interval: ``<split>:<id>@<length>`` prompt ids; with
+    both splits the dev half chooses and the test half reports, else the halves go by hash."""
+    from fastprefill.methods.auto import Target
+    from fastprefill.tune import measure, split_of_prompt
+
+    ids = {r.sample_id for r in records}
+    by_split = {i.split(":", 1)[0] for i in ids} >= {"dev", "test"}
+
+    def half(sample_id: str) -> str:
+        if by_split:
+            return "dev (choose)" if sample_id.startswith("dev:") else "test (report)"
+        return split_of_prompt(sample_id)
+
+    target = Target("first-token", 0.5)  # the interval does not depend on the target's value
+    methods = list(dict.fromkeys(r.method for r in records if r.method != FULL))
+    groups: dict[tuple[int, str], list[Any]] = {}
+    for r in records:
+        groups.setdefault((int(r.sample_id.rsplit("@", 1)[1]), half(r.sample_id)), []).append(r)
+    rows = []
+    for (length, h), group in sorted(groups.items()):
+        for method in methods:
+            if (c := measure(group, method, target)) is not None:
+                rows.append({"length": str(length), "half": h, "candidate": method.split("preset=")[-1],
+                             "n": str(c.n), "paired TTFT ratio": f"{c.ttft_ratio:.2f}x",
+                             "first token = full [95% CI]": f"{c.fidelity:.2f} [{c.low:.2f}, {c.high:.2f}]"})
+    return rows
 
 
 def result_tables(results: Path, name: str) -> list[list[dict[str, str]]]:
@@ -107,6 +138,8 @@ def result_tables(results: Path, name: str) -> list[list[dict[str, str]]]:
             tables = [rows]
             if header.get("kind") in PREFIX_KINDS:
                 tables.append(parse_table(prefix_overhead_table(records)))
+            if header.get("task") == "tune":
+                tables.append(_tune_table(records))
             return tables
     if not md.exists():
         raise ConfigError(f"benchmarks/results/{name}: neither bench records nor a committed .md table")

@@ -153,3 +153,19 @@ def test_verify_checks_a_prefix_runs_overhead_table(tmp_path):
     md.write_text(md.read_text().replace(row, row.replace("0.18%", "0.81%")))
     assert [(m.file, m.where) for m in verify_results(tmp_path).mismatches] == [
         (f"{stem}.md (overhead table)", "row 2 column 'store / TTFT (median)'")]
+
+
+def test_verify_checks_a_tune_runs_figures_per_length_and_half(tmp_path):
+    """A tune page's per-bucket table is recomputed from the run's records: a changed interval,
+    or a row put in the other half, is found."""
+    root = _copy_checkout(tmp_path)
+    page = root / "docs" / "results" / "tune.md"
+    text = page.read_text()
+    row = "| 1024 | test (report) | gentle | 1.25x | 0.90 [0.74, 0.97] |"
+    assert row in text
+    page.write_text(text.replace(row, row.replace("0.90 [0.74, 0.97]", "0.93 [0.74, 0.97]"))
+                    .replace("| 700 | dev (choose) | gentle | 1.27x |", "| 700 | test (report) | gentle | 1.27x |"))
+    found = sorted((m.where.split(", row")[0], m.committed) for m in verify_pages(root).mismatches)
+    source = "table from tune_qwen2.5-coder-0.5b_n30_first-token-0.7.jsonl"
+    # the moved row is compared with the test half's gentle row: both its cells differ
+    assert found == [(source, "0.73 [0.56, 0.86]"), (source, "0.93 [0.74, 0.97]"), (source, "1.27x")], found
