@@ -65,3 +65,22 @@ def test_tune_end_to_end_on_smollm2(tmp_path, smollm2):
     assert out.with_suffix(".jsonl").read_text().splitlines() == records
     assert main(["tune", "--model", "smollm2-135m", "--task", "multidoc-qa", "--split", "dev",
                  "--report-split", "dev"]) == 2
+
+
+def test_an_interrupted_tune_says_how_to_continue(tmp_path, smollm2, monkeypatch, capsys):
+    import fastprefill.tune
+    from fastprefill.cli import main
+
+    out = tmp_path / "profile.json"
+
+    def interrupted(*args, records_path, **kwargs):
+        records_path.write_text('{"header": {}}\n')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fastprefill.tune, "tune", interrupted)
+    code = main(["tune", "--model", "smollm2-135m", "--task", "multidoc-qa", "--lengths", "512", "--n", "2",
+                 "--only", "--methods", "lazyllm:preset=gentle", "--threads", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 130 and "interrupted" in err
+    assert f"the runs so far are in {out.with_suffix('.jsonl')}" in " ".join(err.split())
+    assert "with --resume continues" in " ".join(err.split())

@@ -171,6 +171,29 @@ def test_committed_record_files_load():
         load_records(RESULTS / "nope.jsonl")
 
 
+def test_a_run_killed_mid_line_resumes_without_its_torn_record(tmp_path):
+    path = tmp_path / "run.jsonl"
+    header = {"task": "t", "n": 2}
+    log = RecordLog(path, header)
+    log.append(_rec("full", "a", 1.0, 1.0))
+    log.append(_rec("lazy", "a", 0.5, 1.0))
+    with path.open("a") as f:
+        f.write('{"method": "full", "sample_id": "b", "ttf')  # killed while writing
+    with pytest.raises(ConfigError, match=r"line 4 is not JSON \(cut short: resume the run to drop it\)"):
+        load_records(path)
+    again = RecordLog(path, header, resume=True, match=("task", "n"))
+    assert again.records == log.records and again.done(1024) == {("a", "full"), ("a", "lazy")}
+    again.append(_rec("full", "b", 1.0, 1.0))
+    assert load_records(path) == (header, [*log.records, again.records[-1]])  # the torn line is gone
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")  # damage inside: refused
+    with pytest.raises(ConfigError, match="line 2 is not JSON"):
+        RecordLog(path, header, resume=True, match=("task", "n"))
+    path.write_text(lines[0] + "\n" + json.dumps({"method": "full"}) + "\n")
+    with pytest.raises(ConfigError, match="not a benchmark record"):
+        load_records(path)
+
+
 def test_record_log_appends_resumes_and_refuses_mismatches(tmp_path):
     path = tmp_path / "run.jsonl"
     header = {"task": "t", "n": 2, "command": "first"}

@@ -158,26 +158,53 @@ def save_records(path: str | Path, header: Mapping[str, Any], records: Iterable[
     _atomic_write(Path(path), text)
 
 
-def load_records(path: str | Path) -> tuple[dict[str, Any], list[Record]]:
+def load_records(path: str | Path, *, drop_torn_tail: bool = False) -> tuple[dict[str, Any], list[Record]]:
     """Read a result file: ``(header, records)``.
 
+    Args:
+        path: the ``.jsonl`` file.
+        drop_torn_tail: ignore a last line that is cut short (not JSON and without its newline:
+            a run killed while writing it) instead of refusing the file.
+
     Raises:
-        ConfigError: the file is missing, or its first line is not a ``{"header": ...}`` object.
+        ConfigError: the file is missing, its first line is not a ``{"header": ...}`` object, or
+            a line is not a JSON record (the message names the line).
     """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such result file")
-    header, rows = read_rows(path)
-    return header, [Record(**row) for row in rows]
+    header, rows = read_rows(path, drop_torn_tail=drop_torn_tail)
+    try:
+        return header, [Record(**row) for row in rows]
+    except TypeError as exc:
+        raise ConfigError(f"{path}: a line is not a benchmark record ({exc})") from None
 
 
-def read_rows(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Read a JSON-lines file with a header line: ``(header, rows)`` (rows as plain dicts)."""
-    lines = Path(path).read_text().splitlines()
-    first = json.loads(lines[0]) if lines else None
+def read_rows(path: str | Path, *, drop_torn_tail: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Read a JSON-lines file with a header line: ``(header, rows)`` (rows as plain dicts).
+
+    ``drop_torn_tail``: see :func:`load_records`.
+
+    Raises:
+        ConfigError: the first line is not a ``{"header": ...}`` object, or a line is not JSON.
+    """
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    rows: list[Any] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if drop_torn_tail and i == len(lines) - 1 and not text.endswith("\n"):
+                break
+            cut = " (cut short: resume the run to drop it)" if i == len(lines) - 1 and not text.endswith("\n") else ""
+            raise ConfigError(f"{path}: line {i + 1} is not JSON{cut}: {exc.msg}") from None
+    first = rows[0] if rows and lines[0].strip() else None
     if not isinstance(first, dict) or "header" not in first:
         raise ConfigError(f"{path}: the first line must be a {{\"header\": ...}} object")
-    return first["header"], [json.loads(line) for line in lines[1:] if line.strip()]
+    return first["header"], rows[1:]
 
 
 def write_rows(path: str | Path, header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> Path:
@@ -202,8 +229,8 @@ class RecordLog:
         header: this run's header.
         resume: continue an existing file: its records are loaded (:attr:`records`, :attr:`done`)
             and new ones appended after them; the file's header is kept (:meth:`done` says what
-            to skip). The values of ``match``
-            must equal the file's, or the run is refused.
+            to skip). The values of ``match`` must equal the file's, or the run is refused. A
+            last line cut short (a run killed while writing it) is dropped from the file.
         overwrite: when not resuming, replace an existing file (``False``: refuse it).
         match: header keys a resumed file must agree on (what was run, not when or where).
         grow: integer header keys among ``match`` that a resumed run may raise (``n``: samples
@@ -229,7 +256,7 @@ class RecordLog:
         self.path = Path(path)
         self.records: list[Record] = []
         if resume and self.path.exists():
-            old, self.records = load_records(self.path)
+            old, self.records = load_records(self.path, drop_torn_tail=True)
             grown: dict[str, Any] = {}
             for key in match:
                 new, was = json.loads(json.dumps(header.get(key))), old.get(key)
@@ -249,6 +276,7 @@ class RecordLog:
                 step.update({k: header[k] for k in ("command", "started", "git_commit") if k in header})
                 self.header = {**old, **{key: header[key] for key in grown},
                                "extended": [*old.get("extended", []), step]}
+            if grown or not self.path.read_text().endswith("\n"):  # a torn last line is dropped
                 save_records(self.path, self.header, self.records)
         elif self.path.exists() and not overwrite:
             raise ConfigError(f"{self.path} exists: resume it, or write to another file")

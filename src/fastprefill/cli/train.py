@@ -133,13 +133,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
         prompts = task_prompts(args.task, tok, args.lengths, args.n, split=args.split, seed=args.seed)
     out = Path(args.out)
     records = Path(args.records) if args.records else out.with_suffix(".jsonl")
-    profile, seen = tune(model, tok, args.model, prompts, candidates, {k: k for k in candidates}, target,
-                         records_path=records, threads=args.threads, resume=args.resume,
-                         max_new_tokens=args.max_new_tokens, min_speedup=args.min_speedup,
-                         meta={"source": args.prompts or (
-                             f"{args.task} ({args.split} to choose, {args.report_split} to report, lengths "
-                             f"{args.lengths}, n={args.n} per split)" if args.report_split else
-                             f"{args.task} ({args.split}, lengths {args.lengths}, n={args.n})")})
+    try:
+        profile, seen = tune(model, tok, args.model, prompts, candidates, {k: k for k in candidates}, target,
+                             records_path=records, threads=args.threads, resume=args.resume,
+                             max_new_tokens=args.max_new_tokens, min_speedup=args.min_speedup,
+                             meta={"source": args.prompts or (
+                                 f"{args.task} ({args.split} to choose, {args.report_split} to report, lengths "
+                                 f"{args.lengths}, n={args.n} per split)" if args.report_split else
+                                 f"{args.task} ({args.split}, lengths {args.lengths}, n={args.n})")})
+    except KeyboardInterrupt:
+        if records.exists():
+            err_console.print(f"the runs so far are in {records}: the same command with --resume continues "
+                              "from there", highlight=False)
+        raise
     profile.save(out)
     plot = plot_frontier(seen, profile, out.with_suffix(".png"))
     table = Table(title=f"{args.model}: {target.describe()} ({target.confidence:.0%} interval)")
