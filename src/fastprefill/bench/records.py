@@ -197,9 +197,10 @@ def read_rows(path: str | Path, *, drop_torn_tail: bool = False) -> tuple[dict[s
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            if drop_torn_tail and i == len(lines) - 1 and not text.endswith("\n"):
+            torn = i == len(lines) - 1 and not text.endswith("\n")
+            if torn and drop_torn_tail:
                 break
-            cut = " (cut short: resume the run to drop it)" if i == len(lines) - 1 and not text.endswith("\n") else ""
+            cut = " (cut short: resume the run to drop it)" if torn else ""
             raise ConfigError(f"{path}: line {i + 1} is not JSON{cut}: {exc.msg}") from None
     first = rows[0] if rows and lines[0].strip() else None
     if not isinstance(first, dict) or "header" not in first:
