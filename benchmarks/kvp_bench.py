@@ -40,6 +40,11 @@ Subcommands:
 ``eval`` specs: ``full``, ``kvp:<dir>``, ``drop:<stride>`` or any registry spec
 (``kvp-prefix:predictor=<dir>``, ``kvp-prefix:layer=<l>``, ``lazyllm:preset=<name>``).
 
+Every model (a base and its aux alike) is loaded in ``--dtype``: by default ``auto``
+(:func:`fastprefill.host.resolve_dtype`) for ``ablate``, ``eval``, ``l-sweep`` and ``gate``, and
+``float32`` for the subcommands that fit maps (``train``, ``rope``, ``prefix``, ``distill``, as
+``fastprefill train-kvp`` does).
+
 Records, summaries, tables and plots come from :mod:`fastprefill.bench`; this script holds the
 model pairs and method specs.
 """
@@ -72,6 +77,7 @@ from fastprefill.bench.summary import method_entry, references_by_model, summari
 from fastprefill.data.tasks import get_task
 from fastprefill.distributed.runtime import set_threads
 from fastprefill.errors import FastprefillError
+from fastprefill.host import DTYPES, keep_freed_memory
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
 from fastprefill.methods.kv_prediction.auxiliary.models import check_tokenizers
@@ -104,22 +110,34 @@ PAIRS: dict[str, dict[str, Any]] = {
     "smoke": {"base": "smollm2-135m", "aux": None},
 }
 RESULTS = Path(__file__).resolve().parent / "results"
+#: Subcommands that fit maps: their models load in float32 unless ``--dtype`` says otherwise.
+FIT_COMMANDS = ("train", "rope", "prefix", "distill")
+#: Subcommands that load no model.
+NO_MODEL_COMMANDS = ("layers", "plot")
 
 
-def _load_pair(pair: str, stride: int):
+def _load_pair(pair: str, stride: int, dtype: str):
     spec = PAIRS[pair]
-    base, tok = zoo.load(spec["base"])
+    base, tok = zoo.load(spec["base"], dtype=dtype)
     if spec["aux"]:
-        aux, aux_tok = zoo.load(spec["aux"])
+        aux, aux_tok = zoo.load(spec["aux"], dtype=dtype)
         return base, tok, aux, aux_tok, AuxSpec.model(spec["aux"])
     return base, tok, AuxSpec.layer_drop(stride).build(base), None, AuxSpec.layer_drop(stride)
+
+
+def _load_predictor(path: str, cfg: dict[str, Any], tok: Any, dtype: str) -> KVPrediction:
+    """The KV Prediction checkpoint at ``path`` (``cfg``: its config), a separate aux model
+    (KVP-C) loaded in ``dtype`` like the base."""
+    aux_name = cfg["aux"].get("name")  # None for a layer-drop aux (built from the base)
+    aux, aux_tok = zoo.load(aux_name, dtype=dtype) if aux_name else (None, None)
+    return KVPrediction.load(path, aux=aux, aux_tokenizer=aux_tok, base_tokenizer=tok)
 
 
 # ----------------------------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     spec = PAIRS[args.pair]
-    base, tok, aux, aux_tok, aux_spec = _load_pair(args.pair, args.stride)
+    base, tok, aux, aux_tok, aux_spec = _load_pair(args.pair, args.stride, args.dtype)
     cfg = TrainConfig(lsq_tokens=args.lsq_tokens, steps=args.steps, seq_len=args.seq_len,
                       lr=args.lr, l1_weight=args.l1_weight, ridge=args.ridge,
                       checkpoint_every=args.checkpoint_every, source=args.source, task_share=args.task_share)
@@ -134,7 +152,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     phases = json.loads(Path(args.out, "config.json").read_text()).get("heldout_errors", {})
     meta = {"command": " ".join(shlex.quote(a) for a in sys.argv), "wall_seconds_this_run": seconds,
             "train_config": vars(cfg), "predictor_parameters": method.predictor.num_parameters(),
-            "heldout_rel_error": errors, "heldout_by_phase": phases, **environment(args.threads)}
+            "heldout_rel_error": errors, "heldout_by_phase": phases, **environment(args.threads, base)}
     write_json(Path(args.out, "train_meta.json"), meta)
     write_json(Path(args.results, f"kvp_train_{Path(args.out).name}.json"), meta)  # the figures' result file
     print(json.dumps({"wall_seconds": seconds, "final": error_summary(errors),
@@ -144,7 +162,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------- rope ablation
 def cmd_rope(args: argparse.Namespace) -> None:
     set_threads(args.threads)
-    base, tok, aux, _, _ = _load_pair(args.pair, args.stride)
+    base, tok, aux, _, _ = _load_pair(args.pair, args.stride, args.dtype)
     train = training_corpus(tok, args.lsq_tokens, args.seq_len, seed=0)
     held = training_corpus(tok, args.seq_len * args.heldout_seqs, args.seq_len, seed=12345)
 
@@ -158,7 +176,7 @@ def cmd_rope(args: argparse.Namespace) -> None:
 
     result: dict[str, Any] = {"pair": args.pair, "lsq_tokens": args.lsq_tokens, "heldout_tokens": len(held) * args.seq_len,
                               "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
-                              **environment(args.threads)}
+                              **environment(args.threads, base)}
     with torch.no_grad():
         for name, get in (("pre_rotation", pre), ("rotated", rotated)):
             pred = KVPredictor(ModelShape.from_config(aux.config), ModelShape.from_config(base.config))
@@ -183,8 +201,8 @@ def cmd_ablate(args: argparse.Namespace) -> None:
     """First-token agreement and KL of the base reading partly predicted caches (dev prompts)."""
     set_threads(args.threads)
     cfg = json.loads(Path(args.predictor, "config.json").read_text())
-    base, tok = zoo.load(cfg["base"]["name"])
-    method = KVPrediction.load(args.predictor, base_tokenizer=tok)
+    base, tok = zoo.load(cfg["base"]["name"], dtype=args.dtype)
+    method = _load_predictor(args.predictor, cfg, tok, args.dtype)
     aux = method.bind(base)
     task = get_task(args.task)
     samples = task.build(tok, args.length if task.sized else None, args.n, split=args.split, seed=args.seed)
@@ -196,7 +214,8 @@ def cmd_ablate(args: argparse.Namespace) -> None:
     header = {"bench": "kvp-ablation", "predictor": args.predictor, "base": cfg["base"]["name"],
               "aux": cfg["aux"].get("name") or cfg["aux"]["spec"], "task": args.task, "split": args.split,
               "length": args.length, "n": len(samples), "sink": args.sink,
-              "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
+              "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+              **environment(args.threads, base)}
     stem = str(Path(args.out) / result_name(args.out, f"kvp_ablation_{Path(args.predictor).name}", name=args.name))
     write_json(stem + ".json", {"header": header, "rows": rows, "kv_errors": {**errors, **error_summary(errors)},
                                 "heldout_by_phase": cfg.get("heldout_errors", {})})
@@ -227,7 +246,7 @@ def _error_table(errors: dict[str, list[float]], phases: dict[str, dict[str, lis
 def cmd_prefix(args: argparse.Namespace) -> None:
     """Calibrate kvp-prefix maps at ``--layer`` (resumable)."""
     set_threads(args.threads)
-    model, tok = zoo.load(args.model)
+    model, tok = zoo.load(args.model, dtype=args.dtype)
     cfg = PrefixCalibration(layer=args.layer, lsq_tokens=args.lsq_tokens, seq_len=args.seq_len, ridge=args.ridge,
                             rank=args.rank, max_mb=args.max_mb, task_share=args.task_share)
     t0 = time.perf_counter()
@@ -236,7 +255,8 @@ def cmd_prefix(args: argparse.Namespace) -> None:
     report = {phase: error_summary({k: v for k, v in errs.items() if k != "layers"})
               for phase, errs in config.get("heldout_errors", {}).items() if isinstance(errs, dict)}
     meta = {"command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
-            "wall_seconds_this_run": time.perf_counter() - t0, "heldout_means": report, **environment(args.threads)}
+            "wall_seconds_this_run": time.perf_counter() - t0, "heldout_means": report,
+            **environment(args.threads, model)}
     write_json(Path(args.out, "calibrate_meta.json"), meta)
     write_json(Path(args.results, f"kvp_calibrate_{Path(args.out).name}.json"), meta)  # the figures' result file
     print(json.dumps({"wall_seconds": time.perf_counter() - t0, "storage": config["maps"]["storage"], **report},
@@ -250,7 +270,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
     the seed-0 dev prompts that ``l-sweep`` scores (``--sweep-n`` of each task) nor the
     calibration's own task prompts."""
     set_threads(args.threads)
-    model, tok = zoo.load(args.model)
+    model, tok = zoo.load(args.model, dtype=args.dtype)
     cfg = PrefixDistillation(steps=args.steps, batch=args.batch, lr=args.lr, tail=args.tail, seed=args.seed,
                              eval_every=args.eval_every, end_share=args.end_share)
     t0 = time.perf_counter()
@@ -260,7 +280,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
     config = json.loads(Path(args.out, "config.json").read_text())
     meta = {"command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
             "wall_seconds_this_run": time.perf_counter() - t0, **info,
-            "distillation": config["distillation"], **environment(args.threads)}
+            "distillation": config["distillation"], **environment(args.threads, model)}
     write_json(Path(args.out, "distill_meta.json"), meta)
     write_json(Path(args.results, f"kvp_distill_{Path(args.out).name}.json"), meta)
     print(json.dumps(config["distillation"]["curve"], indent=1))
@@ -276,7 +296,7 @@ def _dev_prompts(tok, args: argparse.Namespace, meta: dict[str, Any] | None = No
 def cmd_lsweep(args: argparse.Namespace) -> None:
     """kvp-prefix per l beside full prefill on dev prompts; rows via the bench records module."""
     set_threads(args.threads)
-    model, tok = zoo.load(args.model)
+    model, tok = zoo.load(args.model, dtype=args.dtype)
     predictors = [item.split("=", 1) for item in args.predictor]  # [(l, dir)], one l may have several
     metas = [json.loads(Path(d, "config.json").read_text()) for _, d in predictors]
     used = {"task_ids": [i for m in metas for i in m.get("task_ids", [])]}
@@ -287,7 +307,7 @@ def cmd_lsweep(args: argparse.Namespace) -> None:
     header = {"bench": "kvp-prefix-l-sweep", "model": args.model, "task": args.task, "split": "dev",
               "length": args.length, "n": len(samples), "seed": args.seed, "layers": args.layers,
               "predictors": predictors, "tails": args.tails, "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
-              **environment(args.threads)}
+              **environment(args.threads, model)}
     stem = str(Path(args.out) / result_name(args.out, f"kvp_lsweep_{args.model}_{args.task}_{args.length}",
                                             name=args.name))  # names hold dots: no with_suffix
     write_rows(stem + ".jsonl", header, rows)
@@ -299,15 +319,16 @@ def cmd_gate(args: argparse.Namespace) -> None:
     """The dev gate of a KV predictor (mean held-out V error, median first-token KL)."""
     set_threads(args.threads)
     cfg = json.loads(Path(args.predictor, "config.json").read_text())
-    base, tok = zoo.load(cfg["base"]["name"])
-    method = KVPrediction.load(args.predictor, base_tokenizer=tok)
+    base, tok = zoo.load(cfg["base"]["name"], dtype=args.dtype)
+    method = _load_predictor(args.predictor, cfg, tok, args.dtype)
     samples, prompts = _dev_prompts(tok, args, cfg)
     held = training_corpus(tok, args.seq_len * args.heldout_seqs, args.seq_len, seed=12345, task_share=0.0)
     result = dev_gate(base, method, prompts, held)
     header = {"bench": "kvp-gate", "predictor": args.predictor, "base": cfg["base"]["name"],
               "source": cfg.get("source", "kv"), "task": args.task, "split": "dev", "length": args.length,
               "n": len(samples), "heldout_tokens": args.seq_len * args.heldout_seqs,
-              "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
+              "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+              **environment(args.threads, base)}
     stem = str(Path(args.out) / result_name(args.out, f"kvp_gate_{Path(args.predictor).name}", name=args.name))
     write_json(stem + ".json", {"header": header, "gate": result.to_json()})
     Path(stem + ".md").write_text(f"# KV Prediction dev gate: {Path(args.predictor).name}\n\n"
@@ -331,7 +352,7 @@ def _parse_method(text: str) -> tuple[str, str, str]:
 
 
 #: Header keys a resumed eval must share with the new run.
-EVAL_MATCH = ("task", "split", "length", "n", "seed", "max_new_tokens", "methods")
+EVAL_MATCH = ("task", "split", "length", "n", "seed", "max_new_tokens", "methods", "dtype")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -344,7 +365,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     models: dict[str, Any] = {}
     toks: dict[str, Any] = {}
     for model_name in dict.fromkeys(m for m, _ in specs.values()):
-        models[model_name], toks[model_name] = zoo.load(model_name)
+        models[model_name], toks[model_name] = zoo.load(model_name, dtype=args.dtype)
     tok = toks[args.model]
     for other in toks.values():
         check_tokenizers(tok, other)  # one prompt encoding serves every model
@@ -362,6 +383,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
             ckpt = spec.split(":", 1)[1]
             cfg = json.loads(Path(ckpt, "config.json").read_text())
             aux_name = cfg["aux"].get("name")  # None for a layer-drop aux (built from the base)
+            if aux_name and aux_name not in models:  # the aux in the base's dtype
+                models[aux_name], toks[aux_name] = zoo.load(aux_name, dtype=args.dtype)
             method = KVPrediction.load(ckpt, aux=models.get(aux_name),
                                        aux_tokenizer=toks.get(aux_name), base_tokenizer=toks[model_name])
             method.bind(models[model_name])  # checks outside the timed region
@@ -376,7 +399,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
               "max_new_tokens": budget, "warmup": args.warmup, "reference_model": args.model,
               "methods": {n: list(v) for n, v in specs.items()},
               "method_describe": {n: m.describe() for n, m in methods.items()}, "references": refs,
-              "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), **environment(args.threads)}
+              "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+              **environment(args.threads, models[args.model])}
     stem = str(Path(args.out) / result_name(args.out, f"kvp_{args.task}" + (f"_{length}" if length else ""),
                                             name=args.name, resume=args.resume))
     log = RecordLog(stem + ".jsonl", header, resume=args.resume, overwrite=False, match=EVAL_MATCH)
@@ -422,6 +446,9 @@ def cmd_plot(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
+                   help="the models' dtype, a base and its aux alike (default: auto; float32 for "
+                        f"{', '.join(FIT_COMMANDS)}, which fit maps)")
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("train", "rope"):
         s = sub.add_parser(name)
@@ -528,6 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    args.dtype = args.dtype or ("float32" if args.cmd in FIT_COMMANDS else "auto")
+    if args.cmd not in NO_MODEL_COMMANDS:
+        keep_freed_memory()
     try:
         {"train": cmd_train, "rope": cmd_rope, "ablate": cmd_ablate, "eval": cmd_eval,
          "layers": cmd_layers, "plot": cmd_plot, "prefix": cmd_prefix, "l-sweep": cmd_lsweep, "gate": cmd_gate,

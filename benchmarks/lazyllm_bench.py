@@ -27,7 +27,8 @@ each result file's header and on the pages of ``docs/results/``):
   on the dev split (:func:`research.ceiling.selection_ceiling`).
 
 The runs, records, summaries and files come from :mod:`fastprefill.bench` (threads fixed,
-warm-up excluded, TTFT from the engine's timing window); this script holds the method tables.
+warm-up excluded, TTFT from the engine's timing window; the model in ``--dtype``, default
+``auto``: :func:`fastprefill.host.resolve_dtype`); this script holds the method tables.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from fastprefill.bench.summary import needle_by_depth, summarize
 from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
 from fastprefill.errors import FastprefillError
+from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype
 from fastprefill.methods.base import Method
 from fastprefill.methods.baselines import matched_baselines
 from fastprefill.methods.full import FullPrefill
@@ -70,10 +72,10 @@ SWEEP: dict[str, tuple[tuple[float, float], ...]] = {
 }
 
 
-def _load(name: str):
+def _load(name: str, dtype: str):
     from fastprefill.models import zoo
 
-    return zoo.load(name)
+    return zoo.load(name, dtype=dtype)
 
 
 def matched_methods(presets: list[str], num_layers: int, length: int, static_depth: float,
@@ -111,7 +113,7 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
     :mod:`research.selection`) picks among the methods, recorded in the header;
     ``gate`` (:func:`fill_gate`) is recorded under ``fill_gate``."""
     name = result_name(args.out, name, name=args.name, resume=args.resume)
-    model, tok = _load(args.model)
+    model, tok = _load(args.model, args.dtype)
     methods = methods_fn(ModelShape.from_config(model.config).num_layers)
     records = run_benchmark(
         model, tok, task, methods, args.lengths, args.n, split=split, seed=args.seed, threads=args.threads,
@@ -119,7 +121,7 @@ def cmd_task(args: argparse.Namespace, name: str, methods_fn, split: str, task: 
         stop_at_eos=stop_at_eos, resume=args.resume,
     )
     summaries = summarize(records)
-    header = {"task": task, "split": split, "model": args.model, **environment(args.threads),
+    header = {"task": task, "split": split, "model": args.model, **environment(args.threads, model),
               "methods": {k: m.describe() for k, m in methods.items()}}
     if task == "needle":
         header["retrieved_by_depth"] = needle_by_depth(records)
@@ -192,7 +194,7 @@ def fill_gate(summaries: Sequence[Any], confidence: float = 0.95, ttft_slack: fl
 def cmd_equivalence(args: argparse.Namespace) -> None:
     """Keep-all LazyLLM and full prefill on short prompts: first-token logits, greedy tokens, TTFT."""
     set_threads(args.threads)
-    model, tok = _load(args.model)
+    model, tok = _load(args.model, args.dtype)
     prompts = ["Explain in one sentence why the sky is blue.",
                "Write a haiku about autumn leaves.",
                "List three prime numbers greater than ten.",
@@ -211,14 +213,14 @@ def cmd_equivalence(args: argparse.Namespace) -> None:
                      "same_tokens": a.token_ids == b.token_ids, "ttft_full_s": a.timing.ttft_s,
                      "ttft_lazy_s": b.timing.ttft_s, "ttft_ratio_lazy_over_full": b.timing.ttft_s / a.timing.ttft_s})
         print(rows[-1])
-    header = {"bench": "lazyllm-equivalence", "model": args.model, **environment(args.threads)}
+    header = {"bench": "lazyllm-equivalence", "model": args.model, **environment(args.threads, model)}
     write_rows(Path(args.out) / f"{result_name(args.out, 'lazyllm_equivalence', name=args.name)}.jsonl", header, rows)
 
 
 def cmd_speed(args: argparse.Namespace) -> None:
     """TTFT of full vs each preset on random-token prompts of ``length`` (no scoring)."""
     set_threads(args.threads)
-    model, tok = _load(args.model)
+    model, tok = _load(args.model, args.dtype)
     length = args.lengths[0]
     methods: dict[str, Method] = {FULL: FullPrefill(), **{p: LazyLLM(preset=p) for p in args.presets}}
     samples = random_samples(model.get_input_embeddings().num_embeddings, length, args.n, args.seed)
@@ -229,7 +231,7 @@ def cmd_speed(args: argparse.Namespace) -> None:
     for row in rows:
         print(row)
     write_rows(Path(args.out) / f"{result_name(args.out, f'lazyllm_speed_{args.model}_{length}', name=args.name)}.jsonl",
-               {"bench": "lazyllm-speed", "model": args.model, **environment(args.threads)}, rows)
+               {"bench": "lazyllm-speed", "model": args.model, **environment(args.threads, model)}, rows)
 
 
 def cmd_ceiling(args: argparse.Namespace) -> None:
@@ -239,8 +241,8 @@ def cmd_ceiling(args: argparse.Namespace) -> None:
     from fastprefill.data.tasks import get_task
 
     set_threads(args.threads)
-    env = environment(args.threads)  # "started" is now
-    model, tok = _load(args.model)
+    env = environment(args.threads, resolve_dtype(args.dtype))  # "started" is now
+    model, tok = _load(args.model, args.dtype)
     task = get_task("multidoc-qa")
     rows = []
     for length in args.lengths:
@@ -269,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--n", type=int, default=None, help="samples per length")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=list(DTYPES), help="the model's dtype (default auto)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--presets", nargs="+", default=None,
                     help="LazyLLM presets, '<schedule>' or '<schedule>+<selection>' (curve/decode/speed: default "
@@ -311,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    keep_freed_memory()
     defaults = {
         "equivalence": ("smollm2-135m", [0], 4),
         "curve": ("qwen2.5-coder-0.5b", [2048], 50),

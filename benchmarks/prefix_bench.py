@@ -18,7 +18,8 @@ Subcommands (each writes ``<name>.jsonl`` records, ``<name>.summary.jsonl`` pair
   records bytes per cached token against the model's K/V size per token.
 
 Every run is full prefill (exact); answers must equal the run without a cache. Runs alternate
-their order prompt by prompt; one warm-up generation per method is excluded; threads fixed.
+their order prompt by prompt; one warm-up generation per method is excluded; threads fixed; the
+model in ``--dtype`` (default ``auto``: :func:`fastprefill.host.resolve_dtype`).
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ from fastprefill.data.tasks.sessions import (
 )
 from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import GenerationResult, generate
+from fastprefill.host import DTYPES, keep_freed_memory
 from fastprefill.models.shape import ModelShape
 from fastprefill.prefix_cache import PrefixCache
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MATCH = ("kind", "model", "lengths", "n", "questions", "turns", "max_new_tokens", "threads", "block_tokens",
-         "cache_mb", "cache_docs", "split", "seed")
+         "cache_mb", "cache_docs", "split", "seed", "dtype")
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
@@ -81,13 +83,13 @@ class Bench:
 
         set_threads(args.threads)
         self.args = args
-        self.model, self.tok = zoo.load(args.model)
+        self.model, self.tok = zoo.load(args.model, dtype=args.dtype)
         self.max_new = args.max_new_tokens
         name = result_name(args.out, f"prefix_{kind}_{args.model}", name=args.name, resume=args.resume)
         header = {"task": f"prefix-{kind} (SQuAD v2 documents)", "warmup": 1, "kind": kind, "model": args.model, "lengths": args.lengths, "n": args.n,
                   "questions": args.questions, "turns": args.turns, "max_new_tokens": args.max_new_tokens,
                   "block_tokens": args.block_tokens, "cache_mb": args.cache_mb, "cache_docs": args.cache_docs,
-                  "split": args.split, "seed": args.seed, **environment(args.threads)}
+                  "split": args.split, "seed": args.seed, **environment(args.threads, self.model)}
         self.out = Path(args.out)
         self.name = name
         self.log = RecordLog(self.out / f"{name}.jsonl", header, resume=args.resume, overwrite=False, match=MATCH)
@@ -195,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", choices=["dev", "test"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="the model's dtype (default auto)")
     p.add_argument("--name", default=None, help="result file stem (default prefix_<command>_<model>)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--resume", action="store_true")
@@ -203,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    keep_freed_memory()
     started = time.monotonic()
     if args.command == "chat":
         cmd_chat(args)

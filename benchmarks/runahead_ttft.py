@@ -14,7 +14,8 @@ to the first token id (all communication included); model loading is outside. Th
 interleaved within each repetition on the 2-rank pool (drift hits them alike); ``--warmup``
 runs per configuration are discarded; medians over ``--n`` are reported. Prompts are seeded
 random in-vocabulary token ids: dense prefill's cost does not depend on the content. Every run
-also records whether its first token equals the 1-core reference's.
+also records whether its first token equals the 1-core reference's. Every rank loads the model
+in ``--dtype`` (default ``auto``: :func:`fastprefill.host.resolve_dtype`), recorded in each row.
 
 Measured runs (on a quiet machine with at least 2 free cores)::
 
@@ -45,6 +46,7 @@ from tqdm import tqdm
 
 from fastprefill.bench.records import result_name
 from fastprefill.distributed.pool import RankPool
+from fastprefill.host import DTYPES, keep_freed_memory, precision_report, resolve_dtype
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.runahead import KVRunahead, SequenceParallel
 
@@ -87,27 +89,30 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=7, help="measured runs per configuration")
     ap.add_argument("--warmup", type=int, default=2, help="discarded runs per configuration")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--dtype", default="auto", choices=list(DTYPES), help="the ranks' model dtype (default auto)")
     ap.add_argument("--out", default=None, help="JSON lines, appended to (default benchmarks/results/runahead_ttft"
                     ".jsonl, or runahead_ttft-runN.jsonl when that exists)")
     ap.add_argument("--md", default=None, help="markdown table (default: beside the default --out)")
     args = ap.parse_args()
+    keep_freed_memory()  # as every rank does
     stem = RESULTS / result_name(RESULTS, "runahead_ttft")  # a rerun never replaces a committed file
     args.out, args.md = args.out or f"{stem}.jsonl", args.md or f"{stem}.md"
     cores = len(os.sched_getaffinity(0))
     if cores < 2:
         raise SystemExit("this benchmark needs 2 CPU cores (one per rank)")
-    machine = {"platform": platform.platform(), "cores": cores, "torch": torch.__version__}
+    machine = {"platform": platform.platform(), "cores": cores, "torch": torch.__version__,
+               **precision_report(resolve_dtype(args.dtype), requested=args.dtype)}
     rows: list[dict[str, Any]] = []
     for model in args.models:
-        with RankPool(model, 1, threads_per_rank=1, pin=True, timeout_s=args.timeout) as pool:
+        with RankPool(model, 1, dtype=args.dtype, threads_per_rank=1, pin=True, timeout_s=args.timeout) as pool:
             probe = pool.generate([1, 2, 3], FullPrefill(), 1, stop_at_eos=False)
             vocab = int(probe.logits.numel())
             prompts = {n: _prompt(vocab, n, seed=n) for n in args.lengths}
             res = _run_pool(pool, {"full-1core": FullPrefill()}, prompts, args.n, args.warmup, f"{model} 1 core")
-        with RankPool(model, 1, threads_per_rank=2, pin=False, timeout_s=args.timeout) as pool:
+        with RankPool(model, 1, dtype=args.dtype, threads_per_rank=2, pin=False, timeout_s=args.timeout) as pool:
             res.update(_run_pool(pool, {"full-2threads": FullPrefill()}, prompts, args.n, args.warmup,
                                  f"{model} 2 threads"))
-        with RankPool(model, 2, threads_per_rank=1, pin=True, timeout_s=args.timeout) as pool:
+        with RankPool(model, 2, dtype=args.dtype, threads_per_rank=1, pin=True, timeout_s=args.timeout) as pool:
             configs = {
                 "runahead-even": KVRunahead(procs=2, timeout_s=args.timeout),
                 "runahead-searched": KVRunahead(procs=2, partition="searched", timeout_s=args.timeout),
@@ -137,7 +142,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "",
         (
             f"Median TTFT in ms over n={args.n} runs ({args.warmup} warm-up runs discarded), measured on the driver "
-            "from prompt dispatch to the first token. Ranks: 1 thread each, pinned to one core each. "
+            "from prompt dispatch to the first token. Ranks: 1 thread each, pinned to one core each; "
+            f"models in {rows[0]['machine']['dtype'] if rows else '?'}. "
             "Speedup columns divide the baseline's median by KV-Runahead (searched) median."
         ),
         "",

@@ -21,7 +21,8 @@ prompt's text) to the first token's chunk, so HTTP, JSON, tokenization, the queu
 the stream are all inside; the server's own engine TTFT and queue wait (its usage block) are
 recorded beside. Every request generates exactly ``--max-tokens`` tokens (``ignore_eos``), so
 throughput compares like with like. One warm-up request per method and client kind is
-discarded. Both processes use ``--threads`` torch threads.
+discarded. Both processes use ``--threads`` torch threads and load the model in ``--dtype``
+(default ``auto``: :func:`fastprefill.host.resolve_dtype`).
 
 Measured run (the lead schedules it; on a quiet machine)::
 
@@ -58,6 +59,7 @@ from fastprefill.data.tasks import Sample, get_task
 from fastprefill.distributed.runtime import free_port, set_threads
 from fastprefill.engine import generate
 from fastprefill.errors import FastprefillError
+from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype
 from fastprefill.models import zoo
 from fastprefill.serve.config import serving_method
 
@@ -90,16 +92,17 @@ class ServerProcess:
     By default without a prefix cache (the load cells send the same prompts again, and every
     prefill must be computed) and with a request timeout of an hour. ``log``: a file that takes
     the server's stderr (else a pipe, read only if the server fails to start: a long run that
-    logs must give a file, or a full pipe stops the server)."""
+    logs must give a file, or a full pipe stops the server). ``dtype``: the server's ``--dtype``."""
 
     def __init__(self, model: str, threads: int, queue: int, max_tokens: int, extra: Sequence[str] = (), *,
-                 timeout_s: float = 3600, prefix_cache_mb: float = 0, log: Path | None = None) -> None:
+                 timeout_s: float = 3600, prefix_cache_mb: float = 0, log: Path | None = None,
+                 dtype: str = "auto") -> None:
         self.port = free_port()
         self.model = model
         self.log = log
         self.cmd = [sys.executable, "-m", "fastprefill.cli", "serve", "--model", model, "--port", str(self.port),
-                    "--threads", str(threads), "--queue", str(queue), "--timeout", f"{timeout_s:g}",
-                    "--max-tokens", str(max_tokens), "--log-level", "warning",
+                    "--threads", str(threads), "--dtype", dtype, "--queue", str(queue),
+                    "--timeout", f"{timeout_s:g}", "--max-tokens", str(max_tokens), "--log-level", "warning",
                     "--prefix-cache-mb", f"{prefix_cache_mb:g}", *extra]
         if log is None:
             self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -177,9 +180,9 @@ def run_model(name: str, args: argparse.Namespace, server_args: Sequence[str] = 
               inproc: InProcess | None = None) -> list[LoadRecord]:
     """Every cell of ``args.methods`` on model ``name``: ``fastprefill serve`` started with
     ``server_args`` against ``inproc`` (default: :func:`generate` on one worker thread)."""
-    model, tok = zoo.load(name)
+    model, tok = zoo.load(name, dtype=args.dtype)
     server = ServerProcess(name, args.threads, queue=max(args.concurrency) * 2, max_tokens=args.max_tokens,
-                           extra=server_args)
+                           extra=server_args, dtype=args.dtype)
     records: list[LoadRecord] = []
     # The in-process engine runs with the server's thread structure (model loaded on the main
     # thread, generation on one worker thread), so the two sides differ only by the server.
@@ -339,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8, help="prompts per cell (each sent once per concurrency)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                   help="the model's dtype in the server and in-process (default auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default=None, help="file stem (default serve_load_<models>)")
@@ -347,10 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency must include 1 (the overhead is measured there)")
     if args.requests < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
         p.error("--requests, --max-tokens and --concurrency must be >= 1")
+    keep_freed_memory()
     set_threads(args.threads)
-    header = {**environment(args.threads), "models": args.models, "lengths": args.lengths, "methods": args.methods,
-              "concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
-              "task": "multidoc-qa", "split": "test", "seed": args.seed, "goal_overhead": GOAL}
+    header = {**environment(args.threads, resolve_dtype(args.dtype)), "models": args.models, "lengths": args.lengths,
+              "methods": args.methods, "concurrency": args.concurrency, "requests": args.requests,
+              "max_tokens": args.max_tokens, "task": "multidoc-qa", "split": "test", "seed": args.seed,
+              "goal_overhead": GOAL}
     try:
         records = [r for name in args.models for r in run_model(name, args)]
     except FastprefillError as exc:

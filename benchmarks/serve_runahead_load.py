@@ -17,7 +17,9 @@ ranks started by this process (TTFT on its driver: dispatch through the first to
 prefill :func:`fastprefill.engine.generate` with ``--threads`` threads. Server TTFT is the
 client's clock (request sent -> first token's chunk). The table gives TTFT p50 per cell and,
 at 1 client, server / in-process TTFT; ``same answers`` compares the server's text with the
-in-process one (runahead's with runahead's; runahead is exact, so both equal full's).
+in-process one (runahead's with runahead's; runahead is exact, so both equal full's). Every
+process (servers, their ranks, this one and its pool) loads the model in ``--dtype`` (default
+``auto``: :func:`fastprefill.host.resolve_dtype`).
 
 Measured run (the lead schedules it, alone on the machine)::
 
@@ -44,6 +46,7 @@ from fastprefill.bench.records import environment, result_name, write_json, writ
 from fastprefill.distributed.pool import RankPool
 from fastprefill.distributed.runtime import set_threads
 from fastprefill.errors import FastprefillError
+from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype
 from serve_load import markdown, run_model, summarize
 
 
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partition", default="searched", help="runahead partition: even, searched or sizes like 600/424")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the full-prefill server and in-process")
     p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                   help="the model's dtype in the servers, their ranks and in-process (default auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default=None, help="file stem (default serve_runahead_load_<model>)")
@@ -79,16 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency must include 1 (server / in-process TTFT is measured there)")
     if args.requests < 1 or args.max_tokens < 1 or min(args.concurrency) < 1 or args.procs < 2:
         p.error("--requests, --max-tokens and --concurrency must be >= 1, --procs >= 2")
+    keep_freed_memory()
     set_threads(args.threads)
     runahead = f"runahead:procs={args.procs},partition={args.partition}"
-    header = {**environment(args.threads), "model": args.model, "lengths": args.lengths,
-              "methods": ["full", runahead], "concurrency": args.concurrency, "requests": args.requests,
+    header = {**environment(args.threads, resolve_dtype(args.dtype)), "model": args.model,
+              "lengths": args.lengths, "methods": ["full", runahead], "concurrency": args.concurrency,
+              "requests": args.requests,
               "max_tokens": args.max_tokens, "procs": args.procs, "threads_per_rank": args.threads_per_rank,
               "task": "multidoc-qa", "split": "test", "seed": args.seed}
     try:
         records = run_model(args.model, SimpleNamespace(**{**vars(args), "methods": ["full"]}),
                             server_args=["--method", "full"])
-        with RankPool(args.model, args.procs, threads_per_rank=args.threads_per_rank) as pool:
+        with RankPool(args.model, args.procs, dtype=args.dtype, threads_per_rank=args.threads_per_rank) as pool:
             records += run_model(args.model, SimpleNamespace(**{**vars(args), "methods": [runahead]}),
                                  server_args=["--method", runahead, "--threads-per-rank", str(args.threads_per_rank)],
                                  inproc=_pool_inproc(pool))

@@ -74,6 +74,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fastprefill.bench.records import environment, result_name, write_json, write_rows
 from fastprefill.errors import FastprefillError
+from fastprefill.host import DTYPES, resolve_dtype
 from serve_load import ServerProcess
 
 GOAL_GROWTH = 1.10
@@ -599,9 +600,10 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     with tempfile.TemporaryDirectory(prefix="serve_soak_") as tmp:
         log = Path(tmp) / "server.log"
         server = ServerProcess(args.model, args.threads, args.queue, args.max_tokens, timeout_s=args.server_timeout,
-                               prefix_cache_mb=args.prefix_cache_mb, log=log)
-        header = {**environment(args.threads), "bench": "serve-soak", "model": args.model,
-                  "duration_s": args.duration, "warmup_s": args.warmup, "clients": args.clients, "queue": args.queue,
+                               prefix_cache_mb=args.prefix_cache_mb, log=log, dtype=args.dtype)
+        header = {**environment(args.threads, resolve_dtype(args.dtype)), "bench": "serve-soak",
+                  "model": args.model, "duration_s": args.duration, "warmup_s": args.warmup,
+                  "clients": args.clients, "queue": args.queue,
                   "max_tokens": args.max_tokens, "server_timeout_s": args.server_timeout,
                   "client_timeout_s": args.client_timeout, "prefix_cache_mb": args.prefix_cache_mb,
                   "prompts": args.prompts, "big_every_s": args.big_every, "big_body_mib": BIG_BODY_MIB,
@@ -635,6 +637,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=4, help="client threads")
     p.add_argument("--queue", type=int, default=2, help="the server's --queue (small: 429s happen)")
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="the server's --dtype (default auto)")
     p.add_argument("--max-tokens", type=int, default=16, help="a good request asks for 1 to this many tokens")
     p.add_argument("--server-timeout", type=float, default=60.0, help="the server's --timeout (s)")
     p.add_argument("--client-timeout", type=float, default=300.0, help="the clients' timeout (s)")

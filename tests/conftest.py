@@ -5,6 +5,7 @@ smollm2-135m."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fastprefill.models.random import random_ids, random_model
 
@@ -35,8 +36,33 @@ def tiny_model(request, tiny_llama, tiny_qwen2):
 
 
 @pytest.fixture(scope="session")
+def tiny_bf16():
+    """The tiny Llama and Qwen2 models in bfloat16 (the same seeds), by family."""
+    return {family: random_model(family, dtype=torch.bfloat16) for family in ("llama", "qwen2")}
+
+
+@pytest.fixture(params=["llama/float32", "qwen2/float32", "llama/bfloat16", "qwen2/bfloat16"])
+def tiny_model_any_dtype(request, tiny_llama, tiny_qwen2, tiny_bf16):
+    """Each tiny model in float32 and in bfloat16: for tests every method must pass in both."""
+    family, dtype = request.param.split("/")
+    return tiny_bf16[family] if dtype == "bfloat16" else {"llama": tiny_llama, "qwen2": tiny_qwen2}[family]
+
+
+@pytest.fixture(scope="session")
 def smollm2():
-    """The real SmolLM2-135M-Instruct (float32) and its tokenizer, from the model cache."""
+    """The real SmolLM2-135M-Instruct in float32 and its tokenizer, from the model cache: the
+    fixture of exactness tests (an exact method equals full prefill to 1e-4 in float32; in
+    bfloat16 a different split of the same work rounds differently)."""
+    from fastprefill.models import zoo
+
+    return zoo.load("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_auto():
+    """SmolLM2-135M-Instruct in the default dtype (``auto``: bfloat16 on a CPU with native bfloat16
+    units, float32 elsewhere), as the command line and the server load it. Tests on it pass either
+    way."""
     from fastprefill.models import zoo
 
     return zoo.load("smollm2-135m")

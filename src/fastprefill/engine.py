@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.errors import ConfigError, PromptError
+from fastprefill.host import dtype_name
 from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import check_causal_lm
@@ -69,6 +70,7 @@ class Timing:
             (and assembling the hit's K/V).
         prefix_store_s: seconds spent storing into the prefix cache (after the last token,
             outside TTFT and decoding).
+        dtype: the model's dtype (``"bfloat16"``, ``"float32"``, ...): every timing names it.
     """
 
     method: str
@@ -84,6 +86,7 @@ class Timing:
     stored_tokens: int = 0
     prefix_lookup_s: float = 0.0
     prefix_store_s: float = 0.0
+    dtype: str = ""
 
     @property
     def token_layers(self) -> int:
@@ -128,6 +131,7 @@ class Timing:
             "stored_tokens": self.stored_tokens,
             "prefix_lookup_s": self.prefix_lookup_s,
             "prefix_store_s": self.prefix_store_s,
+            "dtype": self.dtype,
         }
 
 
@@ -426,6 +430,7 @@ def stream(
             stored_tokens=stored,
             prefix_lookup_s=timed.lookup_s,
             prefix_store_s=store_s,
+            dtype=dtype_name(model.dtype),
         )
         yield StreamEvent(token, delta + pending.flush(), len(generated) - 1, timing, first_logits)
 

@@ -53,6 +53,7 @@ import torch
 
 from fastprefill.distributed.runtime import init_group, set_threads, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.host import DTYPES, keep_freed_memory
 
 if TYPE_CHECKING:
     from fastprefill.methods.base import Method
@@ -133,7 +134,8 @@ def _torchrun(args: argparse.Namespace) -> int:
     init_group(device=device, timeout_s=args.timeout)
     report = _Reporter(args)
     try:
-        model, tok = load(args.model, device=device)
+        keep_freed_memory()
+        model, tok = load(args.model, device=device, dtype=args.dtype)
         requests = [Request(prompt, method, args.max_new_tokens, args.chat) for method in methods]
         checked = [check_request(model, tok, req, world) for req in requests]  # all, before any runs
         for method, req, ids in zip(methods, requests, checked, strict=True):
@@ -156,7 +158,7 @@ def _local(args: argparse.Namespace) -> int:
     methods = _methods(args, args.procs, f"--procs is {args.procs}")
     prompt = _prompt(args)
     report = _Reporter(args)
-    with RankPool(args.model, args.procs, threads_per_rank=args.threads, pin=args.pin,
+    with RankPool(args.model, args.procs, dtype=args.dtype, threads_per_rank=args.threads, pin=args.pin,
                   timeout_s=args.timeout) as pool:
         for method in methods:
             res = pool.generate(prompt, method, args.max_new_tokens, chat=args.chat)
@@ -183,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pin", action="store_true", help="local pool: pin each rank to one CPU core")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="under torchrun: auto = cuda:LOCAL_RANK (NCCL) when CUDA is available, else cpu (gloo)")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                   help="auto: bfloat16 where the CPU or GPU multiplies it natively, float32 elsewhere")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a silent rank is an error")

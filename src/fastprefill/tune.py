@@ -40,6 +40,7 @@ from fastprefill.bench.runner import PromptSample, Unscored, run_samples
 from fastprefill.bench.summary import bootstrap_ci
 from fastprefill.engine import encode_prompt
 from fastprefill.errors import ConfigError, PromptError
+from fastprefill.host import dtype_name
 from fastprefill.methods.auto import ProfileBucket, Target, TuneProfile
 from fastprefill.methods.base import Method
 from fastprefill.models.fingerprint import tokenizer_fingerprint, weights_fingerprint
@@ -310,9 +311,9 @@ def tune(
     budget = max_new_tokens or (32 if target.measure == "identical" else 1)
     header = {"task": "tune", "model": model_name, "target": target.describe(), "n": len(prompts),
               "max_new_tokens": budget, "methods": {FULL: "full", **{k: specs[k] for k in candidates}},
-              "prompts": [p.id for p in prompts], "warmup": 1, **environment(threads), **(dict(meta or {}))}
+              "prompts": [p.id for p in prompts], "warmup": 1, **environment(threads, model), **(dict(meta or {}))}
     log = RecordLog(records_path, header, resume=resume, overwrite=not resume,
-                    match=("model", "max_new_tokens", "methods", "prompts"))
+                    match=("model", "dtype", "max_new_tokens", "methods", "prompts"))
     by_bucket: dict[str, list[TunePrompt]] = {}
     for p in prompts:
         by_bucket.setdefault(p.bucket, []).append(p)
@@ -324,7 +325,8 @@ def tune(
     buckets_out, seen = choose(log.records, prompts, specs, target, buckets, min_speedup)
     profile = TuneProfile(model=model_name, fingerprint=weights_fingerprint(model),
                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), target=target,
-                          buckets=tuple(buckets_out), meta={"records": str(records_path), **(dict(meta or {}))})
+                          buckets=tuple(buckets_out), meta={"records": str(records_path), **(dict(meta or {}))},
+                          dtype=dtype_name(model.dtype))
     return profile, seen
 
 

@@ -56,14 +56,15 @@ def test_models_json(capsys):
 
 
 @pytest.mark.integration
-def test_generate_json_equals_the_engine(capsys, smollm2):
-    model, tok = smollm2
+def test_generate_json_equals_the_engine(capsys, smollm2_auto):
+    model, tok = smollm2_auto  # the command loads the default dtype too
     assert main(["generate", "--json", "--max-new-tokens", "4", "--threads", "2", "What is 2+2?"]) == 0
     got = json.loads(capsys.readouterr().out)
     want = generate(model, tok, "What is 2+2?", None, 4, chat=True)
     assert got["text"] == want.text and got["token_ids"] == want.token_ids
     assert got["method"] == "full" and got["model"] == "smollm2-135m"
     assert got["timing"]["prompt_tokens"] == want.timing.prompt_tokens and got["timing"]["ttft_s"] > 0
+    assert got["timing"]["dtype"] == str(model.dtype).removeprefix("torch.")
 
 
 @pytest.mark.integration
@@ -90,7 +91,7 @@ def test_serve_refuses_a_bad_method(capsys):
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_serve_command_answers_over_http(smollm2):
+def test_serve_command_answers_over_http(smollm2_auto):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "fastprefill.cli", "serve", "--port", str(port), "--threads", "1",
@@ -110,8 +111,9 @@ def test_serve_command_answers_over_http(smollm2):
         assert [m.id for m in models] == ["smollm2-135m"]
         r = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi!"}],
                                            max_tokens=3)
-        model, tok = smollm2
+        model, tok = smollm2_auto  # the command loads the default dtype too
         assert r.choices[0].message.content == generate(model, tok, "Hi!", None, 3, chat=True).text
+        assert r.usage.model_extra["fastprefill"]["dtype"] == str(model.dtype).removeprefix("torch.")
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -221,12 +223,13 @@ def test_demo_repeats_each_method_after_a_warm_up_and_shows_median_and_range(cap
     calls: list[tuple[str, int]] = []
     ttft = {"FullPrefill": [9.0, 4.0, 6.0, 5.0]}  # per method class: warm-up first, then the timed runs
 
-    def fake_generate(model, tok, ids, method, max_new_tokens=64, **kw):
+    def fake_generate(model, tok, ids, method=None, max_new_tokens=64, **kw):
         name = type(method).__name__
         calls.append((name, max_new_tokens))
         series = ttft.get(name, [9.0, 2.0, 3.0, 2.5])
-        t = series[sum(c[0] == name for c in calls) - 1]
-        timing = SimpleNamespace(ttft_s=t, token_layer_fraction=0.5)
+        t = series[(sum(c[0] == name for c in calls) - 1) % len(series)]
+        timing = SimpleNamespace(ttft_s=t, token_layer_fraction=0.5, prompt_tokens=512,
+                                 cached_tokens=500 if kw.get("prefix_cache") else 0)
         return SimpleNamespace(text="Paris", timing=timing)
 
     monkeypatch.setattr(engine, "generate", fake_generate)
@@ -236,7 +239,10 @@ def test_demo_repeats_each_method_after_a_warm_up_and_shows_median_and_range(cap
     out = capsys.readouterr().out
     model, _ = smollm2
     n_methods = 1 + len(demo_methods(model, 512))
-    assert len(calls) == 4 * n_methods
+    follow_up = [c for c in calls if c[0] == "NoneType"]  # the prefix-cache table: engine default method
+    assert len(calls) - len(follow_up) == 4 * n_methods
+    assert len(follow_up) == 1 + 2 * (3 + 1)  # the first question stored, then warm-up + 3 timed, with and without
+    assert "A follow-up question over the cached document" in out
     assert [n for _, n in calls[:n_methods]] == [1] * n_methods  # one warm-up run each, first
     assert [n for _, n in calls[n_methods:2 * n_methods]] == [5] * n_methods  # the first timed run answers
     assert "median and range of 3 runs" in out

@@ -129,7 +129,7 @@ def test_registry_builds_distributed_methods():
 
 def test_random_models_are_seeded_and_the_fixtures_use_them(tiny_llama):
     state = torch.random.get_rng_state()
-    model, tok = load("random:llama")
+    model, tok = load("random:llama", dtype="float32")
     assert tok is None and torch.equal(state, torch.random.get_rng_state())  # global RNG untouched
     ours, fixture = model.state_dict(), tiny_llama.state_dict()
     assert ours.keys() == fixture.keys() and all(torch.equal(ours[k], fixture[k]) for k in ours)
@@ -241,18 +241,18 @@ def test_multi_rank_without_group_is_refused(tiny_llama):
 # --- multi-process pools ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pool2():
-    with RankPool("random:llama", 2, timeout_s=30, start_method="fork") as pool:
+    with RankPool("random:llama", 2, dtype="float32", timeout_s=30, start_method="fork") as pool:
         yield pool
 
 
 @pytest.fixture(scope="module")
 def pool3():
-    with RankPool("random:qwen2", 3, timeout_s=30, start_method="fork") as pool:
+    with RankPool("random:qwen2", 3, dtype="float32", timeout_s=30, start_method="fork") as pool:
         yield pool
 
 
 def _check_pool(pool, family: str, ids: list[int], methods, n_new: int = 6) -> None:
-    model, _ = load(f"random:{family}")
+    model, _ = load(f"random:{family}", dtype="float32")
     ref_logits, hf = _reference(model, ids, n_new)
     for method in methods:
         res = pool.generate(ids, method, n_new, stop_at_eos=False)
@@ -372,13 +372,13 @@ def test_torchrun_two_ranks_equal_full_prefill(tmp_path, make_ids):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fastprefill.launch", "--model", "random:llama", "--prompt-ids", " ".join(map(str, ids)),
            *[x for m in methods for x in ("--method", m)], "--max-new-tokens", "4", "--timeout", "60", "--json",
-           "--save-logits", str(saved)]
+           "--save-logits", str(saved), "--dtype", "float32"]
     proc = subprocess.run(cmd, check=False, env=_subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [o["method"] for o in outs] == ["runahead(procs=2, partition=searched)",
                                            "runahead(procs=2, partition=30/7)", "tsp(procs=2)"], proc.stdout
-    model, _ = load("random:llama")
+    model, _ = load("random:llama", dtype="float32")
     ref_logits, hf = _reference(model, ids, 4)
     for out, logits in zip(outs, torch.load(saved), strict=True):
         assert out["first_token_id"] == int(ref_logits.argmax()) and out["token_ids"] == hf
@@ -398,10 +398,11 @@ def test_launch_local_pool_json(capsys, tmp_path, monkeypatch, make_ids):
     monkeypatch.setattr("fastprefill.distributed.pool.RankPool", _ForkPool)
     ids = make_ids(21, 13)[0].tolist()
     argv = ["--model", "random:qwen2", "--prompt-ids", ",".join(map(str, ids)), "--method", "runahead:partition=15/6",
-            "--procs", "2", "--max-new-tokens", "3", "--json", "--save-logits", str(tmp_path / "l.pt")]
+            "--procs", "2", "--max-new-tokens", "3", "--json", "--save-logits", str(tmp_path / "l.pt"),
+            "--dtype", "float32"]
     assert launch.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    model, _ = load("random:qwen2")
+    model, _ = load("random:qwen2", dtype="float32")
     ref_logits, hf = _reference(model, ids, 3)
     assert out["token_ids"] == hf and out["first_token_id"] == int(ref_logits.argmax())
     assert out["method"] == "runahead(procs=2, partition=15/6)" and out["ttft_clock"] == "driver"
@@ -455,7 +456,7 @@ def test_smollm2_two_ranks_exact(smollm2):
     with torch.inference_mode():
         ref = FullPrefill().prefill(model, torch.tensor([ids])).logits
     want = generate(model, tok, ids, None, max_new_tokens=12)
-    with RankPool("smollm2-135m", 2, timeout_s=120) as pool:
+    with RankPool("smollm2-135m", 2, dtype="float32", timeout_s=120) as pool:
         for method in (KVRunahead(procs=2), KVRunahead(procs=2, partition="searched"), SequenceParallel(procs=2)):
             res = pool.generate(ids, method, 12)
             assert float((res.logits - ref).abs().max()) <= ATOL, method.describe()

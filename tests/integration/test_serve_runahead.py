@@ -35,7 +35,7 @@ N = 6
 
 
 def _pool() -> ServedPool:
-    return ServedPool(MODEL, 2, timeout_s=60, start_method="fork")
+    return ServedPool(MODEL, 2, dtype="float32", timeout_s=60, start_method="fork")  # as the smollm2 fixture
 
 
 def _app(smollm2, ranks: ServedPool, **config):

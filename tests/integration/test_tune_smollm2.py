@@ -35,11 +35,12 @@ def test_prompts_file_errors(tmp_path, smollm2):
 
 
 @pytest.mark.integration
-def test_tune_end_to_end_on_smollm2(tmp_path, smollm2):
-    """The CLI on a handful of packaged prompts: a profile for this model, a plot, and auto serving it."""
+def test_tune_end_to_end_on_smollm2(tmp_path, smollm2_auto):
+    """The CLI on a handful of packaged prompts: a profile for this model in the default dtype, a
+    plot, and auto serving it."""
     from fastprefill.cli import main
 
-    model, tok = smollm2
+    model, tok = smollm2_auto
     out = tmp_path / "profile.json"
     code = main(["tune", "--model", "smollm2-135m", "--task", "multidoc-qa", "--lengths", "512", "--n", "12",
                  "--target", "first-token=0.5", "--only", "--methods", "lazyllm:preset=keep-all",
@@ -48,6 +49,7 @@ def test_tune_end_to_end_on_smollm2(tmp_path, smollm2):
     profile = TuneProfile.load(out)
     assert profile.fingerprint == weights_fingerprint(model)
     assert profile.tokenizer_fingerprint == tokenizer_fingerprint(tok)
+    assert profile.dtype == str(model.dtype).removeprefix("torch.")
     short = profile.bucket(512)
     assert short.method in ("full", "lazyllm:preset=keep-all", "lazyllm:preset=cut30k20+snap")
     assert short.n_choose + short.n_report == 12

@@ -45,7 +45,7 @@ from tests import REPO
 #: ``fastprefill/__init__.py`` itself. The most specific entry wins (an exact name over a
 #: ``.*`` entry, a longer ``.*`` entry over a shorter one).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "text"),
+    ("errors", "text", "host"),
     ("models.shape",),
     ("models.*", "data.*", "distributed", "distributed.runtime"),
     ("cache", "prefix_cache"),

@@ -48,11 +48,13 @@ def test_suffix_attention_equals_the_masked_reference(prefix, heads):
 
 
 @pytest.mark.parametrize(("share", "expect_hit"), [(0, 0), (10, 8), (28, 24), (47, 40), (48, 47), (60, 47)])
-def test_full_prefill_over_a_cached_prefix_is_exact(tiny_model, share, expect_hit, make_ids):
+def test_full_prefill_over_a_cached_prefix_is_exact(tiny_model_any_dtype, share, expect_hit, make_ids):
     """Prompts of 48 tokens sharing 0, 10 (a short hit: the suffix runs with padded causal
     attention), 28 (the shared part ends mid-block: the hit is its 3 whole blocks), 47 or all 48 tokens with a cached 48-token prompt, or being a strict prefix of a cached
     64-token one (``share=60``): the logits equal full prefill's, the tokens transformers'
-    ``generate``, and only the uncached part is computed (at least the last token)."""
+    ``generate``, and only the uncached part is computed (at least the last token). In float32
+    and in bfloat16 (the cache holds K/V in the model's dtype)."""
+    tiny_model = tiny_model_any_dtype
     cache = PrefixCache(64 * MB, block_tokens=8)
     first = make_ids(64 if share == 60 else 48, 1)
     generate(tiny_model, None, first, max_new_tokens=1, prefix_cache=cache)

@@ -124,13 +124,20 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
-def environment(threads: int) -> dict[str, Any]:
-    """Where and how a benchmark ran (recorded in every result header)."""
+def environment(threads: int, model: Any) -> dict[str, Any]:
+    """Where and how a benchmark ran (recorded in every result header): threads, versions, the
+    CPU, and the precision of ``model`` (a model, or its ``torch.dtype``) with the CPU's bfloat16
+    capability (:func:`fastprefill.host.precision_report`)."""
     import torch
     import transformers
 
+    from fastprefill.host import precision_report
+
+    dtype = model if isinstance(model, torch.dtype) else model.dtype
+    device = "cpu" if isinstance(model, torch.dtype) else model.device
     return {
         "threads": threads,
+        **precision_report(dtype, device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -222,6 +229,11 @@ def write_json(path: str | Path, document: Any) -> Path:
     return path
 
 
+#: What a header written before a key was recorded means by its absence: every result made
+#: before the dtype was recorded ran in float32.
+LEGACY_HEADER: dict[str, Any] = {"dtype": "float32"}
+
+
 class RecordLog:
     """An open result file: the header is on disk, :meth:`append` adds one record.
 
@@ -260,7 +272,7 @@ class RecordLog:
             old, self.records = load_records(self.path, drop_torn_tail=True)
             grown: dict[str, Any] = {}
             for key in match:
-                new, was = json.loads(json.dumps(header.get(key))), old.get(key)
+                new, was = json.loads(json.dumps(header.get(key))), old.get(key, LEGACY_HEADER.get(key))
                 if new == was:
                     continue
                 if key in grow and isinstance(new, int) and isinstance(was, int) and new > was:

@@ -34,6 +34,7 @@ from fastprefill.bench.report import write_report
 from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
+from fastprefill.host import keep_freed_memory
 from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.pruning import recording_kept_positions
@@ -42,7 +43,7 @@ __all__ = ["RESUME_GROW", "RESUME_MATCH", "PromptSample", "Unscored", "first_tok
            "run_benchmark", "run_samples"]
 
 #: Header keys a resumed :func:`run_benchmark` file must share with the new run.
-RESUME_MATCH = ("task", "split", "seed", "n", "lengths", "max_new_tokens", "stop_at_eos", "methods")
+RESUME_MATCH = ("task", "split", "seed", "n", "lengths", "max_new_tokens", "stop_at_eos", "methods", "dtype")
 #: Of those, the ones a resumed run may raise: tasks choose the first ``n`` of a seeded order,
 #: so a larger ``n`` keeps the file's samples and adds more.
 RESUME_GROW = ("n",)
@@ -270,6 +271,7 @@ def run_benchmark(
     from fastprefill.data.tasks import get_task
 
     set_threads(threads)
+    keep_freed_memory()
     task = get_task(task_name)
     budget = max_new_tokens or task.default_max_new_tokens
     header = {
@@ -282,7 +284,7 @@ def run_benchmark(
         "stop_at_eos": stop_at_eos,
         "warmup": warmup,
         "methods": {k: m.describe() for k, m in {FULL: FullPrefill(), **methods}.items()},
-        **environment(threads),
+        **environment(threads, model),
         **(dict(meta) if meta else {}),
     }
     log = (RecordLog(Path(out_dir) / f"{name}.jsonl", header, resume=resume, match=RESUME_MATCH, grow=RESUME_GROW)

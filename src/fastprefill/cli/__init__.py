@@ -39,6 +39,7 @@ from fastprefill.errors import FastprefillError
 
 # --- models ------------------------------------------------------------------------------------
 def cmd_models(args: argparse.Namespace) -> int:
+    from fastprefill.host import auto_dtype, precision_line
     from fastprefill.models import zoo
 
     if args.action == "prepare":
@@ -64,6 +65,7 @@ def cmd_models(args: argparse.Namespace) -> int:
                       "yes" if row["prepared"] else "no")
     console.print(table)
     console.print("Any Hugging Face model id or local directory works too: --model ORG/NAME or --model ./dir")
+    console.print(precision_line(auto_dtype("cpu"), "cpu", "auto"), highlight=False)
     return 0
 
 
@@ -121,6 +123,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         return 0
     model, tok = _load(args.model, args.device, args.dtype)
+    if args.verbose:
+        from fastprefill.host import precision_line
+
+        err_console.print(f"[dim]{precision_line(model.dtype, args.device, args.dtype)}[/dim]", highlight=False)
     if not args.no_warmup:
         t0 = time.perf_counter()
         generate(model, tok, prompt, method, 1, chat=chat)
@@ -148,7 +154,7 @@ def _warmup_note(warmup_s: float | None) -> str:
 def _print_timing(timing: Any, warmup_s: float | None) -> None:
     dec = f"{1000 * timing.decode_s_per_token:.1f} ms/token" if timing.decode_s_per_token else "—"
     err_console.print(
-        f"[dim]{timing.method}: TTFT {timing.ttft_s:.3f} s for {timing.prompt_tokens} prompt tokens "
+        f"[dim]{timing.method}: TTFT {timing.ttft_s:.3f} s for {timing.prompt_tokens} prompt tokens in {timing.dtype} "
         f"({_warmup_note(warmup_s)}), decode {dec}, token-layers computed {100 * timing.token_layer_fraction:.0f}%, "
         f"prefill {timing.prefill_flops / 1e9:.1f} GFLOP[/dim]"
     )
@@ -175,12 +181,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               log_level=args.log_level, control_port=args.control_port, device=args.device,
                               dtype=args.dtype)
     set_threads(args.threads)
-    model, tok = _load(args.model, args.device, args.dtype)
-    if (args.device, args.dtype) != ("cpu", "float32") and any(
+    if args.device != "cpu" and any(
             s.split(":")[0].strip() in MULTI_RANK_METHODS for s in (args.method, *args.allow_method)):
-        raise FastprefillError("multi-rank methods serve on CPU ranks in float32: drop --device / --dtype")
+        raise FastprefillError("multi-rank methods serve on CPU ranks (gloo): drop --device, or run the server "
+                               "under torchrun")
+    model, tok = _load(args.model, args.device, args.dtype)
     with console.status("starting the ranks ..."):
-        ranks = start_ranks(config, args.model, threads_per_rank=args.threads_per_rank)
+        ranks = start_ranks(config, args.model, dtype=args.dtype, threads_per_rank=args.threads_per_rank)
     app = create_app(model, tok, config, ranks)
     with console.status("warming up ..."):
         app.state.server.warm_up()
@@ -207,7 +214,7 @@ def _bench_config(args: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model": "smollm2-135m", "task": "multidoc-qa", "lengths": [1024], "n": 5, "methods": [],
         "split": "test", "seed": 0, "threads": 2, "warmup": 1, "max_new_tokens": None,
-        "out": "benchmarks/results", "name": None, "device": "cpu", "dtype": "float32",
+        "out": "benchmarks/results", "name": None, "device": "cpu", "dtype": "auto",
     }
     if args.config:
         path = Path(args.config)
@@ -270,6 +277,7 @@ def _names(registry: Any) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from fastprefill import __version__
     from fastprefill.data.tasks import TASKS
+    from fastprefill.host import DTYPES
     from fastprefill.methods.registry import METHODS
 
     parser = argparse.ArgumentParser(
@@ -278,11 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fastprefill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def model_args(p: argparse.ArgumentParser, default_model: bool = True) -> None:
+    def model_args(p: argparse.ArgumentParser, default_model: bool = True, dtype: str = "auto") -> None:
         if default_model:
             p.add_argument("--model", default="smollm2-135m", help="zoo name, HF model id or local dir")
         p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--dtype", default=dtype, choices=list(DTYPES),
+                       help="auto: bfloat16 where the CPU (AMX-BF16, AVX512-BF16) or GPU multiplies it natively, "
+                            f"float32 elsewhere (default: {dtype})")
         p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1, help="torch threads")
 
     p = sub.add_parser("models", help="list the model zoo, or prepare models")
@@ -308,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the answer, token ids and timing as one JSON object")
     p.add_argument("--no-warmup", action="store_true",
                    help="time the first run (by default an untimed one-token run of the same method comes first)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the dtype the model runs in, why, and the CPU's bfloat16 units")
     model_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -366,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "exists: a run replaces an existing file only when --name or the config names it)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run's <name>.jsonl")
     p.add_argument("--device")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=list(DTYPES), help="default auto (see generate --help)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="one multi-document QA prompt, every method side by side")
@@ -420,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=_positive, default=25)
     p.add_argument("--train-aux", action="store_true", help="also train the aux model (KVP-C only)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    model_args(p, default_model=False)
+    model_args(p, default_model=False, dtype="float32")  # maps are fitted in float32; they apply in any dtype
     p.set_defaults(func=cmd_train_kvp)
 
     p = sub.add_parser("tune", help="choose the fastest method per prompt length that keeps a fidelity target, "

@@ -27,13 +27,15 @@ def _positive(value: str) -> int:
 
 
 def _load(model: str, device: str, dtype: str):
-    import torch
-
+    """Load ``model`` in ``dtype`` (``"auto"``: see :func:`fastprefill.host.resolve_dtype`) for a
+    command that runs it; the process keeps freed memory for reuse from here on
+    (:func:`fastprefill.host.keep_freed_memory`)."""
+    from fastprefill.host import keep_freed_memory
     from fastprefill.models import zoo
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    keep_freed_memory()
     with console.status(f"loading {model} ..."):
-        return zoo.load(model, device=device, dtype=torch_dtype)
+        return zoo.load(model, device=device, dtype=dtype)
 
 
 def _print_json(data: Any) -> None:

@@ -52,6 +52,7 @@ from fastprefill.distributed.rank import (
 )
 from fastprefill.distributed.runtime import free_port, init_group, set_threads, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.host import DTYPES, resolve_dtype
 from fastprefill.methods.base import DistributedMethod, Method
 
 __all__ = [
@@ -162,12 +163,13 @@ class ProcessLink(RankLink):
 
 
 def _worker_main(
-    rank: int, world: int, port: int, model_spec: str, threads: int, core: int | None,
+    rank: int, world: int, port: int, model_spec: str, dtype: str, threads: int, core: int | None,
     conn: Connection, parent_pid: int, timeout_s: float,
 ) -> None:
     """Entry point of one spawned rank (module-level so ``spawn`` can import it)."""
     import torch.distributed as dist
 
+    from fastprefill.host import keep_freed_memory
     from fastprefill.models import load
 
     try:
@@ -175,7 +177,8 @@ def _worker_main(
             os.sched_setaffinity(0, {core})
         set_threads(threads, interop=1)
         use_loopback()
-        model, tokenizer = load(model_spec)
+        keep_freed_memory()
+        model, tokenizer = load(model_spec, dtype=dtype)
         if world > 1:
             init_group(rank, world, port=port, timeout_s=timeout_s)
         if not serve_rank(conn, model, tokenizer, rank, world, driver_alive=lambda: os.getppid() == parent_pid):
@@ -195,6 +198,8 @@ class RankPool:
         model: a name :func:`fastprefill.models.load` accepts (zoo name, model folder,
             ``"random:llama"``, ...).
         procs: number of ranks (>= 1).
+        dtype: what every rank loads the model in (``"auto"``, ``"bfloat16"``, ``"float32"``,
+            ``"float16"``; see :func:`fastprefill.host.resolve_dtype`): the same on every rank.
         threads_per_rank: torch threads in each rank (:func:`~fastprefill.distributed.runtime.set_threads`).
         pin: pin rank ``r`` to the ``r``-th CPU of this process's affinity set (one core per rank).
         timeout_s: process-group timeout and the bound on each communication wait.
@@ -223,6 +228,7 @@ class RankPool:
         model: str,
         procs: int,
         *,
+        dtype: str = "auto",
         threads_per_rank: int = 1,
         pin: bool = False,
         timeout_s: float = 120.0,
@@ -241,19 +247,23 @@ class RankPool:
             raise ConfigError(f"start_method must be 'spawn' or 'fork', got {start_method!r}")
         if start_method == "fork" and threads_per_rank != 1:
             raise ConfigError("start_method='fork' needs threads_per_rank=1 (forked OpenMP pools are unsafe)")
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if links is not None and len(links) != procs:
             raise ConfigError(f"links: one per rank, {procs} expected, got {len(links)}")
         self.model_spec, self.procs, self.timeout_s = model, procs, timeout_s
+        self.dtype = resolve_dtype(dtype)  #: what every rank's model runs in (resolved here, on the same host)
         self._links: list[RankLink] = []
         self._closed = False
-        self._links = list(links) if links is not None else self._spawn(model, procs, threads_per_rank, cores if pin
-                                                                         else None, timeout_s, start_method)
+        self._links = list(links) if links is not None else self._spawn(model, dtype, procs, threads_per_rank,
+                                                                         cores if pin else None, timeout_s,
+                                                                         start_method)
         self._conns = [link.conn for link in self._links]
         replies = self._collect("starting", start_timeout_s)
         assert len(replies) == procs
 
     @staticmethod
-    def _spawn(model: str, procs: int, threads: int, cores: list[int] | None, timeout_s: float,
+    def _spawn(model: str, dtype: str, procs: int, threads: int, cores: list[int] | None, timeout_s: float,
                start_method: str) -> list[RankLink]:
         import torch.multiprocessing as mp
 
@@ -264,7 +274,7 @@ class RankPool:
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, procs, port, model, threads, None if cores is None else cores[rank], child, os.getpid(),
+                args=(rank, procs, port, model, dtype, threads, None if cores is None else cores[rank], child, os.getpid(),
                       timeout_s),
                 daemon=True, name=f"fastprefill-rank{rank}",
             )

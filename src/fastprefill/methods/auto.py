@@ -1,15 +1,16 @@
 """Tuning profiles: which method serves which prompt length, chosen by measured fidelity.
 
 A :class:`TuneProfile` is what ``fastprefill tune`` writes: the model it was measured on
-(weights and tokenizer fingerprints), the fidelity target, and per prompt-length bucket the
+(weights and tokenizer fingerprints) and the dtype it ran in, the fidelity target, and per prompt-length bucket the
 method spec to run with its held-out TTFT ratio and fidelity. ``--method auto:profile=FILE``
 (:class:`~fastprefill.methods.registry.AutoMethod`) reads one and picks the bucket's method for
-each prompt; a profile made for another model or tokenizer is refused.
+each prompt; a profile made for another model, tokenizer or dtype is refused (a method's speed and
+fidelity both change with the dtype). A profile without a ``dtype`` field was measured in float32.
 
 The file is JSON (``format`` ``"fastprefill-tune-profile"``, ``version`` 1)::
 
     {"format": ..., "version": 1, "model": "qwen2.5-coder-0.5b",
-     "fingerprint": "<weights sha256>", "tokenizer_fingerprint": "<sha256>",
+     "fingerprint": "<weights sha256>", "tokenizer_fingerprint": "<sha256>", "dtype": "bfloat16",
      "target": {"measure": "first-token", "value": 0.9, "confidence": 0.95},
      "buckets": [{"label": "512", "upto": 768, "method": "full", ...}, ...]}
 """
@@ -120,6 +121,7 @@ class TuneProfile:
         model: the model's name as given to ``fastprefill tune``.
         fingerprint, tokenizer_fingerprint: of the model it was measured on
             (:mod:`fastprefill.models.fingerprint`).
+        dtype: the model's dtype when it was measured (``"bfloat16"``, ``"float32"``, ...).
         target: the fidelity target.
         buckets: by ascending ``upto``; the last has ``upto=None``.
         meta: how it was made (command, prompts, candidates, result file).
@@ -131,6 +133,7 @@ class TuneProfile:
     target: Target
     buckets: tuple[ProfileBucket, ...]
     meta: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -145,7 +148,7 @@ class TuneProfile:
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "fingerprint": self.fingerprint,
-                "tokenizer_fingerprint": self.tokenizer_fingerprint, "target": asdict(self.target),
+                "tokenizer_fingerprint": self.tokenizer_fingerprint, "dtype": self.dtype, "target": asdict(self.target),
                 "buckets": [asdict(b) for b in self.buckets], "meta": self.meta}
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -179,6 +182,6 @@ class TuneProfile:
                                              else None}) for b in data["buckets"])
             return cls(model=data["model"], fingerprint=data["fingerprint"],
                        tokenizer_fingerprint=data["tokenizer_fingerprint"], target=Target(**data["target"]),
-                       buckets=buckets, meta=data.get("meta", {}))
+                       buckets=buckets, meta=data.get("meta", {}), dtype=str(data.get("dtype", "float32")))
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"{p} is a damaged tuning profile ({exc})") from None

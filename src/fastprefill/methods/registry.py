@@ -62,7 +62,7 @@ class AutoMethod(Method):
 
     Raises:
         ConfigError: a missing or damaged profile, a bucket spec that does not build; at the
-            first prompt, a model or tokenizer other than the profile's (fingerprints).
+            first prompt, a model other than the profile's (fingerprint) or in another dtype.
     """
 
     name: ClassVar[str] = "auto"
@@ -81,11 +81,17 @@ class AutoMethod(Method):
         return self._profile
 
     def check_model(self, model: PreTrainedModel) -> None:  # type: ignore[override]
-        """The model must be the one the profile was measured on (weights fingerprint, once per model)."""
+        """The model must be the one the profile was measured on (weights fingerprint) and run in its
+        dtype (checked once per model)."""
         from fastprefill.models.fingerprint import weights_fingerprint
 
         if model in self._checked:
             return
+        dtype = str(model.dtype).removeprefix("torch.")
+        if dtype != self._profile.dtype:
+            raise ConfigError(f"the tuning profile {self.profile} was measured in {self._profile.dtype} and this model "
+                              f"runs in {dtype}: load the model with --dtype {self._profile.dtype}, or tune it in "
+                              f"{dtype}")
         if weights_fingerprint(model) != self._profile.fingerprint:
             raise ConfigError(f"the tuning profile {self.profile} was made for {self._profile.model!r}, whose "
                               "weights differ from this model's; tune this model (fastprefill tune --model ...)")

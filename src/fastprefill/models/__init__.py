@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fastprefill.host import resolve_dtype
 from fastprefill.models import random as random_models
 from fastprefill.models import zoo
 from fastprefill.models.zoo import (
@@ -40,7 +41,7 @@ __all__ = [
 def load(
     spec: str | os.PathLike[str] | ZooEntry,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = "auto",
     *,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
@@ -51,12 +52,17 @@ def load(
         spec: ``"random:llama"`` / ``"random:qwen2"`` / ``"random:gpt2"`` (a seeded tiny model,
             tokenizer ``None``; see :mod:`fastprefill.models.random`), or anything
             :func:`fastprefill.models.zoo.load` accepts (zoo name, model folder, HF id).
+        dtype: ``"auto"`` (bfloat16 where the device multiplies it natively, else float32: see
+            :func:`fastprefill.host.resolve_dtype`), ``"bfloat16"``, ``"float32"``, ``"float16"``
+            or the ``torch.dtype``.
         cache_dir, progress: for zoo models (see :func:`fastprefill.models.zoo.load`).
 
     Raises:
+        ConfigError: an unknown ``dtype``.
         ModelNotFoundError, UnsupportedModelError, MissingPackageError, ChecksumError: see
             :func:`fastprefill.models.zoo.load`.
     """
+    torch_dtype = resolve_dtype(dtype, device)
     if random_models.is_random_spec(spec):
-        return random_models.load(str(spec), device=device, dtype=dtype)
-    return zoo.load(spec, device=device, dtype=dtype, cache_dir=cache_dir, progress=progress)
+        return random_models.load(str(spec), device=device, dtype=torch_dtype)
+    return zoo.load(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir, progress=progress)

@@ -26,9 +26,12 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
 
     Hashes the shape (:class:`ModelShape`) and, for every parameter in name order, its name,
     shape and a fixed sample of its values (the first 256 and 256 evenly strided elements,
-    as float32). That is milliseconds even for 1.5B parameters, yet any other checkpoint of the
-    same architecture differs in the sampled values. Parameters shared under several names
-    (tied embeddings) are hashed once.
+    rounded to bfloat16). That is milliseconds even for 1.5B parameters, yet any other checkpoint
+    of the same architecture differs in the sampled values. The rounding makes the fingerprint
+    name the checkpoint, not the dtype it was loaded in: a model loaded in float32 and the same
+    one loaded in bfloat16 have one fingerprint (files that also depend on the dtype, the prefix
+    cache's and tuning profiles, record it beside). Parameters shared under several names (tied
+    embeddings) are hashed once.
     """
     digest = hashlib.sha256(repr(ModelShape.from_config(model.config)).encode())
     seen: set[int] = set()
@@ -38,7 +41,7 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
         seen.add(id(param))
         flat = param.detach().reshape(-1)
         step = max(1, flat.numel() // 256)
-        sample = torch.cat([flat[:256], flat[::step][:256]]).float().cpu()
+        sample = torch.cat([flat[:256], flat[::step][:256]]).to(torch.bfloat16).float().cpu()
         digest.update(f"{name}:{tuple(param.shape)}".encode())
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()

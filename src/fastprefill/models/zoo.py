@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastprefill.errors import MissingPackageError, ModelNotFoundError, UnsupportedModelError
+from fastprefill.host import resolve_dtype
 from fastprefill.models.gguf import convert_gguf, join_and_hash
 
 if TYPE_CHECKING:
@@ -478,7 +479,7 @@ def _check_causal_lm(config, source: str) -> None:
 def load(
     name_or_path: str | os.PathLike[str] | ZooEntry,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = "auto",
     *,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
@@ -486,9 +487,12 @@ def load(
     """A causal LM in eval mode on ``device``, and its tokenizer.
 
     ``name_or_path`` is a zoo name (prepared into the cache first), a local model folder, or a
-    Hugging Face id ``owner/name`` (needs the hub).
+    Hugging Face id ``owner/name`` (needs the hub). ``dtype``: see
+    :func:`fastprefill.host.resolve_dtype` (``"auto"``: bfloat16 where the device multiplies it
+    natively, float32 elsewhere).
 
     Raises:
+        ConfigError: an unknown ``dtype``.
         ModelNotFoundError: a bare name that is not in the zoo, a path that is no folder, or a
             Hugging Face id that cannot be fetched (offline, or no such model).
         UnsupportedModelError: the model is not a decoder-only causal LM.
@@ -496,6 +500,7 @@ def load(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    dtype = resolve_dtype(dtype, device)
     source = _resolve_source(name_or_path, cache_dir, progress)
     try:
         config = AutoConfig.from_pretrained(source)

@@ -41,6 +41,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.engine import PromptInput, context_length, generate, prepare_prompt
 from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.host import dtype_name, precision_report
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 from fastprefill.serve.config import MethodTable, ServeConfig, describe
@@ -136,6 +137,10 @@ class Server:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = ServeMetrics()
+        self.metrics.describe_precision(precision_report(model.dtype, model.device))
+        if ranks is not None and ranks.dtype != model.dtype:
+            raise ConfigError(f"the rank pool runs the model in {dtype_name(ranks.dtype)} and the server's own model is "
+                              f"{dtype_name(model.dtype)}: start both in one dtype")
         self.ranks = ranks
         self.methods = MethodTable(model, config.method, config.allow_methods, ranks.procs if ranks else 1)
         self.prefix_cache = self._open_prefix_cache()
@@ -417,6 +422,7 @@ class Server:
             "busy": self.worker.current is not None,
             "queue": {"waiting": self.worker.waiting, "capacity": self.config.queue_size},
             "timeout_s": self.config.timeout_s,
+            "dtype": dtype_name(self.model.dtype),
             "ranks": None if self.ranks is None else {"procs": self.ranks.procs, "pids": self.ranks.pids,
                                                       "up": not self.ranks.closed, "failure": self.ranks.failure},
         }

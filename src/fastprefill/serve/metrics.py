@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 __all__ = ["ServeMetrics"]
 
@@ -57,6 +57,12 @@ class ServeMetrics:
                                 [*m, "outcome"], registry=r)
         self.waiting = Gauge("fastprefill_queue_waiting", "requests waiting for the worker", registry=r)
         self.busy = Gauge("fastprefill_busy", "1 while the worker generates", registry=r)
+        self.precision = Info("fastprefill_precision", "the served model's dtype and device, and the CPU's bfloat16 "
+                              "matrix units (amx_bf16, avx512_bf16 or none) and vector ISA", registry=r)
+
+    def describe_precision(self, report: dict[str, object]) -> None:
+        """Set the precision info (:func:`fastprefill.host.precision_report`'s fields, as strings)."""
+        self.precision.info({key: str(value) for key, value in report.items() if value is not None})
 
     def watch(self, waiting: Callable[[], float], busy: Callable[[], float]) -> None:
         """Read the two gauges from the worker at scrape time."""

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fastprefill.engine import Timing
+from fastprefill.host import cpu_info
 
 __all__ = [
     "APIError",
@@ -243,7 +244,8 @@ def parse_request(raw: bytes, schema: type[_Common]) -> _Common:
 def usage_block(timing: Timing, completion_tokens: int, queue_wait_s: float) -> dict[str, Any]:
     """OpenAI's usage counts (``prompt_tokens_details.cached_tokens``: prompt tokens the prefix
     cache served) plus ``fastprefill``: the method, what its prefill took, and what the prefix
-    cache did (``off``, ``hit``, ``miss`` or ``not used: ...``)."""
+    cache did (``off``, ``hit``, ``miss`` or ``not used: ...``), the dtype the model ran in and
+    whether this CPU multiplies bfloat16 on native units."""
     return {
         "prompt_tokens": timing.prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -257,6 +259,8 @@ def usage_block(timing: Timing, completion_tokens: int, queue_wait_s: float) -> 
             "decode_s_per_token": timing.decode_s_per_token,
             "token_layer_fraction": timing.token_layer_fraction,
             "prefill_flops": timing.prefill_flops,
+            "dtype": timing.dtype,
+            "bf16_native": cpu_info().bf16_native,
         },
     }
 

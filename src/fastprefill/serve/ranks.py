@@ -191,7 +191,7 @@ def start_ranks(config: ServeConfig, model: str, **pool: Any) -> ServedPool | No
 
     Args:
         model: what each rank loads (:func:`fastprefill.models.load`: a zoo name, a folder, ...;
-            float32 on the CPU): the server's own model.
+            on the CPU): the server's own model, in the dtype ``pool["dtype"]`` names.
         pool: more :class:`RankPool` arguments (``threads_per_rank``, ``pin``, ``start_method``).
 
     Raises:

@@ -6,7 +6,7 @@ Run the same command on every machine (``R`` its node rank, ``HOST`` node 0's ad
         -m fastprefill.cli serve --model NAME --method runahead:procs=2 --host 0.0.0.0 --port 8000
 
 Every rank first checks the server's settings (:func:`check_specs`: every spec builds, each
-multi-rank one asks for as many ranks as torchrun started), loads the model (float32, CPU) and
+multi-rank one asks for as many ranks as torchrun started), loads the model (on the CPU, in the dtype asked for) and
 checks every method against it, then joins the process group and compares the weights' and
 tokenizer's fingerprints with every other rank's; a rank that refuses, refuses on every rank
 alike before anything runs (exit status 2, the message printed once per machine).
@@ -98,14 +98,15 @@ def _exit(code: int) -> None:
 
 
 def serve(config: ServeConfig, *, host: str, port: int, threads: int, log_level: str = "info",
-          control_port: int = 0, device: str = "cpu", dtype: str = "float32") -> int:
+          control_port: int = 0, device: str = "cpu", dtype: str = "auto") -> int:
     """Run this torchrun rank of the server (see the module docstring); rank 0 serves on
     ``host:port``. Returns 0 after a clean stop; a rank lost ends the process with status 1.
 
     Args:
         threads: torch threads of this rank (rank 0's single-process methods included).
         control_port: the port rank 0 listens on for the other ranks (0: a free one).
-        device, dtype: must be ``"cpu"`` and ``"float32"`` (the ranks' gloo chain), refused otherwise.
+        device: must be ``"cpu"`` (the ranks' gloo chain), refused otherwise.
+        dtype: what every rank loads the model in (see :func:`fastprefill.host.resolve_dtype`).
 
     Raises:
         FastprefillError: a setting or the model refused, on every rank alike (on all but each
@@ -113,15 +114,17 @@ def serve(config: ServeConfig, *, host: str, port: int, threads: int, log_level:
     """
     import torch.distributed as dist
 
+    from fastprefill.host import keep_freed_memory
     from fastprefill.models import load
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        if (device, dtype) != ("cpu", "float32"):
-            raise ConfigError("under torchrun the server's ranks run on the CPU in float32: drop --device / --dtype")
+        if device != "cpu":
+            raise ConfigError("under torchrun the server's ranks run on the CPU (gloo): drop --device")
         methods = check_specs(config, world)
         set_threads(threads, interop=1)
-        model, tokenizer = load(config.model_name)
+        keep_freed_memory()
+        model, tokenizer = load(config.model_name, dtype=dtype)
         for method in methods.values():
             method.check_model(model)
         timeout = max(m.timeout_s for m in methods.values() if isinstance(m, DistributedMethod))

@@ -1,0 +1,205 @@
+"""What this process runs on, and the precision that follows from it.
+
+- :func:`cpu_info` reads, through torch, whether the CPU multiplies bfloat16 matrices natively:
+  AMX tiles with BF16 (``amx_bf16``) or AVX-512 BF16 dot products (``avx512_bf16``). Where it
+  does, a bfloat16 matrix product runs several times faster than a float32 one; where it does
+  not, torch emulates bfloat16 with conversions and float32 stays the fast path.
+- :func:`resolve_dtype` turns a dtype choice (``"auto"``, a name, a ``torch.dtype``) into the
+  ``torch.dtype`` a model is loaded in. ``"auto"``, the default everywhere, is bfloat16 on a CPU
+  with native bfloat16 matrix units or a CUDA device that supports it, float32 elsewhere.
+- :func:`precision_report` is what every timing is recorded with: the dtype, whether it was
+  chosen automatically, and the CPU's capability.
+- :func:`keep_freed_memory` sets the C allocator (glibc) to keep freed memory for reuse instead
+  of returning it to the system, so a prefill's large temporary tensors do not fault fresh pages
+  in on every call. The command line, the server and the benchmarks call it once per process;
+  a library user may call it too (it affects the whole process).
+
+Nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from fastprefill.errors import ConfigError
+
+__all__ = [
+    "DTYPES",
+    "CpuInfo",
+    "auto_dtype",
+    "cpu_info",
+    "dtype_name",
+    "keep_freed_memory",
+    "precision_line",
+    "precision_report",
+    "resolve_dtype",
+]
+
+#: The dtype names a user may give (``--dtype``, ``load_model(dtype=...)``), ``"auto"`` first.
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The CPU's matrix capability, as torch reports it.
+
+    Attributes:
+        name: the CPU's name (torch's, or ``platform.processor()``).
+        isa: the vector ISA torch's kernels were dispatched to (``"AVX512"``, ``"AVX2"``, ...).
+        amx_bf16: AMX tiles with BF16 (Sapphire Rapids and later).
+        avx512_bf16: AVX-512 BF16 dot-product instructions (Cooper Lake, Zen 4 and later).
+    """
+
+    name: str
+    isa: str
+    amx_bf16: bool
+    avx512_bf16: bool
+
+    @property
+    def bf16_native(self) -> bool:
+        """Whether bfloat16 matrix products run on native units (AMX-BF16 or AVX512-BF16)."""
+        return self.amx_bf16 or self.avx512_bf16
+
+    @property
+    def bf16_units(self) -> str:
+        """The units bfloat16 matrix products run on: ``"amx_bf16"``, ``"avx512_bf16"`` or ``"none"``."""
+        return "amx_bf16" if self.amx_bf16 else "avx512_bf16" if self.avx512_bf16 else "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "bf16_native": self.bf16_native}
+
+
+def _cpu_flags() -> dict[str, Any]:
+    """torch's own reading of the CPU (``torch._C._cpu._get_cpu_capability``), ``{}`` if unavailable."""
+    reader = getattr(getattr(torch._C, "_cpu", None), "_get_cpu_capability", None)
+    try:
+        return dict(reader()) if callable(reader) else {}
+    except (RuntimeError, TypeError):
+        return {}
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """The CPU's bfloat16 capability (read once per process)."""
+    import platform
+
+    flags = _cpu_flags()
+    try:
+        isa = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        isa = "unknown"
+    return CpuInfo(
+        name=str(flags.get("cpu_name") or platform.processor() or "unknown"),
+        isa=str(isa),
+        amx_bf16=bool(flags.get("amx_bf16", False)),
+        avx512_bf16=bool(flags.get("avx512_bf16", False)),
+    )
+
+
+def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype ``"auto"`` means on ``device``: bfloat16 where matrix units run it natively.
+
+    CPU: bfloat16 when :func:`cpu_info` reports AMX-BF16 or AVX512-BF16, else float32. CUDA:
+    bfloat16 when the device supports it, else float32. Any other device: float32.
+    """
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return torch.bfloat16 if cpu_info().bf16_native else torch.float32
+    if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """The ``torch.dtype`` to load a model in.
+
+    Args:
+        dtype: ``"auto"`` or ``None`` (see :func:`auto_dtype`), a name in :data:`DTYPES`, or a
+            floating-point ``torch.dtype``.
+        device: where the model will run.
+
+    Raises:
+        ConfigError: any other value, naming the allowed ones.
+    """
+    if dtype is None or dtype == "auto":
+        return auto_dtype(device)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and DTYPES.get(dtype) is not None:
+        return DTYPES[dtype]  # type: ignore[return-value]
+    raise ConfigError(f"dtype must be one of {', '.join(DTYPES)} or a floating-point torch dtype, got {dtype!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def precision_report(dtype: torch.dtype, device: str | torch.device = "cpu", requested: str | None = None) -> dict[str, Any]:
+    """What a timing ran in: the dtype (and what was asked for), the device, the CPU's bfloat16
+    units and vector ISA, and whether :func:`keep_freed_memory` is in effect.
+
+    Args:
+        dtype: the model's dtype.
+        device: its device (the CPU fields describe the host CPU either way).
+        requested: what the user asked for (``"auto"``, a name); ``None`` when not known.
+    """
+    info = cpu_info()
+    return {
+        "dtype": dtype_name(dtype),
+        "dtype_requested": requested,
+        "device": str(torch.device(device)),
+        "bf16_native": info.bf16_native,
+        "bf16_units": info.bf16_units,
+        "cpu_isa": info.isa,
+        "freed_memory_kept": _kept,
+    }
+
+
+def precision_line(dtype: torch.dtype, device: str | torch.device, requested: str | torch.dtype | None) -> str:
+    """One line for a user: the dtype a model runs in, why, and the CPU's bfloat16 units."""
+    info = cpu_info()
+    units = (f"bfloat16 matrix units: {info.bf16_units}" if info.bf16_native else
+             "no native bfloat16 matrix units (float32 is the fast path)")
+    why = "chosen by dtype auto" if requested in (None, "auto") else "as asked"
+    return f"{dtype_name(dtype)} on {device} ({why}); CPU {info.name}, {info.isa}, {units}"
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_kept = False
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's allocator keep freed memory for reuse (once per process; idempotent).
+
+    By default glibc serves large blocks with fresh ``mmap`` pages and returns freed heap memory
+    to the system, so each prefill's temporary tensors (tens of MB each) fault their pages in
+    again on every call. With ``M_MMAP_MAX=0`` and an unbounded ``M_TRIM_THRESHOLD`` they come
+    from the heap and stay there: the process keeps its peak memory, as an allocator that caches
+    (PyTorch's CUDA one, jemalloc, tcmalloc) does.
+
+    Returns:
+        Whether the setting is in effect (``False`` where the C library is not glibc).
+    """
+    global _kept
+    if _kept:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _kept = bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)) and bool(mallopt(_M_MMAP_MAX, 0))
+    return _kept

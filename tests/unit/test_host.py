@@ -1,0 +1,100 @@
+"""The dtype choice: ``auto`` follows the CPU's bfloat16 units (forced both ways here, so the suite
+passes on any machine), names are checked, and the choice reaches the loader, the records and the
+tuning profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastprefill import host
+from fastprefill.bench.records import RecordLog, environment
+from fastprefill.errors import ConfigError
+from fastprefill.methods.auto import ProfileBucket, Target, TuneProfile
+from fastprefill.methods.registry import make_method
+from fastprefill.models import load
+from fastprefill.models.fingerprint import weights_fingerprint
+from fastprefill.models.random import random_model
+
+AMX = {"cpu_name": "test cpu", "amx_bf16": True, "avx512_bf16": True}
+AVX512_BF16_ONLY = {"cpu_name": "test cpu", "amx_bf16": False, "avx512_bf16": True}
+NO_BF16_UNITS = {"cpu_name": "test cpu", "amx_bf16": False, "avx512_bf16": False}
+
+
+@pytest.fixture
+def cpu_flags(monkeypatch):
+    """``cpu_flags(flags)`` makes :func:`host.cpu_info` read ``flags`` (the detection forced)."""
+    def force(flags: dict) -> None:
+        monkeypatch.setattr(host, "_cpu_flags", lambda: dict(flags))
+        host.cpu_info.cache_clear()
+
+    yield force
+    host.cpu_info.cache_clear()
+
+
+@pytest.mark.parametrize(("flags", "want", "units"), [
+    (AMX, torch.bfloat16, "amx_bf16"),
+    (AVX512_BF16_ONLY, torch.bfloat16, "avx512_bf16"),
+    (NO_BF16_UNITS, torch.float32, "none"),
+])
+def test_auto_is_bfloat16_only_on_native_units(cpu_flags, flags, want, units):
+    cpu_flags(flags)
+    assert host.cpu_info().bf16_units == units
+    assert host.auto_dtype("cpu") == want and host.resolve_dtype("auto") == want and host.resolve_dtype(None) == want
+    model, _ = load("random:llama")  # the loader's default is auto
+    assert model.dtype == want
+    assert load("random:llama", dtype="float32")[0].dtype == torch.float32  # an explicit choice wins
+    assert load("random:llama", dtype=torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_auto_on_a_device_without_bfloat16_units_is_float32():
+    assert host.auto_dtype("meta") == torch.float32
+
+
+@pytest.mark.parametrize("bad", ["float64", "bf16", "int8", torch.int64, 3])
+def test_unknown_dtypes_are_refused_naming_the_choices(bad):
+    with pytest.raises(ConfigError, match="auto, bfloat16, float32, float16"):
+        host.resolve_dtype(bad)
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        load("random:llama", dtype=bad)
+
+
+def test_precision_is_written_in_every_record_header(cpu_flags, tmp_path):
+    cpu_flags(NO_BF16_UNITS)
+    header = environment(2, random_model("llama", dtype=torch.bfloat16))
+    assert header["dtype"] == "bfloat16" and header["bf16_native"] is False and header["bf16_units"] == "none"
+    assert environment(2, torch.float32)["dtype"] == "float32"
+    cpu_flags(AMX)
+    assert environment(2, torch.float32)["bf16_units"] == "amx_bf16"
+
+
+def test_a_resumed_record_file_must_have_the_same_dtype(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"header": {"task": "t"}}) + "\n")  # written before dtypes were recorded
+    RecordLog(path, {"task": "t", "dtype": "float32"}, resume=True, match=("task", "dtype"))  # float32 then
+    with pytest.raises(ConfigError, match="dtype='float32', not 'bfloat16'"):
+        RecordLog(path, {"task": "t", "dtype": "bfloat16"}, resume=True, match=("task", "dtype"))
+
+
+def test_a_profile_measured_in_another_dtype_is_refused(tmp_path, tiny_llama, tiny_bf16):
+    assert weights_fingerprint(tiny_bf16["llama"]) == weights_fingerprint(tiny_llama)  # one checkpoint
+    profile = TuneProfile(model="tiny", fingerprint=weights_fingerprint(tiny_llama), tokenizer_fingerprint="t",
+                          target=Target("first-token", 0.7), buckets=(ProfileBucket("all", None, "full"),),
+                          dtype="float32")
+    auto = make_method(f"auto:profile={profile.save(tmp_path / 'p.json')}")
+    auto.check_model(tiny_llama)
+    with pytest.raises(ConfigError, match=r"measured in float32 and this model runs in bfloat16: load the model "
+                                          r"with --dtype float32, or tune it in bfloat16"):
+        auto.check_model(tiny_bf16["llama"])
+    old = json.loads((tmp_path / "p.json").read_text())
+    del old["dtype"]  # a profile written before dtypes were recorded was measured in float32
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert TuneProfile.load(tmp_path / "old.json").dtype == "float32"
+
+
+def test_keep_freed_memory_is_idempotent():
+    first = host.keep_freed_memory()
+    assert host.keep_freed_memory() == first
+    assert host.precision_report(torch.float32)["freed_memory_kept"] == first
