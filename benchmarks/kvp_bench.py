@@ -98,7 +98,7 @@ from fastprefill.methods.kv_prediction.prefix.distill import (
     distill_on_dev,
 )
 from fastprefill.methods.registry import make_method
-from fastprefill.models import zoo
+from fastprefill.models import load as load_model
 from fastprefill.models.kv import prefix_kv, rotate_keys
 from fastprefill.models.shape import ModelShape
 from research.ablation import ablation_table, ablation_variants, run_ablation
@@ -118,9 +118,9 @@ NO_MODEL_COMMANDS = ("layers", "plot")
 
 def _load_pair(pair: str, stride: int, dtype: str):
     spec = PAIRS[pair]
-    base, tok = zoo.load(spec["base"], dtype=dtype)
+    base, tok = load_model(spec["base"], dtype=dtype)
     if spec["aux"]:
-        aux, aux_tok = zoo.load(spec["aux"], dtype=dtype)
+        aux, aux_tok = load_model(spec["aux"], dtype=dtype)
         return base, tok, aux, aux_tok, AuxSpec.model(spec["aux"])
     return base, tok, AuxSpec.layer_drop(stride).build(base), None, AuxSpec.layer_drop(stride)
 
@@ -129,7 +129,7 @@ def _load_predictor(path: str, cfg: dict[str, Any], tok: Any, dtype: str) -> KVP
     """The KV Prediction checkpoint at ``path`` (``cfg``: its config), a separate aux model
     (KVP-C) loaded in ``dtype`` like the base."""
     aux_name = cfg["aux"].get("name")  # None for a layer-drop aux (built from the base)
-    aux, aux_tok = zoo.load(aux_name, dtype=dtype) if aux_name else (None, None)
+    aux, aux_tok = load_model(aux_name, dtype=dtype) if aux_name else (None, None)
     return KVPrediction.load(path, aux=aux, aux_tokenizer=aux_tok, base_tokenizer=tok)
 
 
@@ -201,7 +201,7 @@ def cmd_ablate(args: argparse.Namespace) -> None:
     """First-token agreement and KL of the base reading partly predicted caches (dev prompts)."""
     set_threads(args.threads)
     cfg = json.loads(Path(args.predictor, "config.json").read_text())
-    base, tok = zoo.load(cfg["base"]["name"], dtype=args.dtype)
+    base, tok = load_model(cfg["base"]["name"], dtype=args.dtype)
     method = _load_predictor(args.predictor, cfg, tok, args.dtype)
     aux = method.bind(base)
     task = get_task(args.task)
@@ -246,7 +246,7 @@ def _error_table(errors: dict[str, list[float]], phases: dict[str, dict[str, lis
 def cmd_prefix(args: argparse.Namespace) -> None:
     """Calibrate kvp-prefix maps at ``--layer`` (resumable)."""
     set_threads(args.threads)
-    model, tok = zoo.load(args.model, dtype=args.dtype)
+    model, tok = load_model(args.model, dtype=args.dtype)
     cfg = PrefixCalibration(layer=args.layer, lsq_tokens=args.lsq_tokens, seq_len=args.seq_len, ridge=args.ridge,
                             rank=args.rank, max_mb=args.max_mb, task_share=args.task_share)
     t0 = time.perf_counter()
@@ -270,7 +270,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
     the seed-0 dev prompts that ``l-sweep`` scores (``--sweep-n`` of each task) nor the
     calibration's own task prompts."""
     set_threads(args.threads)
-    model, tok = zoo.load(args.model, dtype=args.dtype)
+    model, tok = load_model(args.model, dtype=args.dtype)
     cfg = PrefixDistillation(steps=args.steps, batch=args.batch, lr=args.lr, tail=args.tail, seed=args.seed,
                              eval_every=args.eval_every, end_share=args.end_share)
     t0 = time.perf_counter()
@@ -296,7 +296,7 @@ def _dev_prompts(tok, args: argparse.Namespace, meta: dict[str, Any] | None = No
 def cmd_lsweep(args: argparse.Namespace) -> None:
     """kvp-prefix per l beside full prefill on dev prompts; rows via the bench records module."""
     set_threads(args.threads)
-    model, tok = zoo.load(args.model, dtype=args.dtype)
+    model, tok = load_model(args.model, dtype=args.dtype)
     predictors = [item.split("=", 1) for item in args.predictor]  # [(l, dir)], one l may have several
     metas = [json.loads(Path(d, "config.json").read_text()) for _, d in predictors]
     used = {"task_ids": [i for m in metas for i in m.get("task_ids", [])]}
@@ -319,7 +319,7 @@ def cmd_gate(args: argparse.Namespace) -> None:
     """The dev gate of a KV predictor (mean held-out V error, median first-token KL)."""
     set_threads(args.threads)
     cfg = json.loads(Path(args.predictor, "config.json").read_text())
-    base, tok = zoo.load(cfg["base"]["name"], dtype=args.dtype)
+    base, tok = load_model(cfg["base"]["name"], dtype=args.dtype)
     method = _load_predictor(args.predictor, cfg, tok, args.dtype)
     samples, prompts = _dev_prompts(tok, args, cfg)
     held = training_corpus(tok, args.seq_len * args.heldout_seqs, args.seq_len, seed=12345, task_share=0.0)
@@ -365,7 +365,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     models: dict[str, Any] = {}
     toks: dict[str, Any] = {}
     for model_name in dict.fromkeys(m for m, _ in specs.values()):
-        models[model_name], toks[model_name] = zoo.load(model_name, dtype=args.dtype)
+        models[model_name], toks[model_name] = load_model(model_name, dtype=args.dtype)
     tok = toks[args.model]
     for other in toks.values():
         check_tokenizers(tok, other)  # one prompt encoding serves every model
@@ -384,7 +384,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
             cfg = json.loads(Path(ckpt, "config.json").read_text())
             aux_name = cfg["aux"].get("name")  # None for a layer-drop aux (built from the base)
             if aux_name and aux_name not in models:  # the aux in the base's dtype
-                models[aux_name], toks[aux_name] = zoo.load(aux_name, dtype=args.dtype)
+                models[aux_name], toks[aux_name] = load_model(aux_name, dtype=args.dtype)
             method = KVPrediction.load(ckpt, aux=models.get(aux_name),
                                        aux_tokenizer=toks.get(aux_name), base_tokenizer=toks[model_name])
             method.bind(models[model_name])  # checks outside the timed region

@@ -73,9 +73,9 @@ SWEEP: dict[str, tuple[tuple[float, float], ...]] = {
 
 
 def _load(name: str, dtype: str):
-    from fastprefill.models import zoo
+    from fastprefill.models import load as load_model
 
-    return zoo.load(name, dtype=dtype)
+    return load_model(name, dtype=dtype)
 
 
 def matched_methods(presets: list[str], num_layers: int, length: int, static_depth: float,

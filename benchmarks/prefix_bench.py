@@ -79,11 +79,11 @@ class Bench:
     """One model, one result file: the runs of a subcommand, appended as they finish."""
 
     def __init__(self, args: argparse.Namespace, kind: str) -> None:
-        from fastprefill.models import zoo
+        from fastprefill.models import load as load_model
 
         set_threads(args.threads)
         self.args = args
-        self.model, self.tok = zoo.load(args.model, dtype=args.dtype)
+        self.model, self.tok = load_model(args.model, dtype=args.dtype)
         self.max_new = args.max_new_tokens
         name = result_name(args.out, f"prefix_{kind}_{args.model}", name=args.name, resume=args.resume)
         header = {"task": f"prefix-{kind} (SQuAD v2 documents)", "warmup": 1, "kind": kind, "model": args.model, "lengths": args.lengths, "n": args.n,

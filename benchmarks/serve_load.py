@@ -60,7 +60,7 @@ from fastprefill.distributed.runtime import free_port, set_threads
 from fastprefill.engine import generate
 from fastprefill.errors import FastprefillError
 from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype
-from fastprefill.models import zoo
+from fastprefill.models import load as load_model
 from fastprefill.serve.config import serving_method
 
 GOAL = 1.05
@@ -180,7 +180,7 @@ def run_model(name: str, args: argparse.Namespace, server_args: Sequence[str] = 
               inproc: InProcess | None = None) -> list[LoadRecord]:
     """Every cell of ``args.methods`` on model ``name``: ``fastprefill serve`` started with
     ``server_args`` against ``inproc`` (default: :func:`generate` on one worker thread)."""
-    model, tok = zoo.load(name, dtype=args.dtype)
+    model, tok = load_model(name, dtype=args.dtype)
     server = ServerProcess(name, args.threads, queue=max(args.concurrency) * 2, max_tokens=args.max_tokens,
                            extra=server_args, dtype=args.dtype)
     records: list[LoadRecord] = []

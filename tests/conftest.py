@@ -53,16 +53,16 @@ def smollm2():
     """The real SmolLM2-135M-Instruct in float32 and its tokenizer, from the model cache: the
     fixture of exactness tests (an exact method equals full prefill to 1e-4 in float32; in
     bfloat16 a different split of the same work rounds differently)."""
-    from fastprefill.models import zoo
+    from fastprefill.models import load
 
-    return zoo.load("smollm2-135m", dtype="float32")
+    return load("smollm2-135m", dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def smollm2_auto():
-    """SmolLM2-135M-Instruct in the default dtype (``auto``: bfloat16 on a CPU with native bfloat16
-    units, float32 elsewhere), as the command line and the server load it. Tests on it pass either
-    way."""
-    from fastprefill.models import zoo
+    """SmolLM2-135M-Instruct as the command line and the server load it: in the default dtype
+    (``auto``: bfloat16 on a CPU with native bfloat16 units, float32 elsewhere) and compiled where
+    inductor can. Tests on it pass either way."""
+    from fastprefill.models import load
 
-    return zoo.load("smollm2-135m")
+    return load("smollm2-135m")

@@ -188,9 +188,9 @@ def test_generate_times_after_an_untimed_warm_up(capsys, monkeypatch, smollm2, w
     argv = ["generate", "What is 2+2?", "--max-new-tokens", "3", "--threads", "1", "--method", "lazyllm"]
     assert main(argv + ([] if warm else ["--no-warmup"])) == 0
     err = capsys.readouterr().err
-    if warm:  # the warm-up runs the same method (one token, untimed) before the timed stream
-        assert calls[0] == ("generate", 1) and calls[-1] == ("stream", 3)
-        assert [c for c in calls if c[0] == "generate"] == [("generate", 1)]
+    if warm:  # the warm-up runs the same method (a prefill and a decode step, untimed) before the timed stream
+        assert calls[0] == ("generate", 2) and calls[-1] == ("stream", 3)
+        assert [c for c in calls if c[0] == "generate"] == [("generate", 2)]
         assert "excludes an untimed warm-up run of" in err
     else:
         assert calls == [("stream", 3)] and "includes one-time start-up costs" in err

@@ -26,16 +26,17 @@ def _positive(value: str) -> int:
     return n
 
 
-def _load(model: str, device: str, dtype: str):
+def _load(model: str, device: str, dtype: str, compile: bool | None = None):  # noqa: A002 - torch's word
     """Load ``model`` in ``dtype`` (``"auto"``: see :func:`fastprefill.host.resolve_dtype`) for a
-    command that runs it; the process keeps freed memory for reuse from here on
+    command that runs it, its decoder blocks compiled unless ``compile=False`` (see
+    :func:`fastprefill.models.load`); the process keeps freed memory for reuse from here on
     (:func:`fastprefill.host.keep_freed_memory`)."""
     from fastprefill.host import keep_freed_memory
-    from fastprefill.models import zoo
+    from fastprefill.models import load
 
     keep_freed_memory()
     with console.status(f"loading {model} ..."):
-        return zoo.load(model, device=device, dtype=dtype)
+        return load(model, device=device, dtype=dtype, compile=compile)
 
 
 def _print_json(data: Any) -> None:

@@ -27,7 +27,7 @@ def _distill_prefix(args: argparse.Namespace) -> int:
 
     source = read_distill_source(args.distill_from, args.layer)
     cfg = PrefixDistillation(steps=args.steps, lr=args.lr, tail=args.tail)
-    model, tok = _load(args.base, args.device, args.dtype)
+    model, tok = _load(args.base, args.device, args.dtype, compile=False)
     t0 = time.perf_counter()
     distill_on_dev(model, tok, args.distill_from, args.out, cfg, train=args.train_prompts or DEFAULT_TRAIN,
                    heldout=args.heldout_prompts or DEFAULT_HELDOUT, length=args.prompt_length, resume=args.resume)
@@ -62,9 +62,9 @@ def cmd_train_kvp(args: argparse.Namespace) -> int:
         lr=args.lr, l1_weight=args.l1_weight, ridge=args.ridge, checkpoint_every=args.checkpoint_every,
         train_aux=args.train_aux, task_share=args.task_share, source=args.source,
     )
-    base, tok = _load(args.base, args.device, args.dtype)
+    base, tok = _load(args.base, args.device, args.dtype, compile=False)
     if args.aux is not None:
-        aux, aux_tok = _load(args.aux, args.device, args.dtype)
+        aux, aux_tok = _load(args.aux, args.device, args.dtype, compile=False)
         aux_arg: Any = aux
     else:
         aux_tok, aux_arg = None, AuxSpec.layer_drop(args.drop_stride)
@@ -93,7 +93,7 @@ def _train_prefix(args: argparse.Namespace) -> int:
         return _distill_prefix(args)
     cfg = PrefixCalibration(layer=args.layer, lsq_tokens=args.lsq_tokens, seq_len=args.seq_len, ridge=args.ridge,
                             rank=args.rank, max_mb=args.max_mb, task_share=args.task_share)
-    model, tok = _load(args.base, args.device, args.dtype)
+    model, tok = _load(args.base, args.device, args.dtype, compile=False)
     t0 = time.perf_counter()
     calibrate_prefix(model, args.out, cfg, tokenizer=tok, model_name=args.base, resume=args.resume)
     console.print(f"[green]calibrated[/green] kvp-prefix l={args.layer} in {time.perf_counter() - t0:.0f} s -> "
@@ -118,7 +118,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise FastprefillError("no candidates: --only needs at least one --methods SPEC")
     candidates = {spec: make_method(spec) for spec in dict.fromkeys(specs)}  # every spec builds before any run
     set_threads(args.threads)
-    model, tok = _load(args.model, args.device, args.dtype)
+    model, tok = _load(args.model, args.device, args.dtype, args.compile)
     for spec, method in list(candidates.items()):
         if not method.supports(model.config):
             err_console.print(f"[dim]skipping {spec}: it does not support {model.config.model_type!r}[/dim]")

@@ -9,6 +9,8 @@ workers, torchrun ranks, calibration): a zoo name, a local folder or Hugging Fac
 from __future__ import annotations
 
 import os
+import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ import torch
 from fastprefill.host import resolve_dtype
 from fastprefill.models import random as random_models
 from fastprefill.models import zoo
+from fastprefill.models.adapters import compile_blocks
 from fastprefill.models.zoo import (
     DEFAULT_MODEL,
     ZOO,
@@ -43,6 +46,7 @@ def load(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "auto",
     *,
+    compile: bool | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
 ) -> tuple[Any, Any]:
@@ -55,6 +59,11 @@ def load(
         dtype: ``"auto"`` (bfloat16 where the device multiplies it natively, else float32: see
             :func:`fastprefill.host.resolve_dtype`), ``"bfloat16"``, ``"float32"``, ``"float16"``
             or the ``torch.dtype``.
+        compile: compile each decoder layer's MLP and norms with ``torch.compile``
+            (:func:`fastprefill.models.adapters.compile_blocks`; Llama and Qwen2 families).
+            ``None`` (the default): on the CPU when a C++ compiler is on the PATH for inductor
+            (without one, a warning says the model runs uncompiled), never for ``random:``
+            test models.
         cache_dir, progress: for zoo models (see :func:`fastprefill.models.zoo.load`).
 
     Raises:
@@ -64,5 +73,28 @@ def load(
     """
     torch_dtype = resolve_dtype(dtype, device)
     if random_models.is_random_spec(spec):
-        return random_models.load(str(spec), device=device, dtype=torch_dtype)
-    return zoo.load(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir, progress=progress)
+        model, tokenizer = random_models.load(str(spec), device=device, dtype=torch_dtype)
+        compile = bool(compile)
+    else:
+        model, tokenizer = zoo.load(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir, progress=progress)
+    if compile is None:
+        compile = torch.device(device).type == "cpu" and _inductor_can_compile()
+    if compile:
+        compile_blocks(model)
+    return model, tokenizer
+
+
+def _inductor_can_compile() -> bool:
+    """Whether inductor finds a C++ compiler (it builds its CPU kernels with one); warns once if not."""
+    global _warned
+    if any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name):
+        return True
+    if not _warned:
+        warnings.warn("no C++ compiler on the PATH (g++, c++, clang++ or $CXX): the model runs uncompiled, "
+                      "with its norms and MLPs unfused (slower prefill); install one, or pass compile=False "
+                      "to silence this", stacklevel=3)
+        _warned = True
+    return False
+
+
+_warned = False

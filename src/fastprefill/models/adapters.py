@@ -251,6 +251,39 @@ def check_causal_lm(model: Any) -> None:
         )
 
 
+def compile_blocks(model: PreTrainedModel) -> int:
+    """Compile the parts of every decoder layer that are not attention (its MLP and its two
+    RMSNorms) and the final norm with ``torch.compile`` (inductor, dynamic sequence length).
+
+    Inductor fuses what eager runs as separate element-wise passes over ``(T, D)`` and ``(T, I)``
+    tensors (the norms' float32 statistics, SwiGLU's ``silu(gate) * up``); the matrix products
+    stay oneDNN's. Each module's own ``compile()`` is used (nothing is patched), and both the
+    model's forward and :class:`DecoderAdapter` call the same modules, so full prefill and every
+    layer-loop method run the same compiled code. The graphs compile on the first call (one for
+    prompts, one for single-token decode steps; every layer shares them) and inductor keeps them
+    in its on-disk cache, so a later process reuses them.
+
+    Returns:
+        The number of modules compiled (0 for a family outside :data:`LAYER_LOOP_FAMILIES`).
+    """
+    if not supports_layer_loop(model.config):
+        return 0
+    inner = model.model
+    modules: list[torch.nn.Module] = [inner.norm]
+    for layer in inner.layers:
+        modules += [layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
+    for module in modules:
+        module.compile(dynamic=True)
+    return len(modules)
+
+
+def blocks_compiled(model: Any) -> bool:
+    """Whether :func:`compile_blocks` compiled this model's decoder blocks."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    return bool(layers) and getattr(layers[0].mlp, "_compiled_call_impl", None) is not None
+
+
 class DecoderAdapter:
     """Runs a Llama-convention decoder one layer at a time with caller-chosen positions.
 

@@ -224,9 +224,9 @@ def _read_checkpoint(
         if aux is None:
             if not spec.name:
                 raise CheckpointError(f"checkpoint {path} names no aux model; pass aux=...")
-            from fastprefill.models import zoo
+            from fastprefill.models import load
 
-            aux, aux_tokenizer = zoo.load(spec.name)
+            aux, aux_tokenizer = load(spec.name)
         fp = config["aux"].get("fingerprint")
         if fp is not None and weights_fingerprint(aux) != fp:
             raise CheckpointError(

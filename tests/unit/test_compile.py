@@ -1,0 +1,42 @@
+"""Compiled decoder blocks: the loader compiles each layer's MLP and norms where inductor can, the
+model's forward and the layer loop then run the same compiled modules (so the lossless settings
+stay exact), the result equals the eager model to float rounding, and without a C++ compiler the
+model runs uncompiled with a warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastprefill.models as models
+from fastprefill.engine import generate
+from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.models.adapters import blocks_compiled
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_blocks_keep_the_layer_loop_exact_and_match_eager(dtype, make_ids):
+    compiled, _ = models.load("random:qwen2", dtype=dtype, compile=True)
+    eager, _ = models.load("random:qwen2", dtype=dtype)  # random test models are not compiled by default
+    assert blocks_compiled(compiled) and not blocks_compiled(eager)
+    ids = make_ids(40, 3)
+    with torch.inference_mode():
+        full = FullPrefill().prefill(compiled, ids).logits
+        loop = LazyLLM(preset="keep-all").prefill(compiled, ids).logits
+        ref = FullPrefill().prefill(eager, ids).logits
+    assert torch.equal(loop, full)  # the same compiled modules on the same shapes
+    tol = 1e-4 if dtype == "float32" else 0.05 * float(ref.abs().max())  # fused vs unfused rounding
+    assert float((full - ref).abs().max()) <= tol
+    a = generate(compiled, None, ids, max_new_tokens=6, stop_at_eos=False)  # decode steps: the T=1 graph
+    b = generate(compiled, None, ids, LazyLLM(preset="keep-all"), max_new_tokens=6, stop_at_eos=False)
+    assert a.token_ids == b.token_ids
+
+
+def test_without_a_cpp_compiler_the_model_runs_uncompiled_and_says_so(monkeypatch):
+    monkeypatch.setattr(models.shutil, "which", lambda name: None)
+    monkeypatch.setattr(models, "_warned", False)
+    monkeypatch.setattr(models.zoo, "load", lambda *a, **k: models.random_models.load("random:llama"))
+    with pytest.warns(UserWarning, match="no C.. compiler on the PATH"):
+        model, _ = models.load("smollm2-135m")
+    assert not blocks_compiled(model)
