@@ -86,6 +86,6 @@ def test_the_server_reports_its_dtype_and_the_cpu(smollm2_auto):
         assert usage["dtype"] == dtype and usage["bf16_native"] == cpu_info().bf16_native
         _, health = http_request(url, "GET", "/health")
         assert health["dtype"] == dtype
-        status, text = http_request(url, "GET", "/metrics")
+        _, text = http_request(url, "GET", "/metrics")
         assert f'fastprefill_precision_info{{bf16_native="{cpu_info().bf16_native}",bf16_units="{cpu_info().bf16_units}"' \
             in text and f'dtype="{dtype}"' in text

@@ -26,7 +26,7 @@ def _positive(value: str) -> int:
     return n
 
 
-def _load(model: str, device: str, dtype: str, compile: bool | None = None):  # noqa: A002 - torch's word
+def _load(model: str, device: str, dtype: str, compile: bool | None = None):
     """Load ``model`` in ``dtype`` (``"auto"``: see :func:`fastprefill.host.resolve_dtype`) for a
     command that runs it, its decoder blocks compiled unless ``compile=False`` (see
     :func:`fastprefill.models.load`); the process keeps freed memory for reuse from here on
