@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fastprefill.models as models
+from fastprefill import models
 from fastprefill.engine import generate
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LazyLLM
