@@ -1,0 +1,180 @@
+"""How close a prefill runs to this machine's matrix-product limit.
+
+For each model and prompt length, in one process and with the same threads:
+
+- **GEMMs alone**: every linear map of a decoder layer (q, k, v, o, gate, up, down: the model's
+  own weights and biases, ``torch.nn.functional.linear`` on a ``(T, D_in)`` input in the model's
+  dtype) timed alone, median of ``--repeats``; their rate per shape, and their sum over the layers:
+  the time the model's matrix products take with nothing else.
+- **attention alone**: SDPA's causal kernel on ``(1, H_q, T, d)`` queries over ``(1, H_kv, T, d)``
+  keys (GQA), times the layers.
+- **prefill**: full prefill as fastprefill loads the model (compiled blocks unless
+  ``--no-compile``) and the same model uncompiled, and LazyLLM at keep-all (the layer loop at its
+  lossless setting); runs interleaved, warm-up excluded, medians.
+
+Results: ``benchmarks/results/roofline_<model>.json`` (every run) and ``.md`` (the table).
+Achieved FLOP/s uses the FLOP model of ``fastprefill.models.shape`` (linear maps plus causal
+attention, one LM-head row).
+
+    python benchmarks/roofline.py --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b --lengths 512 2048 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastprefill.bench.records import environment, write_json
+from fastprefill.distributed.runtime import set_threads
+from fastprefill.engine import generate
+from fastprefill.host import DTYPES, dtype_name, keep_freed_memory
+from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.models import load as load_model
+from fastprefill.models.shape import ModelShape, causal_pairs
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _linears(model: Any) -> dict[str, torch.nn.Linear]:
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj,
+            "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
+
+
+def gemms_alone(model: Any, length: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Each linear map of one layer timed alone on ``length`` rows: seconds and GFLOP/s."""
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for name, lin in _linears(model).items():
+            x = torch.randn(length, lin.in_features, generator=gen).to(lin.weight.dtype)
+            seconds = _median_time(lambda x=x, lin=lin: torch.nn.functional.linear(x, lin.weight, lin.bias), repeats)
+            flops = 2.0 * length * lin.in_features * lin.out_features
+            out[name] = {"shape": f"{length}x{lin.in_features} by {lin.in_features}x{lin.out_features}",
+                         "seconds": seconds, "gflops_per_s": flops / seconds / 1e9}
+    return out
+
+
+def attention_alone(shape: ModelShape, dtype: torch.dtype, length: int, repeats: int) -> float:
+    """Seconds of one layer's causal SDPA at ``length`` tokens."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, shape.num_heads, length, shape.head_dim, generator=gen).to(dtype)
+    k = torch.randn(1, shape.num_kv_heads, length, shape.head_dim, generator=gen).to(dtype)
+    v = torch.randn(1, shape.num_kv_heads, length, shape.head_dim, generator=gen).to(dtype)
+    with torch.inference_mode():
+        return _median_time(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=shape.num_heads != shape.num_kv_heads), repeats)
+
+
+def prefill_runs(models: dict[str, Any], tok: Any, length: int, repeats: int) -> dict[str, list[float]]:
+    """TTFTs of full prefill on each model (and LazyLLM keep-all on the first), interleaved."""
+    ids = torch.randint(100, 20000, (1, length), generator=torch.Generator().manual_seed(length))
+    first = next(iter(models))
+    runs = {**{f"full:{k}": (m, None) for k, m in models.items()},
+            f"lazyllm-keep-all:{first}": (models[first], LazyLLM(preset="keep-all"))}
+    for model, method in runs.values():
+        generate(model, tok, ids, method, max_new_tokens=1)  # warm-up (compiles on the first call)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for key, (model, method) in runs.items():
+            times[key].append(generate(model, tok, ids, method, max_new_tokens=1).timing.ttft_s)
+    return times
+
+
+def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    compiled, tok = load_model(name, dtype=args.dtype, compile=not args.no_compile)
+    models = {"as loaded": compiled}
+    if not args.no_compile:
+        models["uncompiled"], _ = load_model(name, dtype=args.dtype, compile=False)  # the same weights
+    shape = ModelShape.from_config(compiled.config)
+    rows = []
+    for length in args.lengths:
+        gemms = gemms_alone(compiled, length, args.repeats)
+        gemm_s = shape.num_layers * sum(g["seconds"] for g in gemms.values())
+        attn_s = shape.num_layers * attention_alone(shape, compiled.dtype, length, args.repeats)
+        runs = prefill_runs(models, tok, length, args.repeats)
+        flops = shape.causal_prefill_flops(length)
+        linear_flops = shape.num_layers * shape.linear_flops_per_token() * length
+        attention_flops = shape.num_layers * shape.attention_flops(causal_pairs(length))
+        medians = {k: statistics.median(v) for k, v in runs.items()}
+        full = medians["full:as loaded"]
+        row = {
+            "length": length, "gemms": gemms, "gemm_s": gemm_s, "attention_s": attn_s,
+            "gemm_tflops_per_s": linear_flops / gemm_s / 1e12, "attention_tflops_per_s": attention_flops / attn_s / 1e12,
+            "prefill_flops": flops, "runs": runs, "medians": medians,
+            "prefill_tflops_per_s": flops / full / 1e12,
+            "prefill_over_gemms": full / gemm_s, "prefill_over_gemms_and_attention": full / (gemm_s + attn_s),
+            "layer_loop_over_forward": statistics.median(
+                [b / a for a, b in zip(runs["full:as loaded"], runs["lazyllm-keep-all:as loaded"], strict=True)]),
+        }
+        if "full:uncompiled" in runs:
+            row["compiled_speedup"] = statistics.median(
+                [b / a for a, b in zip(runs["full:as loaded"], runs["full:uncompiled"], strict=True)])
+        rows.append(row)
+        print(f"{name} {length}: prefill {full:.3f} s ({row['prefill_tflops_per_s']:.2f} TFLOP/s), GEMMs alone "
+              f"{gemm_s:.3f} s ({row['gemm_tflops_per_s']:.2f} TFLOP/s), attention alone {attn_s:.3f} s; "
+              f"prefill / GEMMs {row['prefill_over_gemms']:.2f}, layer loop / forward "
+              f"{row['layer_loop_over_forward']:.3f}", flush=True)
+    return {"model": name, "dtype": dtype_name(compiled.dtype), "shape": shape.to_json(), "rows": rows,
+            "environment": environment(args.threads, compiled)}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    about = (f"{env['threads']} threads, CPU {env['cpu']} (bfloat16 units: {env['bf16_units']}), torch "
+             f"{env['torch']}, blocks compiled: {env['compiled']}. Medians of the runs in the JSON file.")
+    head = ("| T | prefill (s) | TFLOP/s | GEMMs alone (s) | TFLOP/s | attention alone (s) | prefill / GEMMs | "
+            "prefill / (GEMMs + attention) | uncompiled / compiled | layer loop / forward |")
+    lines = [f"# Prefill against the matrix-product limit: {result['model']}, {result['dtype']}", "", about, "",
+             head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['length']} | {r['medians']['full:as loaded']:.3f} | {r['prefill_tflops_per_s']:.2f} | "
+                     f"{r['gemm_s']:.3f} | {r['gemm_tflops_per_s']:.2f} | {r['attention_s']:.3f} | "
+                     f"{r['prefill_over_gemms']:.2f} | {r['prefill_over_gemms_and_attention']:.2f} | "
+                     f"{r.get('compiled_speedup', float('nan')):.3f} | {r['layer_loop_over_forward']:.3f} |")
+    lines += ["", "GEMM rates per shape (GFLOP/s, one layer's maps timed alone):", "",
+              "| T | " + " | ".join(result["rows"][0]["gemms"]) + " |", "|---" * (1 + len(result["rows"][0]["gemms"])) + "|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['length']} | " + " | ".join(f"{g['gflops_per_s']:.0f} ({g['shape'].split(' by ')[1]})"
+                                                       for g in r["gemms"].values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES))
+    p.add_argument("--no-compile", action="store_true", help="time the uncompiled model only")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    set_threads(args.threads)
+    keep_freed_memory()
+    for name in args.model:
+        result = run_model(name, args)
+        stem = Path(args.out) / f"roofline_{name}_{result['dtype']}"
+        write_json(stem.with_suffix(".json"), result)
+        stem.with_suffix(".md").write_text(markdown(result))
+        print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
