@@ -4,7 +4,7 @@ For each model and prompt length, in one process and with the same threads:
 
 - **GEMMs alone**: every linear map of a decoder layer (q, k, v, o, gate, up, down: the model's
   own weights and biases, ``torch.nn.functional.linear`` on a ``(T, D_in)`` input in the model's
-  dtype) timed alone, median of ``--repeats``; their rate per shape, and their sum over the layers:
+  dtype) timed alone, after the prefill runs, median of twice ``--repeats``; their rate per shape, and their sum over the layers:
   the time the model's matrix products take with nothing else.
 - **attention alone**: SDPA's causal kernel on ``(1, H_q, T, d)`` queries over ``(1, H_kv, T, d)``
   keys (GQA), times the layers.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fastprefill.bench.records import environment, write_json
+from fastprefill.bench.records import environment, result_name, write_json
 from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
 from fastprefill.host import DTYPES, dtype_name, keep_freed_memory
@@ -105,10 +105,10 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     shape = ModelShape.from_config(compiled.config)
     rows = []
     for length in args.lengths:
-        gemms = gemms_alone(compiled, length, args.repeats)
+        runs = prefill_runs(models, tok, length, args.repeats)  # first: it also warms the process up
+        gemms = gemms_alone(compiled, length, 2 * args.repeats)
         gemm_s = shape.num_layers * sum(g["seconds"] for g in gemms.values())
-        attn_s = shape.num_layers * attention_alone(shape, compiled.dtype, length, args.repeats)
-        runs = prefill_runs(models, tok, length, args.repeats)
+        attn_s = shape.num_layers * attention_alone(shape, compiled.dtype, length, 2 * args.repeats)
         flops = shape.causal_prefill_flops(length)
         linear_flops = shape.num_layers * shape.linear_flops_per_token() * length
         attention_flops = shape.num_layers * shape.attention_flops(causal_pairs(length))
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
     for name in args.model:
         result = run_model(name, args)
-        stem = Path(args.out) / f"roofline_{name}_{result['dtype']}"
+        stem = Path(args.out) / result_name(args.out, f"roofline_{name}_{result['dtype']}")
         write_json(stem.with_suffix(".json"), result)
         stem.with_suffix(".md").write_text(markdown(result))
         print(markdown(result))

@@ -1,0 +1,234 @@
+"""The protocol every anchor runner shares (standard library only: it runs in each peer's venv).
+
+A runner defines a :class:`System` (how to load, how to clear the prefix cache, how to generate
+one token from token ids, what the system itself reports) and calls :func:`main`. The protocol,
+the timing and the output format live here, so every system is measured the same way:
+
+- the prompt set (``prompts.py``) holds pre-tokenized pairs (first, follow-up) that share a
+  document as their prefix; groups by target length, each with one warm-up pair;
+- per length: the warm-up pair once, untimed (a document that no measured pair uses);
+- then ``--repeats`` times, for each pair: ``reset()`` (cold prefix cache), then the first
+  prompt (kind ``cold``), then the follow-up (kind ``hit``: its document is cached now);
+- TTFT (``ttft_s``) is the wall-clock time of one call that generates one token, greedily, from
+  token ids already in the system's own input form (``time.perf_counter`` around the call and
+  nothing else); ``own_ttft_s`` is what the system itself reports, where it reports something.
+
+Output JSONL: a header line (``{"type": "header", ...}``) then one line per timed run
+(``{"type": "run", ...}``), flushed as each run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["System", "main", "model_name_of", "read_prompts"]
+
+
+class System:
+    """One peer runtime. Subclasses set ``name`` and override the methods."""
+
+    name = "?"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    # --- what the header says -------------------------------------------------------------
+    def versions(self) -> dict[str, str]:
+        """Package versions that matter (the first one is the system's own version)."""
+        return {}
+
+    def config(self) -> dict[str, Any]:
+        """Settings that shape the measurement (dtype, cache settings, batch sizes...)."""
+        return {}
+
+    @property
+    def dtype(self) -> str:
+        return str(getattr(self.args, "dtype", ""))
+
+    # --- the protocol -----------------------------------------------------------------------
+    def load(self, max_prompt_tokens: int) -> None:
+        """Load the model, ready to take prompts of up to ``max_prompt_tokens`` tokens."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Make the next request a cold one: nothing of earlier prompts is cached."""
+        raise NotImplementedError
+
+    def prepare(self, ids: list[int]) -> Any:
+        """Turn token ids into the system's own input object (outside the timed window)."""
+        return ids
+
+    def generate_one(self, prepared: Any) -> Any:
+        """The timed call: generate one token greedily; return the system's raw output."""
+        raise NotImplementedError
+
+    def inspect(self, raw: Any, ids: list[int]) -> dict[str, Any]:
+        """After the timed call: ``first_token`` (int), and where known ``own_ttft_s`` and
+        ``cached_tokens``, plus any system-specific ``extra`` dict."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def read_prompts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The header and the prompt pairs of a ``prompts.py`` file."""
+    header: dict[str, Any] = {}
+    pairs: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if item.get("type") == "header":
+                header = item
+            elif item.get("type") == "prompt":
+                pairs.append(item)
+    if not pairs:
+        raise SystemExit(f"{path}: no prompts (make them with prompts.py)")
+    return header, pairs
+
+
+def model_name_of(model_dir: str | os.PathLike[str]) -> str:
+    """The zoo name of a prepared fastprefill folder (its manifest), else the folder's name."""
+    folder = Path(model_dir).expanduser()
+    try:
+        return str(json.loads((folder / "fastprefill.json").read_text())["name"])
+    except (OSError, ValueError, KeyError):
+        return folder.resolve().name
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model-dir", required=True,
+                   help="the prepared Hugging Face folder (~/.cache/fastprefill/models/<name>)")
+    p.add_argument("--prompts", required=True, help="JSONL written by prompts.py for this model")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="times each pair is measured (default 3)")
+    p.add_argument("--out", required=True, help="JSONL to write (header + one line per run)")
+    p.add_argument("--lengths", type=int, nargs="*", default=None,
+                   help="only these target lengths of the prompt set (default: all)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N pairs per length")
+    return p
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _group(pairs: list[dict[str, Any]], args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    groups: dict[int, dict[str, Any]] = {}
+    for p in pairs:
+        g = groups.setdefault(int(p["length"]), {"warmup": None, "pairs": []})
+        if p["role"] == "warmup":
+            g["warmup"] = p
+        else:
+            g["pairs"].append(p)
+    if args.lengths:
+        missing = sorted(set(args.lengths) - set(groups))
+        if missing:
+            raise SystemExit(f"lengths {missing} are not in the prompt set (it has {sorted(groups)})")
+        groups = {k: v for k, v in groups.items() if k in args.lengths}
+    for length, g in groups.items():
+        if args.limit is not None:
+            g["pairs"] = g["pairs"][: args.limit]
+        if g["warmup"] is None:
+            raise SystemExit(f"length {length}: the prompt set has no warm-up pair")
+    return dict(sorted(groups.items()))
+
+
+def _timed(system: System, ids: list[int]) -> tuple[float, dict[str, Any]]:
+    prepared = system.prepare(ids)
+    gc.collect()
+    gc.disable()  # no collector pause inside the timed window
+    try:
+        start = time.perf_counter()
+        raw = system.generate_one(prepared)
+        wall = time.perf_counter() - start
+    finally:
+        gc.enable()
+    return wall, system.inspect(raw, ids)
+
+
+def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None) -> int:
+    """Parse the shared CLI (plus the runner's own options), run the protocol, write the JSONL."""
+    parser = parser or base_parser(system_cls.__doc__ or system_cls.name)
+    args = parser.parse_args()
+    if args.threads < 1 or args.repeats < 1:
+        raise SystemExit("--threads and --repeats must be >= 1")
+    prompt_header, pairs = read_prompts(args.prompts)
+    model = model_name_of(args.model_dir)
+    if prompt_header.get("model") not in (None, model):
+        raise SystemExit(f"{args.prompts} was made for {prompt_header.get('model')!r}, not {model!r}")
+    groups = _group(pairs, args)
+    longest = max(len(p[k]["ids"]) for g in groups.values() for p in [g["warmup"], *g["pairs"]]
+                  for k in ("first", "followup"))
+
+    system = system_cls(args)
+    t_load = time.perf_counter()
+    system.load(longest)
+    load_s = time.perf_counter() - t_load
+    versions = system.versions()
+    version = next(iter(versions.values()), "?")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    header = {
+        "type": "header", "system": system.name, "version": version, "versions": versions,
+        "model": model, "model_dir": str(Path(args.model_dir).expanduser()), "dtype": system.dtype,
+        "threads": args.threads, "repeats": args.repeats, "config": system.config(),
+        "prompts": str(args.prompts), "prompt_set": {k: v for k, v in prompt_header.items() if k != "type"},
+        "lengths": list(groups), "pairs_per_length": {k: len(g["pairs"]) for k, g in groups.items()},
+        "load_s": round(load_s, 3), "python": platform.python_version(), "executable": sys.executable,
+        "cpu": _cpu_name(), "host": socket.gethostname(), "cpu_count": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    print(f"[{system.name} {version}] {model}: loaded in {load_s:.1f} s; lengths {list(groups)}", flush=True)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(json.dumps(header) + "\n")
+        f.flush()
+        for length, g in groups.items():
+            warm = g["warmup"]
+            system.reset()
+            for key in ("first", "followup"):  # untimed: warms kernels and allocators at this length
+                _timed(system, warm[key]["ids"])
+            for repeat in range(args.repeats):
+                for pair in g["pairs"]:
+                    system.reset()
+                    for kind, key in (("cold", "first"), ("hit", "followup")):
+                        ids = pair[key]["ids"]
+                        wall, info = _timed(system, ids)
+                        record = {
+                            "type": "run", "system": system.name, "version": version, "model": model,
+                            "prompt_id": pair["id"], "length": length, "prompt_tokens": len(ids),
+                            "shared_prefix_tokens": pair["shared_prefix_tokens"], "kind": kind,
+                            "repeat": repeat, "ttft_s": wall, "own_ttft_s": info.get("own_ttft_s"),
+                            "first_token": info["first_token"], "cached_tokens": info.get("cached_tokens"),
+                            "threads": args.threads, "dtype": system.dtype, "extra": info.get("extra", {}),
+                        }
+                        f.write(json.dumps(record) + "\n")
+                        f.flush()
+                        own = info.get("own_ttft_s")
+                        print(f"  {length:>5} {pair['id']:<14} r{repeat} {kind:<4} {len(ids):>5} tok  "
+                              f"wall {wall * 1000:8.1f} ms  own {'-' if own is None else f'{own * 1000:8.1f} ms'}"
+                              f"  cached {info.get('cached_tokens')}  tok {info['first_token']}", flush=True)
+    system.close()
+    print(f"wrote {out}", flush=True)
+    return 0
