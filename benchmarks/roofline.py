@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
     for name in args.model:
         result = run_model(name, args)
-        stem = Path(args.out) / result_name(args.out, f"roofline_{name}_{result['dtype']}")
-        write_json(stem.with_suffix(".json"), result)
-        stem.with_suffix(".md").write_text(markdown(result))
+        stem = str(Path(args.out) / result_name(args.out, f"roofline_{name}_{result['dtype']}"))
+        write_json(stem + ".json", result)
+        Path(stem + ".md").write_text(markdown(result))
         print(markdown(result))
 
 
