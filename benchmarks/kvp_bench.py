@@ -75,9 +75,8 @@ from fastprefill.bench.report import (
 from fastprefill.bench.runner import run_samples
 from fastprefill.bench.summary import method_entry, references_by_model, summarize
 from fastprefill.data.tasks import get_task
-from fastprefill.distributed.runtime import set_threads
 from fastprefill.errors import FastprefillError
-from fastprefill.host import DTYPES, keep_freed_memory
+from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
 from fastprefill.methods.kv_prediction.auxiliary.models import check_tokenizers

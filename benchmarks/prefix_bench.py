@@ -44,9 +44,8 @@ from fastprefill.data.tasks.sessions import (
     question_prompt,
     score_answer,
 )
-from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import GenerationResult, generate
-from fastprefill.host import DTYPES, keep_freed_memory
+from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.models.shape import ModelShape
 from fastprefill.prefix_cache import PrefixCache
 

@@ -2,7 +2,7 @@
 
 Protocol (what every figure in ``benchmarks/results/`` follows):
 
-- the torch thread count is set explicitly (:func:`~fastprefill.distributed.runtime.set_threads`) before anything runs.
+- the torch thread count is set explicitly (:func:`~fastprefill.host.set_threads`) before anything runs.
 - Full prefill always runs, on the same samples, in the same process.
 - Warm-up runs (``warmup`` per method, on the first sample) are discarded.
 - For each sample every method runs once, in an order rotated per sample so no method is
@@ -31,10 +31,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.bench.records import FULL, Record, RecordLog, environment
 from fastprefill.bench.report import write_report
-from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
-from fastprefill.host import keep_freed_memory
+from fastprefill.host import keep_freed_memory, set_threads
 from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.pruning import recording_kept_positions

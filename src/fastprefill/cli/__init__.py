@@ -90,8 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     shown exclude one-time start-up costs (first calls, compiling)."""
     import time
 
-    from fastprefill.distributed.runtime import set_threads
     from fastprefill.engine import generate, stream
+    from fastprefill.host import set_threads
     from fastprefill.methods.base import DistributedMethod
     from fastprefill.methods.registry import make_method
 
@@ -163,7 +163,7 @@ def _print_timing(timing: Any, warmup_s: float | None) -> None:
 
 # --- serve -------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.host import set_threads
     from fastprefill.serve import ServeConfig, create_app, run, start_ranks
     from fastprefill.serve.config import MULTI_RANK_METHODS
     from fastprefill.serve.torchrun import serve as serve_torchrun
@@ -263,7 +263,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --- demo --------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
     from fastprefill.demo import run_demo
-    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.host import set_threads
 
     set_threads(args.threads)
     model, tok = _load(args.model, args.device, args.dtype, args.compile)

@@ -40,7 +40,7 @@ def _distill_prefix(args: argparse.Namespace) -> int:
 def cmd_train_kvp(args: argparse.Namespace) -> int:
     import time
 
-    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.host import set_threads
     from fastprefill.methods.kv_prediction import AuxSpec
     from fastprefill.methods.kv_prediction.auxiliary.train import TrainConfig, train_kvp
 
@@ -80,7 +80,7 @@ def _train_prefix(args: argparse.Namespace) -> int:
     """``train-kvp --variant prefix``: least-squares maps of kvp-prefix at ``--layer``."""
     import time
 
-    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.host import set_threads
     from fastprefill.methods.kv_prediction.prefix import PrefixCalibration, calibrate_prefix
 
     if args.layer is None and args.distill_from is None:
@@ -103,7 +103,7 @@ def _train_prefix(args: argparse.Namespace) -> int:
 
 # --- tune --------------------------------------------------------------------------------------
 def cmd_tune(args: argparse.Namespace) -> int:
-    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.host import set_threads
     from fastprefill.methods.auto import Target
     from fastprefill.methods.registry import make_method
     from fastprefill.tune import DEFAULT_CANDIDATES, load_prompts, plot_frontier, task_prompts, tune

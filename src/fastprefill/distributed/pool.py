@@ -50,9 +50,9 @@ from fastprefill.distributed.rank import (
     send_error,
     serve_rank,
 )
-from fastprefill.distributed.runtime import free_port, init_group, set_threads, use_loopback
+from fastprefill.distributed.runtime import free_port, init_group, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
-from fastprefill.host import DTYPES, resolve_dtype
+from fastprefill.host import DTYPES, resolve_dtype, set_threads
 from fastprefill.methods.base import DistributedMethod, Method
 
 __all__ = [
@@ -200,7 +200,7 @@ class RankPool:
         procs: number of ranks (>= 1).
         dtype: what every rank loads the model in (``"auto"``, ``"bfloat16"``, ``"float32"``,
             ``"float16"``; see :func:`fastprefill.host.resolve_dtype`): the same on every rank.
-        threads_per_rank: torch threads in each rank (:func:`~fastprefill.distributed.runtime.set_threads`).
+        threads_per_rank: torch threads in each rank (:func:`~fastprefill.host.set_threads`).
         pin: pin rank ``r`` to the ``r``-th CPU of this process's affinity set (one core per rank).
         timeout_s: process-group timeout and the bound on each communication wait.
         start_timeout_s: bound on starting all workers (model loading included).

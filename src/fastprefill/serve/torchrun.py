@@ -33,8 +33,9 @@ import sys
 from typing import Any
 
 from fastprefill.distributed.rank import check_ranks
-from fastprefill.distributed.runtime import init_group, set_threads, use_loopback
+from fastprefill.distributed.runtime import init_group, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.host import set_threads
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.serve.config import ServeConfig, serving_method
 

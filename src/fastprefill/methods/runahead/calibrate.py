@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from fastprefill.distributed.runtime import free_port, init_group, set_threads, use_loopback
+from fastprefill.distributed.runtime import free_port, init_group, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.host import set_threads
 from fastprefill.methods.runahead.search import CostModel
 from fastprefill.methods.runahead.tables import TABLE_LENGTHS, TABLE_RANKS, PartitionTable
 from fastprefill.models.shape import ModelShape
