@@ -322,8 +322,8 @@ def test_fill_share_fills_the_highest_ranked_pruned_tokens(calibrated, tiny_qwen
     import math
 
     from fastprefill.methods.lazyllm import LazyLLM
-    from fastprefill.methods.pruning.loop import _filled_rows, progressive_prefill
     from fastprefill.methods.pruning.options import PruneOptions
+    from fastprefill.methods.pruning.prefill import _filled_rows, progressive_prefill
     from fastprefill.methods.pruning.select import top_k_keep
 
     ranked = torch.tensor([5.0, 1.0, float("inf"), 3.0, 4.0, 2.0])
@@ -376,8 +376,8 @@ def test_a_fills_flops_are_dropping_plus_the_maps_plus_attention_to_the_filled_r
     """Counted: a fill's FLOPs = dropping's + the maps' for the filled rows + the kept rows'
     attention to the filled rows before them, at every layer after the cut."""
     from fastprefill.methods.pruning.fill import Fill, FillMaps
-    from fastprefill.methods.pruning.loop import progressive_prefill
     from fastprefill.methods.pruning.options import PruneOptions
+    from fastprefill.methods.pruning.prefill import progressive_prefill
     from fastprefill.methods.pruning.select import top_k_keep
 
     out, _ = calibrated

@@ -1,4 +1,4 @@
-"""Options of the progressive pruning loop: how a cut scores and selects, and how decoding revives.
+"""Options of the pruning mechanism: how a cut scores and selects, and how decoding revives.
 
 :class:`PruneOptions` is what :func:`~fastprefill.methods.pruning.progressive_prefill` and
 :func:`~fastprefill.methods.pruning.decode_step` read besides the schedule and the ``select``

@@ -23,6 +23,7 @@ __all__ = [
     "keep_count",
     "resolve_depth_schedule",
     "schedule_token_layers",
+    "scored_layers",
 ]
 
 Schedule = tuple[tuple[int, float], ...]
@@ -124,3 +125,12 @@ def schedule_token_layers(schedule: Schedule, num_layers: int, prompt_len: int) 
         if layer in prune:
             n = min(n, keep_count(prune[layer], prompt_len))
     return total
+
+
+def scored_layers(schedule: Schedule, accumulate: bool) -> set[int]:
+    """The layers whose scores a cut uses: the pruning layers, or every layer up to the last one
+    when scores ``accumulate`` over a stage."""
+    prune = {layer for layer, _ in schedule}
+    if accumulate and prune:
+        return set(range(max(prune) + 1))
+    return prune
