@@ -155,7 +155,7 @@ def cmd_questions(args: argparse.Namespace, kind: str = "questions", evict: bool
             bench.pair(length, f"{session.id}/q{q}", ids, method, cache,
                        lambda text, s=session, q=q: score_answer(s, q, text), flip=bool(i % 2))
         if evict:
-            extra[str(length)] = {"bytes_per_cached_token": shared.nbytes / max(1, shared.cached_tokens),
+            extra[str(length)] = {"bytes_per_cached_token": shared.nbytes / max(1, shared.held_tokens),
                                   "model_kv_bytes_per_token": per_token, "cache_bytes_bound": bound,
                                   "evicted_blocks": shared.stats.evicted_blocks, "cache_bytes_end": shared.nbytes}
     bench.finish({"cache_memory": extra} if evict else None)

@@ -344,17 +344,9 @@ class PrefixCache:
         return len(self._blocks)
 
     @property
-    def cached_tokens(self) -> int:
+    def held_tokens(self) -> int:
         """Tokens held (``num_blocks * block_tokens``)."""
         return len(self._blocks) * self.block_tokens
-
-    def describe(self) -> dict[str, Any]:
-        """The cache's size and counters, JSON-friendly."""
-        s = self.stats
-        return {"bytes": self._bytes, "max_bytes": self.max_bytes, "blocks": len(self._blocks),
-                "block_tokens": self.block_tokens, "lookups": s.lookups, "hits": s.hits,
-                "hit_tokens": s.hit_tokens, "miss_tokens": s.miss_tokens, "stored_tokens": s.stored_tokens,
-                "evicted_blocks": s.evicted_blocks}
 
     # --- persistence ----------------------------------------------------------------------
     def save(self, directory: str | os.PathLike[str]) -> Path:

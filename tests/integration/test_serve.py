@@ -33,7 +33,7 @@ from fastprefill.methods.base import DistributedMethod
 from fastprefill.methods.registry import METHODS, make_method
 from fastprefill.serve import ServeConfig, background, create_app
 from fastprefill.serve.app import EXIT_GRACE_S
-from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, describe, serving_method
+from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, served_name, serving_method
 from fastprefill.serve.limits import NFC_MERGE, NFKC_MERGE, longest_token_chars, prompt_char_limit
 from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_request, prompt_bytes
 from fastprefill.serve.worker import StopText
@@ -334,7 +334,7 @@ def test_per_request_method_in_the_fastprefill_field(client, ref, served, smollm
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body=body)
     assert r.choices[0].text == want.text
     fp = r.usage.fastprefill
-    assert fp["method"] == describe(serving_method(LAZY)) == "lazyllm[four-stage revival=none]"
+    assert fp["method"] == served_name(serving_method(LAZY)) == "lazyllm[four-stage revival=none]"
     assert "revival=none" in fp["method"]  # the server's LazyLLM decodes with the model's own forward
     assert fp["token_layer_fraction"] == pytest.approx(want.timing.token_layer_fraction)
     assert fp["token_layer_fraction"] < 1.0
@@ -564,11 +564,11 @@ def test_the_server_decodes_lazyllm_without_revival_unless_a_spec_names_it(tiny_
     table = MethodTable(tiny_llama, "lazyllm:schedule=1:0.5", ())
     label, default = table.get(None)
     assert label == "lazyllm[revival=none]" and default.options.revival.kind == "none"
-    assert describe(default) == "lazyllm[1:0.5 revival=none]"
+    assert served_name(default) == "lazyllm[1:0.5 revival=none]"
     label, paper = table.get("lazyllm:schedule=1:0.5,revival=all")
-    assert label == "lazyllm[revival=all]" and describe(paper) == "lazyllm[1:0.5 revival=all]"
+    assert label == "lazyllm[revival=all]" and served_name(paper) == "lazyllm[1:0.5 revival=all]"
     assert table.get("lazyllm:schedule=1:0.5,revival=budget:2")[0] == "lazyllm[revival=budget]"  # a bounded label
-    assert table.get("full") == ("full", table.get("full")[1]) and describe(table.get("full")[1]) == "full"
+    assert table.get("full") == ("full", table.get("full")[1]) and served_name(table.get("full")[1]) == "full"
 
 
 @pytest.mark.integration

@@ -9,7 +9,7 @@ and TTFT is measured **on the driver** from dispatching the prompt through recei
 token id from the last rank (pipes, every rank's work and all communication included).
 :func:`generate_distributed` is the one-shot wrapper (``fastprefill generate --method runahead
 --procs 2``). A pool may also drive ranks started elsewhere (torchrun's, on several machines:
-:mod:`fastprefill.distributed.torchrun`), given as :class:`RankLink` objects.
+:mod:`fastprefill.distributed.torchrun_links`), given as :class:`RankLink` objects.
 
 Roles and the protocol every rank answers are :mod:`fastprefill.distributed.rank`'s: every rank
 validates the request before any communication (:func:`check_request`); then the last rank runs

@@ -44,7 +44,7 @@ from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.host import dtype_name, precision_report
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
-from fastprefill.serve.config import MethodTable, ServeConfig, describe
+from fastprefill.serve.config import MethodTable, ServeConfig, served_name
 from fastprefill.serve.limits import prompt_char_limit, read_body
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import (
@@ -107,7 +107,7 @@ class _JobStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
-            self.job.resolve("cancelled")  # a no-op unless the client left before the end
+            self.job.settle("cancelled")  # a no-op unless the client left before the end
             self.on_end()
 
 
@@ -137,7 +137,7 @@ class Server:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = ServeMetrics()
-        self.metrics.describe_precision(precision_report(model.dtype, model.device))
+        self.metrics.set_precision(precision_report(model.dtype, model.device))
         if ranks is not None and ranks.dtype != model.dtype:
             raise ConfigError(f"the rank pool runs the model in {dtype_name(ranks.dtype)} and the server's own model is "
                               f"{dtype_name(model.dtype)}: start both in one dtype")
@@ -214,7 +214,7 @@ class Server:
         except (OSError, FastprefillError) as exc:
             log.warning("prefix cache not saved to %s: %s", folder, exc)
             return None
-        log.info("prefix cache: %d tokens saved to %s", cache.cached_tokens, path)
+        log.info("prefix cache: %d tokens saved to %s", cache.held_tokens, path)
         return path
 
     def _refusal(self) -> APIError:
@@ -388,12 +388,12 @@ class Server:
                 return await asyncio.wait_for(job.events.get(), timeout=max(0.0, min(0.5, left)))
             except TimeoutError:
                 pass
-            if time.monotonic() >= job.deadline and job.resolve("timeout"):
+            if time.monotonic() >= job.deadline and job.settle("timeout"):
                 job.cancel()
                 return Failed(timeout_error(self.config.timeout_s))
             if request is not None and await request.is_disconnected():
                 job.cancel()
-                job.resolve("cancelled")
+                job.settle("cancelled")
                 return None
 
     async def _stream(self, job: Job, ids: ResponseIds, include_usage: bool) -> AsyncIterator[bytes]:
@@ -418,7 +418,7 @@ class Server:
         return {
             "status": "draining" if self.draining else "ok",
             "model": self.config.model_name,
-            "method": describe(self.methods.built[self.methods.default][1]),
+            "method": served_name(self.methods.built[self.methods.default][1]),
             "busy": self.worker.current is not None,
             "queue": {"waiting": self.worker.waiting, "capacity": self.config.queue_size},
             "timeout_s": self.config.timeout_s,

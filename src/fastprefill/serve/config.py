@@ -17,8 +17,8 @@ from fastprefill.methods.pruning import PruneOptions
 from fastprefill.methods.registry import METHODS, make_method, parse_spec
 from fastprefill.serve.protocol import APIError
 
-__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "SERVER_REVIVAL", "MethodTable", "ServeConfig", "describe",
-           "metric_label", "serving_method"]
+__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "SERVER_REVIVAL", "MethodTable", "ServeConfig",
+           "metric_label", "served_name", "serving_method"]
 
 #: Methods a request may build by name: their settings are plain values. The others (``kvp``
 #: reads a checkpoint from the server's disk) serve only if named when the server starts.
@@ -99,7 +99,7 @@ def serving_method(spec: str) -> Method:
     return make_method(spec, {"revival": SERVER_REVIVAL})  # only lazyllm declares revival
 
 
-def describe(method: Method) -> str:
+def served_name(method: Method) -> str:
     """How responses and ``/health`` name ``method``: its ``describe()``; LazyLLM's always names its
     revival policy, so that a response says how it decoded (``lazyllm[four-stage revival=none]``)."""
     return method.describe(show=("revival",)) if isinstance(method, LazyLLM) else method.describe()

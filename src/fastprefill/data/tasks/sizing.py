@@ -103,7 +103,7 @@ def fit_prompt(
     render: Callable[[Sequence[Unit]], str],
     units: Iterator[Unit],
     length: int,
-    describe: str,
+    sample_name: str,
     overhead: Overhead,
 ) -> tuple[str, list[int], list[Unit]]:
     """Fill the prompt with filler units, word by word, up to ``length`` tokens.
@@ -149,7 +149,7 @@ def fit_prompt(
     base = measure(0)
     if base > length:
         raise ConfigError(
-            f"length={length} is too small for {describe}: the prompt without filler text already "
+            f"length={length} is too small for {sample_name}: the prompt without filler text already "
             f"has {base} tokens; use length >= {base}"
         )
 
@@ -211,7 +211,7 @@ def fit_prompt(
             hi = guess
     if hi is None and lo == first_word[-1] and exhausted and length - measure(lo) > tolerance:
         raise ConfigError(
-            f"length={length} is too large for {describe}: the source text runs out at {measure(lo)} tokens"
+            f"length={length} is too large for {sample_name}: the source text runs out at {measure(lo)} tokens"
         )
     prompt, ids = memo[lo]
     own, n_units = text_tokens(lo)
