@@ -173,9 +173,6 @@ class _DistributedPrefill(DistributedMethod):
             raise ConfigError(f"procs={self.procs}, but the process group has {world} ranks; they must be equal")
         return dist.get_rank()
 
-    def is_last_rank(self) -> bool:
-        return self.rank() == self.procs - 1
-
     def check_prompt(self, model: PreTrainedModel, prompt_len: int) -> None:
         """Every rank needs a token, and the frozen partition must be valid for this prompt."""
         self.plan(model, prompt_len)

@@ -195,6 +195,3 @@ class KVPredictor(nn.Module):
             dt = dtype or xk.dtype
             out.append((self._map(self.k_maps[l], xk, dt), self._map(self.v_maps[l], xv, dt)))
         return out
-
-    def describe_map(self) -> str:
-        return ",".join(map(str, self.layer_map))

@@ -64,7 +64,6 @@ class KVPrefix(Method):
     tail: int = 1
     _config: dict[str, Any] | None = field(default=None, init=False, repr=False)
     _state: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False)
-    _given: PrefixPredictor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.layer is None and self.predictor is None:
@@ -100,13 +99,6 @@ class KVPrefix(Method):
             self._config, self._state = config, state
         self._bound: tuple[weakref.ref, PrefixPredictor] | None = None
 
-    @classmethod
-    def from_predictor(cls, predictor: PrefixPredictor) -> KVPrefix:
-        """A method around maps already built (tests, sweeps): bound to nothing until first used."""
-        method = cls(layer=predictor.layer)
-        method._given = predictor
-        return method
-
     def bind(self, model: PreTrainedModel) -> PrefixPredictor:
         """Check ``model`` and build the maps for it (remembered per model; call before timing)."""
         if self._bound is not None and self._bound[0]() is model:
@@ -114,12 +106,7 @@ class KVPrefix(Method):
         require_layer_loop(model, "kvp-prefix")
         shape = ModelShape.from_config(model.config)
         check_layer(self.layer, shape.num_layers)
-        given = self._given
-        if given is not None:
-            if given.shape != shape:
-                raise ConfigError(f"these kvp-prefix maps were built for a model of shape {given.shape}, not {shape}")
-            pred = given
-        elif self._config is None:
+        if self._config is None:
             pred = PrefixPredictor.zero_shot(model, self.layer)
         else:
             pred = self._from_checkpoint(model, shape)
