@@ -20,7 +20,7 @@ from typing import Any, Self
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastprefill.errors import ConfigError, PromptError
+from fastprefill.errors import ConfigError, PromptError, is_int
 from fastprefill.host import dtype_name
 from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
 from fastprefill.methods.full import FullPrefill
@@ -247,7 +247,7 @@ def encode_prompt(
         tensor = prompt.detach().reshape(1, -1).to("cpu", torch.long)
     elif isinstance(prompt, Sequence):
         items = list(prompt)
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+        if not all(is_int(x) for x in items):
             raise PromptError("prompt ids must be integers; give a list of token ids or a string")
         tensor = torch.tensor([items], dtype=torch.long).reshape(1, -1)
     else:
@@ -289,7 +289,7 @@ def prepare_prompt(
         UnsupportedModelError: not a causal LM, or a family the method does not support.
     """
     check_causal_lm(model)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_int(max_new_tokens, 1):
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     method = method if method is not None else FullPrefill()
     if not isinstance(method, Method):

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 
 __all__ = [
     "DTYPES",
@@ -221,7 +221,7 @@ def set_threads(threads: int, *, interop: int | None = None) -> None:
     Raises:
         ConfigError: ``threads`` is not an integer >= 1.
     """
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    if not is_int(threads, 1):
         raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
     torch.set_num_threads(threads)
     if interop is not None:

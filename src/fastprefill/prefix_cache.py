@@ -53,7 +53,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from fastprefill.cache import layer_kv, wrap_dynamic_cache
-from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.errors import ConfigError, FastprefillError, is_int
 from fastprefill.models.fingerprint import file_sha256, weights_fingerprint
 from fastprefill.models.shape import ModelShape
 
@@ -138,9 +138,9 @@ class PrefixCache:
     """
 
     def __init__(self, max_bytes: int, block_tokens: int = 16) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        if not is_int(max_bytes, 1):
             raise ConfigError(f"max_bytes must be an integer number of bytes > 0, got {max_bytes!r}")
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        if not is_int(block_tokens, 1):
             raise ConfigError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
         self.max_bytes = max_bytes
         self.block_tokens = block_tokens

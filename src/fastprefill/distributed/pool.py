@@ -51,7 +51,7 @@ from fastprefill.distributed.rank import (
     serve_rank,
 )
 from fastprefill.distributed.runtime import free_port, init_group, use_loopback
-from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.errors import ConfigError, FastprefillError, is_int
 from fastprefill.host import DTYPES, resolve_dtype, set_threads
 from fastprefill.methods.base import DistributedMethod, Method
 
@@ -236,9 +236,9 @@ class RankPool:
         start_method: str = "spawn",
         links: Sequence[RankLink] | None = None,
     ) -> None:
-        if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+        if not is_int(procs, 1):
             raise ConfigError(f"procs must be an integer >= 1, got {procs!r}")
-        if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
+        if not is_int(threads_per_rank, 1):
             raise ConfigError(f"threads_per_rank must be an integer >= 1, got {threads_per_rank!r}")
         cores = sorted(os.sched_getaffinity(0))
         if pin and procs > len(cores):
@@ -406,7 +406,7 @@ class RankPool:
             from fastprefill.methods.runahead.method import KVRunahead
 
             method = KVRunahead(procs=self.procs) if self.procs > 1 else FullPrefill()
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not is_int(max_new_tokens, 1):
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         req = Request(prompt if isinstance(prompt, (str, bytes)) else list(prompt), method, max_new_tokens, chat, stop_at_eos,
                       fault)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_number
 
 __all__ = ["FORMAT", "MEASURES", "ProfileBucket", "Target", "TuneProfile"]
 
@@ -56,7 +56,7 @@ class Target:
     def __post_init__(self) -> None:
         if self.measure not in MEASURES:
             raise ConfigError(f"target measure must be one of {MEASURES}, got {self.measure!r}")
-        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not self.value > 0 or (
+        if not is_number(self.value) or not self.value > 0 or (
                 self.measure != "kl" and self.value > 1):
             allowed = "> 0" if self.measure == "kl" else "a share in (0, 1]"
             raise ConfigError(f"target {self.measure} must be {allowed}, got {self.value!r}")

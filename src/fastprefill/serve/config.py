@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedModel
 
 from fastprefill.distributed.rank import check_ranks
-from fastprefill.errors import ConfigError, FastprefillError, check_fields
+from fastprefill.errors import ConfigError, FastprefillError, check_fields, is_int, is_number
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import PruneOptions
@@ -66,10 +66,10 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         def count(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+            return is_int(v, 1)
 
         def seconds(v: object, low: float) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= low
+            return is_number(v) and math.isfinite(v) and v >= low
 
         check_fields(self, (
             ("queue_size", count(self.queue_size), "an integer >= 1"),

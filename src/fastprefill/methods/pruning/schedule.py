@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int, is_number
 
 __all__ = [
     "DepthSchedule",
@@ -37,7 +37,7 @@ def keep_count(fraction: float, n: int) -> int:
 
 def check_keep(keep: Any, fieldname: str = "keep") -> float:
     """``keep`` as a float in ``(0, 1]``, or a :class:`ConfigError` naming ``fieldname``."""
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < float(keep) <= 1.0:
+    if not is_number(keep) or not 0.0 < float(keep) <= 1.0:
         raise ConfigError(f"{fieldname} must be a fraction in (0, 1], got {keep!r}")
     return float(keep)
 
@@ -68,7 +68,7 @@ def check_schedule(schedule: Any) -> Schedule:
     pairs = _pairs(schedule, "schedule", "layer")
     prev = -1
     for layer, _ in pairs:
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        if not is_int(layer, 0):
             raise ConfigError(f"schedule: pruning layer must be an integer >= 0, got {layer!r}")
         if layer <= prev:
             raise ConfigError(
@@ -84,7 +84,7 @@ def check_depth_schedule(depth_schedule: Any) -> DepthSchedule:
     depth = _pairs(depth_schedule, "depth_schedule", "depth")
     prev = -1.0
     for d, _ in depth:
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0 or d <= prev:
+        if not is_number(d) or not 0.0 <= d < 1.0 or d <= prev:
             raise ConfigError(f"depth_schedule: depths must be strictly increasing in [0, 1), got {d} after {prev}")
         prev = d
     _check_fractions(depth, "depth_schedule")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fastprefill.distributed.runtime import free_port, init_group, use_loopback
-from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.errors import ConfigError, FastprefillError, is_int
 from fastprefill.host import set_threads
 from fastprefill.methods.runahead.search import CostModel
 from fastprefill.methods.runahead.tables import TABLE_LENGTHS, TABLE_RANKS, PartitionTable
@@ -62,7 +62,7 @@ def calibrate(
     Raises:
         ConfigError: ``repeats`` is not an integer >= 1.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    if not is_int(repeats, 1):
         raise ConfigError(f"repeats must be an integer >= 1, got {repeats!r}")
     from tqdm import tqdm
 

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.cache import PositionKVCache
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 from fastprefill.methods.base import ComputeStats, DistributedMethod, LayerHook, PrefillOutput
 from fastprefill.methods.runahead.comm import ChainComm, ChainCommError
 from fastprefill.methods.runahead.plan import PartitionPlan, check_procs
@@ -148,7 +148,7 @@ class _DistributedPrefill(DistributedMethod):
     timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.procs, bool) or not isinstance(self.procs, int) or self.procs < 1:
+        if not is_int(self.procs, 1):
             raise ConfigError(f"procs must be an integer >= 1, got {self.procs!r}")
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be a number > 0 (seconds), got {self.timeout_s!r}")

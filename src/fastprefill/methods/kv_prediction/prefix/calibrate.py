@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from fastprefill.errors import ConfigError, check_fields
+from fastprefill.errors import ConfigError, check_fields, is_int
 from fastprefill.methods.kv_prediction.auxiliary.models import tokenizer_fingerprint, weights_fingerprint
 from fastprefill.methods.kv_prediction.checkpoint import (
     CheckpointError,
@@ -73,7 +73,7 @@ class PrefixCalibration:
 
     def __post_init__(self) -> None:
         checks = [
-            ("layer", isinstance(self.layer, int) and not isinstance(self.layer, bool) and self.layer >= 0, ">= 0"),
+            ("layer", is_int(self.layer, 0), ">= 0"),
             ("seq_len", self.seq_len >= 2, ">= 2"),
             ("lsq_tokens", self.lsq_tokens >= self.seq_len, f">= seq_len ({self.seq_len})"),
             ("ridge", self.ridge >= 0, ">= 0"),

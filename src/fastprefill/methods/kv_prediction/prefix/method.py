@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput, prefix_length
 from fastprefill.methods.kv_prediction.auxiliary.models import weights_fingerprint
 from fastprefill.methods.kv_prediction.checkpoint import (
@@ -72,10 +72,9 @@ class KVPrefix(Method):
                 "predictor=DIR (a checkpoint from `fastprefill train-kvp --variant prefix --model NAME --layer L "
                 "--out DIR`); for example --method kvp-prefix:layer=8"
             )
-        if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)
-                                       or self.layer < 0):
+        if self.layer is not None and not is_int(self.layer, 0):
             raise ConfigError(f"KVPrefix.layer must be an int >= 0 (layers run exactly), got {self.layer!r}")
-        if isinstance(self.tail, bool) or not isinstance(self.tail, int) or self.tail < 1:
+        if not is_int(self.tail, 1):
             raise ConfigError(f"KVPrefix.tail must be an int >= 1 (prompt tokens run through every layer; 1 = "
                               f"only the last, as in SwiftKV), got {self.tail!r}")
         if self.predictor is not None:
