@@ -69,8 +69,8 @@ def _record(method: str, length: int, sample_id: str, res: GenerationResult, met
         extra["first_token_kl"] = first_token_kl(reference.first_logits, res.first_logits)
     return Record(method=method, length=length, sample_id=sample_id, prompt_tokens=t.prompt_tokens,
                   ttft_s=t.ttft_s, decode_s_per_token=t.decode_s_per_token, total_s=t.total_s,
-                  new_tokens=t.new_tokens, token_layer_fraction=t.token_layer_fraction,
-                  prefill_flops=t.prefill_flops, peak_mem_mb=0.0, score=float(metrics["score"]),
+                  new_tokens=t.new_tokens, token_layer_fraction=t.stats.fraction,
+                  prefill_flops=t.stats.flops, peak_mem_mb=0.0, score=float(metrics["score"]),
                   metrics={k: float(v) for k, v in metrics.items()}, output=res.text, extra=extra)
 
 

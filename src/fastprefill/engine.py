@@ -89,31 +89,14 @@ class Timing:
     dtype: str = ""
 
     @property
-    def token_layers(self) -> int:
-        """Prompt (token, layer) pairs the prefill computed."""
-        return self.stats.token_layers
-
-    @property
-    def total_token_layers(self) -> int:
-        """``T * num_layers``."""
-        return self.stats.total_token_layers
-
-    @property
-    def token_layer_fraction(self) -> float:
-        return self.stats.fraction
-
-    @property
-    def prefill_flops(self) -> float:
-        """Estimated FLOPs to the first token."""
-        return self.stats.flops
-
-    @property
     def extra(self) -> dict[str, Any]:
         """Prefill and decode counters in one dict (decode keys win on a clash)."""
         return {**self.stats.extra, **self.decode_extra}
 
     def to_dict(self) -> dict[str, Any]:
-        """A flat, JSON-friendly dict (the keys benchmark records and the pool's replies use)."""
+        """A flat, JSON-friendly dict (the keys benchmark records and the pool's replies use): the
+        timings, :meth:`ComputeStats.to_dict`'s keys (with ``extra`` the prefill and decode
+        counters of :attr:`extra`), and the prefix cache's fields."""
         return {
             "method": self.method,
             "prompt_tokens": self.prompt_tokens,
@@ -121,11 +104,8 @@ class Timing:
             "ttft_s": self.ttft_s,
             "decode_s_per_token": self.decode_s_per_token,
             "total_s": self.total_s,
-            "token_layers": self.token_layers,
-            "total_token_layers": self.total_token_layers,
-            "prefill_flops": self.prefill_flops,
+            **self.stats.to_dict(),
             "extra": self.extra,
-            "token_layer_fraction": self.token_layer_fraction,
             "cached_tokens": self.cached_tokens,
             "prefix_cache": self.prefix_cache,
             "stored_tokens": self.stored_tokens,

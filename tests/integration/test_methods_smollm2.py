@@ -77,7 +77,7 @@ def test_keep_all_equals_full_prefill_smollm2(smollm2):
     assert lazy.token_ids == full.token_ids and len(lazy.token_ids) == 10
     # and the default preset really prunes on the real model, still decoding 10 tokens
     res = generate(model, tok, prompt, LazyLLM(preset="default"), max_new_tokens=10, stop_at_eos=False)
-    assert res.timing.token_layers < res.timing.total_token_layers and len(res.token_ids) == 10
+    assert res.timing.stats.token_layers < res.timing.stats.total_token_layers and len(res.token_ids) == 10
 
 
 @pytest.mark.integration

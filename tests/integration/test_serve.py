@@ -336,7 +336,7 @@ def test_per_request_method_in_the_fastprefill_field(client, ref, served, smollm
     fp = r.usage.fastprefill
     assert fp["method"] == served_name(serving_method(LAZY)) == "lazyllm[four-stage revival=none]"
     assert "revival=none" in fp["method"]  # the server's LazyLLM decodes with the model's own forward
-    assert fp["token_layer_fraction"] == pytest.approx(want.timing.token_layer_fraction)
+    assert fp["token_layer_fraction"] == pytest.approx(want.timing.stats.fraction)
     assert fp["token_layer_fraction"] < 1.0
     streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body=body, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == want.text

@@ -51,7 +51,7 @@ def test_identity_through_engine_matches_full(tiny_llama, make_ids):
     full = generate(tiny_llama, None, ids, max_new_tokens=8, stop_at_eos=False)
     kvp = generate(tiny_llama, None, ids, method=identity_method(tiny_llama), max_new_tokens=8, stop_at_eos=False)
     assert kvp.token_ids == full.token_ids
-    assert kvp.timing.token_layers == 4
+    assert kvp.timing.stats.token_layers == 4
 
 
 def test_single_token_prompt_is_plain_prefill(tiny_llama, make_ids):
@@ -308,7 +308,7 @@ def test_aux_alone_baseline_runs_the_aux_only(tiny_llama, make_ids):
     got = generate(tiny_llama, None, ids, method=method, max_new_tokens=6, stop_at_eos=False)
     aux = AuxSpec.layer_drop(2).build(tiny_llama)
     want = generate(aux, None, ids, max_new_tokens=6, stop_at_eos=False)
-    assert got.token_ids == want.token_ids and got.timing.token_layers == 0
-    assert got.timing.prefill_flops == want.timing.prefill_flops
+    assert got.token_ids == want.token_ids and got.timing.stats.token_layers == 0
+    assert got.timing.stats.flops == want.timing.stats.flops
     with pytest.raises(ConfigError, match="AuxAlone.aux"):
         AuxAlone("qwen")

@@ -153,13 +153,13 @@ def test_engine_generate_and_stats(tiny_llama, make_ids):
     assert len(res.token_ids) == 6
     shape = ModelShape.from_config(tiny_llama.config)
     n, l, L = 31, 2, 4
-    assert res.timing.token_layers == l * n + (L - l)
+    assert res.timing.stats.token_layers == l * n + (L - l)
     d_kv = shape.num_kv_heads * shape.head_dim
     map_flops = 2.0 * 2 * (L - l) * (n - 1) * (shape.hidden_size + 1) * d_kv
     want = l * shape.layer_flops(n) + map_flops + (L - l) * shape.layer_flops(1, n) + shape.head_flops(1)
-    assert res.timing.prefill_flops == pytest.approx(want)
+    assert res.timing.stats.flops == pytest.approx(want)
     assert res.timing.stats.extra["map_flops"] == pytest.approx(map_flops)
-    assert res.timing.prefill_flops < shape.causal_prefill_flops(n)
+    assert res.timing.stats.flops < shape.causal_prefill_flops(n)
 
 
 # --------------------------------------------------------------------------- least squares

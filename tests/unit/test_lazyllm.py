@@ -39,7 +39,7 @@ def test_keep_all_counts_every_token_layer_once_and_revives_nothing(tiny_model, 
     """Logit/token equality with full prefill is in test_method_table.py; here the counts."""
     ids = make_ids(41, 1)
     lazy = generate(tiny_model, None, ids, LazyLLM(preset="keep-all"), max_new_tokens=10, stop_at_eos=False)
-    assert lazy.timing.token_layers == lazy.timing.total_token_layers == 41 * 4
+    assert lazy.timing.stats.token_layers == lazy.timing.stats.total_token_layers == 41 * 4
     assert "revived_tokens_total" not in lazy.timing.extra  # nothing deferred: the model's own forward decodes
 
 

@@ -156,8 +156,8 @@ def _print_timing(timing: Any, warmup_s: float | None) -> None:
     dec = f"{1000 * timing.decode_s_per_token:.1f} ms/token" if timing.decode_s_per_token else "—"
     err_console.print(
         f"[dim]{timing.method}: TTFT {timing.ttft_s:.3f} s for {timing.prompt_tokens} prompt tokens in {timing.dtype} "
-        f"({_warmup_note(warmup_s)}), decode {dec}, token-layers computed {100 * timing.token_layer_fraction:.0f}%, "
-        f"prefill {timing.prefill_flops / 1e9:.1f} GFLOP[/dim]"
+        f"({_warmup_note(warmup_s)}), decode {dec}, token-layers computed {100 * timing.stats.fraction:.0f}%, "
+        f"prefill {timing.stats.flops / 1e9:.1f} GFLOP[/dim]"
     )
 
 

@@ -59,6 +59,12 @@ class ComputeStats:
         """``token_layers / total_token_layers`` (1.0 for full prefill without a cached prefix)."""
         return self.token_layers / self.total_token_layers if self.total_token_layers else 1.0
 
+    def to_dict(self) -> dict[str, Any]:
+        """The keys a benchmark record uses: ``token_layers``, ``total_token_layers``,
+        ``prefill_flops`` (:attr:`flops`), ``extra`` and ``token_layer_fraction`` (:attr:`fraction`)."""
+        return {"token_layers": self.token_layers, "total_token_layers": self.total_token_layers,
+                "prefill_flops": self.flops, "extra": self.extra, "token_layer_fraction": self.fraction}
+
 
 @runtime_checkable
 class Decoder(Protocol):

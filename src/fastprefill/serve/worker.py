@@ -312,8 +312,8 @@ class Worker:
         if timing.decode_s_per_token is not None:
             m.decode.labels(label).observe(timing.decode_s_per_token)
         m.prompt_tokens.labels(label).observe(timing.prompt_tokens)
-        m.token_layers.labels(label).inc(timing.token_layers)
-        m.token_layers_full.labels(label).inc(timing.total_token_layers)
+        m.token_layers.labels(label).inc(timing.stats.token_layers)
+        m.token_layers_full.labels(label).inc(timing.stats.total_token_layers)
         if label == "auto":  # the profile's choice for this prompt's length
             m.auto_choices.labels(timing.method).inc()
         m.cached_prompt_tokens.labels(label).inc(timing.cached_tokens)
