@@ -26,7 +26,7 @@ from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import check_causal_lm
 from fastprefill.prefix_cache import PrefixCache
-from fastprefill.text import IncrementalText
+from fastprefill.text import IncrementalDecoder
 
 __all__ = [
     "GenerationResult",
@@ -354,8 +354,9 @@ def stream(
 
     Each event's ``text`` is the text new since the last event, whole characters only (a
     character split over tokens comes with the token that completes it, see
-    :class:`~fastprefill.text.IncrementalText`); the texts add up to :func:`generate`'s. The last
-    event carries the :class:`Timing`. See :func:`generate` for the arguments.
+    :class:`~fastprefill.text.IncrementalDecoder`, which decodes a short window per token); the
+    texts add up to :func:`generate`'s. The last event carries the :class:`Timing`. See
+    :func:`generate` for the arguments (``stop`` is called with the text of the events so far).
     """
     method = method if method is not None else FullPrefill()
     input_ids = prepare_prompt(model, tokenizer, prompt, method, max_new_tokens=max_new_tokens, chat=chat)
@@ -370,11 +371,12 @@ def stream(
     decoder = decoder_for(model, out)
     generated = [token]
     decode_time = 0.0
-    pending = IncrementalText()  # deltas hold back a character split over tokens
+    pending = IncrementalDecoder(tokenizer) if tokenizer is not None else None  # whole characters only
+    text = ""  # the deltas so far
     with torch.inference_mode():
         while True:
-            text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
-            delta = pending.push(text)
+            delta = pending.push(token) if pending is not None else ""
+            text += delta
             done = token in eos or len(generated) >= max_new_tokens or (stop is not None and stop(text))
             if done:
                 break
@@ -412,7 +414,8 @@ def stream(
             prefix_store_s=store_s,
             dtype=dtype_name(model.dtype),
         )
-        yield StreamEvent(token, delta + pending.flush(), len(generated) - 1, timing, first_logits)
+        tail = pending.flush() if pending is not None else ""
+        yield StreamEvent(token, delta + tail, len(generated) - 1, timing, first_logits)
 
 
 def generate(
