@@ -22,11 +22,8 @@ from fastprefill.methods.kv_prediction import (
     default_layer_map,
     validate_layer_map,
 )
-from fastprefill.methods.kv_prediction.auxiliary.train import (
-    base_logits_on_kv,
-    fit_least_squares,
-    kv_relative_errors,
-)
+from fastprefill.methods.kv_prediction.auxiliary.fit import fit_least_squares, kv_relative_errors
+from fastprefill.methods.kv_prediction.auxiliary.train import base_logits_on_kv
 from fastprefill.methods.kv_prediction.checkpoint import read_checkpoint
 from fastprefill.models.kv import prefix_kv, rotate_keys, unrotate_keys
 from fastprefill.models.shape import ModelShape
