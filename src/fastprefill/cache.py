@@ -8,7 +8,7 @@ chain and gather caches and transformers' ``DynamicCache`` all implement it, and
 Each layer of :class:`PositionKVCache` holds keys and values for an arbitrary *set* of original
 prompt positions, in the order they were computed. Different layers may hold different sets
 (LazyLLM computes fewer tokens in deeper layers). Attention over such a layer uses an explicit
-mask by original position (:func:`fastprefill.models.adapters.causal_mask`), so the storage order
+mask by original position (:func:`fastprefill.models.attention.causal_mask`), so the storage order
 does not matter.
 
 Shapes: keys/values ``(B, H_kv, N, d)``; positions ``(N,)`` int64; Aux Cache hidden states

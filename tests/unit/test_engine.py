@@ -10,7 +10,8 @@ from fastprefill.engine import generate, prepare_prompt, stream
 from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.pruning import AttentionScorer
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.attention import causal_mask
 
 
 def _hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:

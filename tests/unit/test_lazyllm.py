@@ -20,7 +20,8 @@ from fastprefill.methods.pruning import (
     schedule_token_layers,
 )
 from fastprefill.methods.registry import make_method
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.attention import causal_mask
 
 
 def _decode_n(method, model, ids, n):
@@ -213,7 +214,7 @@ def test_gqa_masked_attention_equals_transformers_sdpa(h_q, h_kv, t):
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from fastprefill.models.adapters import _fastprefill_sdpa, _gqa_with_shared_mask, _packed_gqa_sdpa
+    from fastprefill.models.attention import _fastprefill_sdpa, _gqa_with_shared_mask, _packed_gqa_sdpa
 
     q, k, v, mask = _random_attention(h_q, h_kv, t)
     module = SimpleNamespace(num_key_value_groups=h_q // h_kv, is_causal=True, layer_idx=3)
@@ -238,7 +239,7 @@ def test_gqa_masked_attention_does_not_copy_kv_per_query_head():
     from torch.profiler import profile
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from fastprefill.models.adapters import _fastprefill_sdpa
+    from fastprefill.models.attention import _fastprefill_sdpa
 
     h_q, h_kv, n = 6, 2, 37
     q, k, v, mask = _random_attention(h_q, h_kv, 4, n=n)

@@ -17,7 +17,8 @@ from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.runahead import KVRunahead
-from fastprefill.models.adapters import DecoderAdapter, _suffix_causal_sdpa, causal_mask
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.attention import _suffix_causal_sdpa, causal_mask
 from fastprefill.models.random import random_model
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 

@@ -38,7 +38,7 @@ import torch
 from fastprefill.methods.pruning.schedule import keep_count, scored_layers
 from fastprefill.methods.pruning.select import cut_scores
 from fastprefill.methods.pruning.state import LazyState, run_rows
-from fastprefill.models.adapters import causal_mask
+from fastprefill.models.attention import causal_mask
 
 __all__ = ["RevivalDecoder", "catch_up", "decode_step"]
 

@@ -41,7 +41,8 @@ from fastprefill.methods.pruning.schedule import Schedule, keep_count, scored_la
 from fastprefill.methods.pruning.scorers import AttentionScorer, Scorer
 from fastprefill.methods.pruning.select import SelectFn, cut_scores
 from fastprefill.methods.pruning.state import LazyState, new_state, run_rows
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.attention import causal_mask
 from fastprefill.models.shape import causal_pairs
 
 __all__ = ["PrunedPrefill", "probe_scores", "progressive_prefill", "recording_kept_positions", "subset_prefill"]

@@ -67,7 +67,8 @@ def calibrate(
     from tqdm import tqdm
 
     from fastprefill.cache import PositionKVCache
-    from fastprefill.models.adapters import DecoderAdapter, causal_mask
+    from fastprefill.models.adapters import DecoderAdapter
+    from fastprefill.models.attention import causal_mask
 
     ad = DecoderAdapter(model, method="runahead calibration")
     shape = ad.shape

@@ -62,7 +62,8 @@ from fastprefill.methods.runahead.comm import ChainComm, ChainCommError
 from fastprefill.methods.runahead.plan import PartitionPlan, check_procs
 from fastprefill.methods.runahead.search import CostModel, search_partition
 from fastprefill.methods.runahead.tables import PartitionTable, find_table
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.attention import causal_mask
 from fastprefill.models.shape import ModelShape
 
 __all__ = ["KVRunahead", "SequenceParallel"]

@@ -26,7 +26,8 @@ from fastprefill.methods.kv_prediction.prefix.predictor import (
     check_layer,
     stored_delta,
 )
-from fastprefill.models.adapters import DecoderAdapter, causal_mask, require_layer_loop
+from fastprefill.models.adapters import DecoderAdapter, require_layer_loop
+from fastprefill.models.attention import causal_mask
 from fastprefill.models.kv import rotate_keys
 from fastprefill.models.shape import ModelShape, causal_pairs
 
