@@ -11,13 +11,14 @@ import torch
 
 from fastprefill.bench.runner import first_token_kl
 from fastprefill.data.tasks import get_task
-from fastprefill.engine import generate, prepare_prompt, stream
+from fastprefill.engine import generate, stream
 from fastprefill.errors import ConfigError, PromptError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import keep_count
 from fastprefill.methods.registry import make_method
 from fastprefill.prefix_cache import PrefixCache
+from fastprefill.prompt import prepare_prompt
 from research.ceiling import ORACLES, selection_ceiling, summarize_ceiling
 from tests.kvp_helpers import compare_with_full, identity_method
 

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from fastprefill.cache import PositionKVCache
-from fastprefill.engine import generate, prepare_prompt, stream
+from fastprefill.engine import generate, stream
 from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.pruning import AttentionScorer
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.attention import causal_mask
+from fastprefill.prompt import prepare_prompt
 
 
 def _hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:

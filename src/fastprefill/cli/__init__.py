@@ -71,7 +71,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # --- generate ----------------------------------------------------------------------------------
 def _read_prompt(args: argparse.Namespace) -> bytes:
-    """The prompt as bytes (the engine's prepare_prompt refuses what is not UTF-8 text)."""
+    """The prompt as bytes (fastprefill.prompt.prepare_prompt refuses what is not UTF-8 text)."""
     if args.file:
         path = Path(args.file)
         if not path.is_file():

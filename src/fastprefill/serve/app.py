@@ -3,7 +3,7 @@
 A completion request goes: body (at most ``--max-body-mb``) -> schema and greedy-only checks ->
 method (the server's, or the request's ``"fastprefill": {"method": SPEC}``) -> the prompt's
 length in characters against what the context can hold (:mod:`fastprefill.serve.limits`) ->
-:func:`fastprefill.engine.prepare_prompt` (on one of :data:`CHECK_THREADS` checker threads, each
+:func:`fastprefill.prompt.prepare_prompt` (on one of :data:`CHECK_THREADS` checker threads, each
 with its own tokenizer copy, so neither the worker's generation nor other requests wait for a
 long tokenization) -> the bounded queue -> the worker. Every refusal is answered in OpenAI's
 error shape: 400 (404 for an unknown model name or route, 405 for a wrong HTTP method, 413 for
@@ -39,11 +39,12 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastprefill.engine import PromptInput, context_length, generate, prepare_prompt
+from fastprefill.engine import generate
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.host import dtype_name, precision_report
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
+from fastprefill.prompt import PromptInput, context_length, prepare_prompt
 from fastprefill.serve.config import MethodTable, ServeConfig, served_name
 from fastprefill.serve.limits import prompt_char_limit, read_body
 from fastprefill.serve.metrics import ServeMetrics
@@ -283,7 +284,7 @@ class Server:
             raise APIError(400, str(exc)) from None
 
     def prompt_ids(self, req: ChatRequest | CompletionRequest, method: Method, max_tokens: int) -> torch.Tensor:
-        """The request's ``(1, T)`` prompt ids, validated by :func:`~fastprefill.engine.prepare_prompt`
+        """The request's ``(1, T)`` prompt ids, validated by :func:`~fastprefill.prompt.prepare_prompt`
         (a checker thread runs this)."""
         tok = self._check_tokenizers.get()
         try:

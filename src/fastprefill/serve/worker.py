@@ -1,7 +1,7 @@
 """One model, one generation at a time: the worker thread, its bounded queue and the jobs.
 
 A :class:`Job` is a validated request (its prompt ids already made by
-:func:`fastprefill.engine.prepare_prompt`). The :class:`Worker` thread takes jobs in arrival
+:func:`fastprefill.prompt.prepare_prompt`). The :class:`Worker` thread takes jobs in arrival
 order and runs :func:`fastprefill.engine.stream` on each; between two tokens it stops a job
 whose client has gone (:meth:`Job.cancel`) or whose deadline has passed. Events go back to the
 request's event loop with ``call_soon_threadsafe``.
@@ -112,7 +112,7 @@ class Job:
     """A validated request waiting for, or running on, the worker.
 
     Attributes:
-        input_ids: ``(1, T)`` ids from :func:`~fastprefill.engine.prepare_prompt`.
+        input_ids: ``(1, T)`` ids from :func:`~fastprefill.prompt.prepare_prompt`.
         method: the prefill method; ``label`` its metrics label (:func:`~fastprefill.serve.config.metric_label`).
         max_tokens: tokens to generate at most (the first included).
         stops: stop strings (cut from the answer, not included).
