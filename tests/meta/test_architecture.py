@@ -51,7 +51,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cache", "prefix_cache"),
     ("methods.*",),
     ("engine", "prompt"),
-    ("distributed.pool", "distributed.rank", "distributed.torchrun_links"),
+    ("distributed.pool", "distributed.rank", "distributed.links", "distributed.torchrun_links"),
     ("bench.*", "tune"),
     ("launch", "serve.*", "cli", "cli.*", "demo", "__init__"),
 )

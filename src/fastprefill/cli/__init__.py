@@ -102,7 +102,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     chat = not args.raw
     warmup_s = None
     if isinstance(method, DistributedMethod):
-        from fastprefill.distributed.pool import RankPool, required_ranks
+        from fastprefill.distributed.pool import RankPool
+        from fastprefill.distributed.rank import required_ranks
 
         with RankPool(args.model, required_ranks(method), threads_per_rank=args.threads_per_rank, pin=args.pin,
                       timeout_s=method.timeout_s) as pool:
