@@ -627,18 +627,18 @@ def test_the_body_limit_holds_for_chunked_uploads_and_passes_what_fits(smollm2, 
 
 @pytest.mark.integration
 def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, served, served_app, monkeypatch):
-    import fastprefill.serve.app as app_module
+    import fastprefill.serve.prompts as prompts_module
 
-    limit = served_app.state.server.max_prompt_chars
+    limit = served_app.state.server.prompts.max_prompt_chars
     assert limit is not None and limit < 2**20
-    real = app_module.prepare_prompt
+    real = prompts_module.prepare_prompt
     calls: list[int] = []
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(app_module, "prepare_prompt", counted)
+    monkeypatch.setattr(prompts_module, "prepare_prompt", counted)
     over = "a" * (limit + 1)
     for send in (lambda: client.completions.create(model=MODEL, prompt=over, max_tokens=1),
                  lambda: client.chat.completions.create(model=MODEL, messages=user_messages(over), max_tokens=1),
@@ -656,9 +656,9 @@ def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, 
 
 @pytest.mark.integration
 def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref, monkeypatch):
-    import fastprefill.serve.app as app_module
+    import fastprefill.serve.prompts as prompts_module
 
-    real = app_module.prepare_prompt
+    real = prompts_module.prepare_prompt
     slow_started = threading.Event()
 
     def slow_for_long_prompts(model, tok, prompt, *args, **kwargs):
@@ -667,7 +667,7 @@ def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref
             time.sleep(4)
         return real(model, tok, prompt, *args, **kwargs)
 
-    monkeypatch.setattr(app_module, "prepare_prompt", slow_for_long_prompts)
+    monkeypatch.setattr(prompts_module, "prepare_prompt", slow_for_long_prompts)
     long_done = threading.Event()
 
     def long_request() -> None:
