@@ -541,7 +541,7 @@ def test_an_unexpected_failure_is_a_counted_500_in_openai_shape(client, served, 
         raise RuntimeError("a bug")
 
     errors = metric_value(served, "fastprefill_requests_total", outcome="error")
-    monkeypatch.setattr(server, "prompt_ids", broken)
+    monkeypatch.setattr(server.prompts, "prompt_ids", broken)
     for stream in (False, True):
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=stream)
