@@ -75,27 +75,24 @@ from fastprefill.bench.report import (
 from fastprefill.bench.runner import run_samples
 from fastprefill.bench.summary import method_entry, references_by_model, summarize
 from fastprefill.data.tasks import get_task
-from fastprefill.distributed.runtime import set_threads
 from fastprefill.errors import FastprefillError
-from fastprefill.host import DTYPES, keep_freed_memory
+from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
-from fastprefill.methods.kv_prediction.auxiliary.models import check_tokenizers
-from fastprefill.methods.kv_prediction.auxiliary.train import (
-    TrainConfig,
+from fastprefill.methods.kv_prediction.auxiliary.fit import (
     error_summary,
     fit_least_squares,
     kv_relative_errors,
-    train_kvp,
-    training_corpus,
 )
+from fastprefill.methods.kv_prediction.auxiliary.models import check_tokenizers
+from fastprefill.methods.kv_prediction.auxiliary.train import TrainConfig, train_kvp
+from fastprefill.methods.kv_prediction.corpus import training_corpus
 from fastprefill.methods.kv_prediction.prefix import KVPrefix, PrefixCalibration, calibrate_prefix
-from fastprefill.methods.kv_prediction.prefix.distill import (
+from fastprefill.methods.kv_prediction.prefix.distill import PrefixDistillation, distill_on_dev
+from fastprefill.methods.kv_prediction.prefix.distill_prompts import (
     DEFAULT_HELDOUT,
     DEFAULT_TRAIN,
     DISTILL_SEED,
-    PrefixDistillation,
-    distill_on_dev,
 )
 from fastprefill.methods.registry import make_method
 from fastprefill.models import load as load_model

@@ -43,10 +43,9 @@ from fastprefill.bench.records import FULL, environment, result_name, write_rows
 from fastprefill.bench.report import markdown_table, write_paired_rows
 from fastprefill.bench.runner import Unscored, random_samples, run_benchmark, run_samples
 from fastprefill.bench.summary import needle_by_depth, summarize
-from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
 from fastprefill.errors import FastprefillError
-from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype
+from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype, set_threads
 from fastprefill.methods.base import Method
 from fastprefill.methods.baselines import matched_baselines
 from fastprefill.methods.full import FullPrefill

@@ -22,8 +22,7 @@ from fastprefill.bench.records import FULL, RecordLog, environment, result_name
 from fastprefill.bench.report import write_paired_rows, write_report
 from fastprefill.bench.runner import run_samples
 from fastprefill.data.tasks import TASKS, get_task
-from fastprefill.distributed.runtime import set_threads
-from fastprefill.host import DTYPES, dtype_name, keep_freed_memory
+from fastprefill.host import DTYPES, dtype_name, keep_freed_memory, set_threads
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models import load as load_model
 

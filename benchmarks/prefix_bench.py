@@ -44,9 +44,8 @@ from fastprefill.data.tasks.sessions import (
     question_prompt,
     score_answer,
 )
-from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import GenerationResult, generate
-from fastprefill.host import DTYPES, keep_freed_memory
+from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.models.shape import ModelShape
 from fastprefill.prefix_cache import PrefixCache
 
@@ -70,8 +69,8 @@ def _record(method: str, length: int, sample_id: str, res: GenerationResult, met
         extra["first_token_kl"] = first_token_kl(reference.first_logits, res.first_logits)
     return Record(method=method, length=length, sample_id=sample_id, prompt_tokens=t.prompt_tokens,
                   ttft_s=t.ttft_s, decode_s_per_token=t.decode_s_per_token, total_s=t.total_s,
-                  new_tokens=t.new_tokens, token_layer_fraction=t.token_layer_fraction,
-                  prefill_flops=t.prefill_flops, peak_mem_mb=0.0, score=float(metrics["score"]),
+                  new_tokens=t.new_tokens, token_layer_fraction=t.stats.fraction,
+                  prefill_flops=t.stats.flops, peak_mem_mb=0.0, score=float(metrics["score"]),
                   metrics={k: float(v) for k, v in metrics.items()}, output=res.text, extra=extra)
 
 
@@ -156,7 +155,7 @@ def cmd_questions(args: argparse.Namespace, kind: str = "questions", evict: bool
             bench.pair(length, f"{session.id}/q{q}", ids, method, cache,
                        lambda text, s=session, q=q: score_answer(s, q, text), flip=bool(i % 2))
         if evict:
-            extra[str(length)] = {"bytes_per_cached_token": shared.nbytes / max(1, shared.cached_tokens),
+            extra[str(length)] = {"bytes_per_cached_token": shared.nbytes / max(1, shared.held_tokens),
                                   "model_kv_bytes_per_token": per_token, "cache_bytes_bound": bound,
                                   "evicted_blocks": shared.stats.evicted_blocks, "cache_bytes_end": shared.nbytes}
     bench.finish({"cache_memory": extra} if evict else None)

@@ -30,9 +30,8 @@ from typing import Any
 import torch
 
 from fastprefill.bench.records import environment, result_name, write_json
-from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
-from fastprefill.host import DTYPES, dtype_name, keep_freed_memory
+from fastprefill.host import DTYPES, dtype_name, keep_freed_memory, set_threads
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.models import load as load_model
 from fastprefill.models.shape import ModelShape, causal_pairs

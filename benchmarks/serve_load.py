@@ -56,10 +56,10 @@ import openai
 
 from fastprefill.bench.records import environment, result_name, write_json, write_rows
 from fastprefill.data.tasks import Sample, get_task
-from fastprefill.distributed.runtime import free_port, set_threads
+from fastprefill.distributed.runtime import free_port
 from fastprefill.engine import generate
 from fastprefill.errors import FastprefillError
-from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype
+from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype, set_threads
 from fastprefill.models import load as load_model
 from fastprefill.serve.config import serving_method
 

@@ -44,9 +44,8 @@ from typing import Any
 
 from fastprefill.bench.records import environment, result_name, write_json, write_rows
 from fastprefill.distributed.pool import RankPool
-from fastprefill.distributed.runtime import set_threads
 from fastprefill.errors import FastprefillError
-from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype
+from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype, set_threads
 from serve_load import markdown, run_model, summarize
 
 

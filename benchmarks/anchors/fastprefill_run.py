@@ -26,8 +26,7 @@ class FastprefillSystem(System):
     def load(self, max_prompt_tokens: int) -> None:
         import torch
 
-        from fastprefill.distributed.runtime import set_threads
-        from fastprefill.host import keep_freed_memory
+        from fastprefill.host import keep_freed_memory, set_threads
         from fastprefill.models import load
 
         self.kept = keep_freed_memory()

@@ -25,7 +25,7 @@ from fastprefill.bench.runner import first_token_kl
 from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import KVPrediction
-from fastprefill.methods.kv_prediction.auxiliary.train import error_summary, kv_relative_errors
+from fastprefill.methods.kv_prediction.auxiliary.fit import error_summary, kv_relative_errors
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from research.ablation import run_ablation
 

@@ -7,8 +7,9 @@ Public API (explicit re-exports; importing this package has no side effects)::
     result = generate(model, tok, "Summarise: ...", method=LazyLLM(preset="default"))
     print(result.text, result.timing.ttft_s)
 
-Method classes are imported on first access, so an optional piece that is missing never
-breaks the rest.
+Method classes, the method registry (``make_method``, ``METHODS``) and ``RankPool`` (the ranks
+``KVRunahead`` runs on) are imported on first access, so an optional piece that is missing never
+breaks the rest. Every name the README's snippets import comes from here.
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ _LAZY = {
     "StaticPruning": "fastprefill.methods.baselines",
     "GemFilter": "fastprefill.methods.baselines",
     "KVPrediction": "fastprefill.methods.kv_prediction",
+    "KVPrefix": "fastprefill.methods.kv_prediction",
     "KVRunahead": "fastprefill.methods.runahead",
+    "METHODS": "fastprefill.methods.registry",
+    "RankPool": "fastprefill.distributed.pool",
     "load_model": "fastprefill.models",
+    "make_method": "fastprefill.methods.registry",
 }
 
 __all__ = [  # noqa: PLE0604 - *_LAZY adds its keys, all strings

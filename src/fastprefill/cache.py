@@ -8,7 +8,7 @@ chain and gather caches and transformers' ``DynamicCache`` all implement it, and
 Each layer of :class:`PositionKVCache` holds keys and values for an arbitrary *set* of original
 prompt positions, in the order they were computed. Different layers may hold different sets
 (LazyLLM computes fewer tokens in deeper layers). Attention over such a layer uses an explicit
-mask by original position (:func:`fastprefill.models.adapters.causal_mask`), so the storage order
+mask by original position (:func:`fastprefill.models.attention.causal_mask`), so the storage order
 does not matter.
 
 Shapes: keys/values ``(B, H_kv, N, d)``; positions ``(N,)`` int64; Aux Cache hidden states
@@ -122,10 +122,6 @@ class PositionKVCache:
         stored = self.layers[layer_idx].positions.to(positions.device)
         return torch.isin(positions, stored)
 
-    def token_count(self) -> int:
-        """Total (token, layer) pairs stored."""
-        return sum(len(layer) for layer in self.layers)
-
     # --- export ----------------------------------------------------------------------------
     def to_dynamic_cache(self, config: PretrainedConfig) -> DynamicCache:
         """Export to a transformers ``DynamicCache`` in position order.
@@ -160,18 +156,6 @@ class PositionKVCache:
         ``DynamicCache`` does not know the positions.
         """
         return wrap_dynamic_cache(config, [(layer.keys, layer.values) for layer in self.layers])
-
-    @classmethod
-    def from_dynamic_cache(cls, cache: DynamicCache) -> PositionKVCache:
-        """Wrap a transformers cache whose layer ``l`` holds positions ``0..N_l-1``."""
-        num_layers = len(cache.layers)
-        out = cls(num_layers)
-        for idx in range(num_layers):
-            k, v = cache.layers[idx].keys, cache.layers[idx].values
-            out.stage(idx, torch.arange(k.shape[-2], device=k.device))
-            out.update(k, v, idx)
-        return out
-
 
 def layer_kv(cache: DynamicCache, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``idx``'s keys and values ``(B, H_kv, N, d)`` held by a transformers ``DynamicCache``.

@@ -92,7 +92,7 @@ def run_demo(model: Any, tok: Any, args: argparse.Namespace, console: Console) -
         ratios = [b / t for b, t in zip(base, ttfts[label], strict=True)]
         table.add_row(label, " ".join(res.text.split())[:60], f"{100 * task.score(sample, res.text)['score']:.0f}",
                       spread(ttfts[label]), spread(ratios, 2, "x"),
-                      f"{100 * res.timing.token_layer_fraction:.0f}%")
+                      f"{100 * res.timing.stats.fraction:.0f}%")
     notes: list[str] = []
     if args.procs > 1:
         from fastprefill.distributed.pool import RankPool

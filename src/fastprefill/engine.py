@@ -1,9 +1,7 @@
-"""Generation engine: prompt validation, prefill through a method, greedy decoding, honest timings.
+"""Generation engine: prefill through a method, greedy decoding, honest timings.
 
-- :func:`prepare_prompt` is the only place a request is validated (text or ids, bytes that must
-  be UTF-8, emptiness, the context length, the id range, the method's support for the model and
-  its own per-prompt limits). :func:`stream`, the distributed pool's workers and the server all
-  call it, so every entry point refuses the same inputs with the same message.
+- Every prompt is validated first by :func:`fastprefill.prompt.prepare_prompt`, the one
+  validator (the distributed pool's workers and the server call it too).
 - :class:`TimingWindow` is the only clock: on CUDA it synchronises the device before each read.
   TTFT runs from the start of prefill (the prompt ids already on the device) through the first
   token id (the argmax of the prefill logits); everything the method does for the first token
@@ -20,33 +18,24 @@ from typing import Any, Self
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastprefill.errors import ConfigError, PromptError
 from fastprefill.host import dtype_name
 from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
 from fastprefill.methods.full import FullPrefill
-from fastprefill.models.adapters import check_causal_lm
 from fastprefill.prefix_cache import PrefixCache
-from fastprefill.text import IncrementalText
+from fastprefill.prompt import PromptInput, prepare_prompt
+from fastprefill.text import IncrementalDecoder
 
 __all__ = [
     "GenerationResult",
-    "PromptInput",
     "StreamEvent",
     "TimedPrefill",
     "Timing",
     "TimingWindow",
-    "context_length",
     "decoder_for",
-    "encode_prompt",
     "generate",
-    "prepare_prompt",
     "stream",
     "timed_prefill",
 ]
-
-#: What a prompt may be: text (or UTF-8 bytes), or token ids as a list or a ``(T,)`` / ``(1, T)`` tensor.
-PromptInput = str | bytes | Sequence[int] | torch.Tensor
-
 
 @dataclass
 class Timing:
@@ -89,31 +78,14 @@ class Timing:
     dtype: str = ""
 
     @property
-    def token_layers(self) -> int:
-        """Prompt (token, layer) pairs the prefill computed."""
-        return self.stats.token_layers
-
-    @property
-    def total_token_layers(self) -> int:
-        """``T * num_layers``."""
-        return self.stats.total_token_layers
-
-    @property
-    def token_layer_fraction(self) -> float:
-        return self.stats.fraction
-
-    @property
-    def prefill_flops(self) -> float:
-        """Estimated FLOPs to the first token."""
-        return self.stats.flops
-
-    @property
     def extra(self) -> dict[str, Any]:
         """Prefill and decode counters in one dict (decode keys win on a clash)."""
         return {**self.stats.extra, **self.decode_extra}
 
     def to_dict(self) -> dict[str, Any]:
-        """A flat, JSON-friendly dict (the keys benchmark records and the pool's replies use)."""
+        """A flat, JSON-friendly dict (the keys benchmark records and the pool's replies use): the
+        timings, :meth:`ComputeStats.to_dict`'s keys (with ``extra`` the prefill and decode
+        counters of :attr:`extra`), and the prefix cache's fields."""
         return {
             "method": self.method,
             "prompt_tokens": self.prompt_tokens,
@@ -121,11 +93,8 @@ class Timing:
             "ttft_s": self.ttft_s,
             "decode_s_per_token": self.decode_s_per_token,
             "total_s": self.total_s,
-            "token_layers": self.token_layers,
-            "total_token_layers": self.total_token_layers,
-            "prefill_flops": self.prefill_flops,
+            **self.stats.to_dict(),
             "extra": self.extra,
-            "token_layer_fraction": self.token_layer_fraction,
             "cached_tokens": self.cached_tokens,
             "prefix_cache": self.prefix_cache,
             "stored_tokens": self.stored_tokens,
@@ -194,125 +163,6 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) 
     return ids
 
 
-def context_length(model: PreTrainedModel) -> int:
-    """The model's maximum context (``max_position_embeddings``), or a very large number."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(getattr(cfg, "max_position_embeddings", None) or (1 << 30))
-
-
-def encode_prompt(
-    tokenizer: PreTrainedTokenizerBase | None,
-    prompt: PromptInput,
-    chat: bool = False,
-) -> torch.Tensor:
-    """Turn a prompt into ``(1, T)`` int64 ids on the CPU (no model checks: see :func:`prepare_prompt`).
-
-    Args:
-        tokenizer: used for text prompts.
-        prompt: text (``bytes`` must be UTF-8), a sequence of ids, or a ``(T,)``/``(1, T)`` tensor of ids.
-        chat: wrap text in the tokenizer's chat template as one user message (if it has one).
-
-    Raises:
-        PromptError: an empty prompt, bytes that are not UTF-8, text with NUL characters, ids
-            that are not integers, or a prompt of another type.
-        ConfigError: a text prompt without a tokenizer.
-    """
-    if isinstance(prompt, (bytes, bytearray)):
-        try:
-            prompt = bytes(prompt).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PromptError(
-                f"the prompt is not valid UTF-8 text (byte {exc.start}: {exc.reason}); give text, not binary data"
-            ) from None
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise PromptError("the prompt is empty; give some text to answer")
-        if "\x00" in prompt:
-            raise PromptError("the prompt contains NUL characters; give text, not binary data")
-        if tokenizer is None:
-            raise ConfigError("a tokenizer is needed for a text prompt")
-        if chat and getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tokenizer(prompt)["input_ids"]
-        tensor = torch.tensor([ids], dtype=torch.long)
-    elif isinstance(prompt, torch.Tensor):
-        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-            raise PromptError(f"prompt ids must be an integer tensor, got dtype {prompt.dtype}")
-        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
-            raise PromptError(f"prompt ids must have shape (T,) or (1, T), got {tuple(prompt.shape)}")
-        tensor = prompt.detach().reshape(1, -1).to("cpu", torch.long)
-    elif isinstance(prompt, Sequence):
-        items = list(prompt)
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in items):
-            raise PromptError("prompt ids must be integers; give a list of token ids or a string")
-        tensor = torch.tensor([items], dtype=torch.long).reshape(1, -1)
-    else:
-        raise PromptError(f"the prompt must be text or token ids, got {type(prompt).__name__}")
-    if tensor.shape[1] == 0:
-        raise PromptError("the prompt is empty (0 tokens); give some text to answer")
-    return tensor
-
-
-def prepare_prompt(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    prompt: PromptInput,
-    method: Method | None = None,
-    *,
-    max_new_tokens: int = 64,
-    chat: bool = False,
-) -> torch.Tensor:
-    """Validate a request and return its ``(1, T)`` int64 ids on the model's device.
-
-    The only validator of fastprefill: everything a request can get wrong is refused here,
-    before any work or communication starts.
-
-    Args:
-        model: a decoder-only causal LM.
-        tokenizer: its tokenizer (needed for text).
-        prompt: see :data:`PromptInput`.
-        method: the method that will run (``None``: full prefill); the one it resolves to for
-            this prompt (``Method.resolve``) must support the model's family
-            (``Method.supports``) and accept the prompt length (``Method.check_prompt``).
-        max_new_tokens: tokens to generate, the first included (>= 1).
-        chat: wrap text in the chat template.
-
-    Raises:
-        PromptError: see :func:`encode_prompt`; prompt + ``max_new_tokens`` over the model's
-            context; ids outside the vocabulary.
-        ConfigError: ``max_new_tokens`` not an integer >= 1, ``method`` not a Method, or a
-            method setting that does not fit this prompt.
-        UnsupportedModelError: not a causal LM, or a family the method does not support.
-    """
-    check_causal_lm(model)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    method = method if method is not None else FullPrefill()
-    if not isinstance(method, Method):
-        raise ConfigError(f"method must be a fastprefill Method or None, got {type(method).__name__}")
-    method.check_model(model)
-    input_ids = encode_prompt(tokenizer, prompt, chat=chat)
-    n_prompt = int(input_ids.shape[1])
-    chosen = method.resolve(model, n_prompt)
-    if chosen is not method:
-        chosen.check_model(model)
-    limit = context_length(model)
-    if n_prompt + max_new_tokens > limit:
-        raise PromptError(
-            f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"context of {limit} tokens; shorten the prompt or lower max_new_tokens"
-        )
-    vocab = model.get_input_embeddings().num_embeddings
-    if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
-        raise PromptError(f"prompt ids must lie in [0, {vocab}); got {int(input_ids.min())}..{int(input_ids.max())}")
-    chosen.check_prompt(model, n_prompt)
-    return input_ids.to(model.device)
-
-
 @dataclass
 class TimedPrefill:
     """A prefill inside the engine's timing window.
@@ -374,8 +224,9 @@ def stream(
 
     Each event's ``text`` is the text new since the last event, whole characters only (a
     character split over tokens comes with the token that completes it, see
-    :class:`~fastprefill.text.IncrementalText`); the texts add up to :func:`generate`'s. The last
-    event carries the :class:`Timing`. See :func:`generate` for the arguments.
+    :class:`~fastprefill.text.IncrementalDecoder`, which decodes a short window per token); the
+    texts add up to :func:`generate`'s. The last event carries the :class:`Timing`. See
+    :func:`generate` for the arguments (``stop`` is called with the text of the events so far).
     """
     method = method if method is not None else FullPrefill()
     input_ids = prepare_prompt(model, tokenizer, prompt, method, max_new_tokens=max_new_tokens, chat=chat)
@@ -390,11 +241,12 @@ def stream(
     decoder = decoder_for(model, out)
     generated = [token]
     decode_time = 0.0
-    pending = IncrementalText()  # deltas hold back a character split over tokens
+    pending = IncrementalDecoder(tokenizer) if tokenizer is not None else None  # whole characters only
+    text = ""  # the deltas so far
     with torch.inference_mode():
         while True:
-            text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
-            delta = pending.push(text)
+            delta = pending.push(token) if pending is not None else ""
+            text += delta
             done = token in eos or len(generated) >= max_new_tokens or (stop is not None and stop(text))
             if done:
                 break
@@ -432,7 +284,8 @@ def stream(
             prefix_store_s=store_s,
             dtype=dtype_name(model.dtype),
         )
-        yield StreamEvent(token, delta + pending.flush(), len(generated) - 1, timing, first_logits)
+        tail = pending.flush() if pending is not None else ""
+        yield StreamEvent(token, delta + tail, len(generated) - 1, timing, first_logits)
 
 
 def generate(

@@ -2,7 +2,8 @@
 
 Every error a user can cause derives from :class:`FastprefillError`, and the ones about a bad
 value also derive from :class:`ValueError`, so callers can catch either. Messages say what was
-wrong and how to fix it.
+wrong and how to fix it. :func:`is_int` and :func:`is_number` are the type checks every settings
+validator uses (a ``bool`` is an ``int`` to Python, never to a setting).
 """
 
 from __future__ import annotations
@@ -16,6 +17,17 @@ class FastprefillError(Exception):
 
 class ConfigError(FastprefillError, ValueError):
     """A configuration value (method field, task length, CLI flag) is out of its allowed range."""
+
+
+def is_int(value: object, low: int | None = None, high: int | None = None) -> bool:
+    """Whether ``value`` is an ``int`` (a ``bool`` is not one) in ``[low, high]`` (``None``: no bound)."""
+    return (isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+            and (high is None or value <= high))
+
+
+def is_number(value: object) -> bool:
+    """Whether ``value`` is an ``int`` or a ``float`` (a ``bool`` is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_fields(owner: object, checks: Iterable[tuple[str, bool, str]]) -> None:

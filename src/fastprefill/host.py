@@ -1,4 +1,4 @@
-"""What this process runs on, and the precision that follows from it.
+"""What this process runs on, the precision that follows from it, and its process-wide settings.
 
 - :func:`cpu_info` reads, through torch, whether the CPU multiplies bfloat16 matrices natively:
   AMX tiles with BF16 (``amx_bf16``) or AVX-512 BF16 dot products (``avx512_bf16``). Where it
@@ -13,8 +13,12 @@
   of returning it to the system, so a prefill's large temporary tensors do not fault fresh pages
   in on every call. The command line, the server and the benchmarks call it once per process;
   a library user may call it too (it affects the whole process).
+- :func:`set_threads` fixes torch's thread counts: every entry point that sets threads (the
+  CLI, the benchmark harness, the rank pool's workers, torchrun ranks, partition calibration)
+  calls it.
 
-Nothing here runs at import.
+Nothing here runs at import; this module imports nothing from fastprefill but the errors, so any
+layer may use it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 
 __all__ = [
     "DTYPES",
@@ -40,6 +44,7 @@ __all__ = [
     "precision_line",
     "precision_report",
     "resolve_dtype",
+    "set_threads",
 ]
 
 #: The dtype names a user may give (``--dtype``, ``load_model(dtype=...)``), ``"auto"`` first.
@@ -203,3 +208,24 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _kept = bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)) and bool(mallopt(_M_MMAP_MAX, 0))
     return _kept
+
+
+def set_threads(threads: int, *, interop: int | None = None) -> None:
+    """Fix torch's intra-op thread count (and, once per process, the inter-op count).
+
+    Args:
+        threads: intra-op threads, >= 1.
+        interop: inter-op threads; ``None`` leaves them. torch refuses to change them after
+            parallel work has started, which is ignored here (the intra-op count is what counts).
+
+    Raises:
+        ConfigError: ``threads`` is not an integer >= 1.
+    """
+    if not is_int(threads, 1):
+        raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
+    torch.set_num_threads(threads)
+    if interop is not None:
+        try:
+            torch.set_num_interop_threads(interop)
+        except RuntimeError:
+            pass  # already set or parallel work has started: torch keeps the old value

@@ -51,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fastprefill.distributed.runtime import init_group, set_threads, use_loopback
+from fastprefill.distributed.runtime import init_group, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
-from fastprefill.host import DTYPES, keep_freed_memory
+from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 
 if TYPE_CHECKING:
     from fastprefill.methods.base import Method

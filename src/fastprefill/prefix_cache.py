@@ -53,7 +53,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from fastprefill.cache import layer_kv, wrap_dynamic_cache
-from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.errors import ConfigError, FastprefillError, is_int
 from fastprefill.models.fingerprint import file_sha256, weights_fingerprint
 from fastprefill.models.shape import ModelShape
 
@@ -138,9 +138,9 @@ class PrefixCache:
     """
 
     def __init__(self, max_bytes: int, block_tokens: int = 16) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        if not is_int(max_bytes, 1):
             raise ConfigError(f"max_bytes must be an integer number of bytes > 0, got {max_bytes!r}")
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        if not is_int(block_tokens, 1):
             raise ConfigError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
         self.max_bytes = max_bytes
         self.block_tokens = block_tokens
@@ -344,17 +344,9 @@ class PrefixCache:
         return len(self._blocks)
 
     @property
-    def cached_tokens(self) -> int:
+    def held_tokens(self) -> int:
         """Tokens held (``num_blocks * block_tokens``)."""
         return len(self._blocks) * self.block_tokens
-
-    def describe(self) -> dict[str, Any]:
-        """The cache's size and counters, JSON-friendly."""
-        s = self.stats
-        return {"bytes": self._bytes, "max_bytes": self.max_bytes, "blocks": len(self._blocks),
-                "block_tokens": self.block_tokens, "lookups": s.lookups, "hits": s.hits,
-                "hit_tokens": s.hit_tokens, "miss_tokens": s.miss_tokens, "stored_tokens": s.stored_tokens,
-                "evicted_blocks": s.evicted_blocks}
 
     # --- persistence ----------------------------------------------------------------------
     def save(self, directory: str | os.PathLike[str]) -> Path:

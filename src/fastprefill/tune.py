@@ -38,12 +38,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastprefill.bench.records import FULL, Record, RecordLog, environment
 from fastprefill.bench.runner import PromptSample, Unscored, run_samples
 from fastprefill.bench.summary import bootstrap_ci
-from fastprefill.engine import encode_prompt
 from fastprefill.errors import ConfigError, PromptError
 from fastprefill.host import dtype_name
 from fastprefill.methods.auto import ProfileBucket, Target, TuneProfile
 from fastprefill.methods.base import Method
 from fastprefill.models.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from fastprefill.prompt import encode_prompt
 
 __all__ = ["DEFAULT_BUCKETS", "DEFAULT_CANDIDATES", "Candidate", "TunePrompt", "choose", "load_prompts",
            "min_prompts", "split_of_prompt", "task_prompts", "tune", "wilson"]

@@ -228,7 +228,7 @@ def test_demo_repeats_each_method_after_a_warm_up_and_shows_median_and_range(cap
         calls.append((name, max_new_tokens))
         series = ttft.get(name, [9.0, 2.0, 3.0, 2.5])
         t = series[(sum(c[0] == name for c in calls) - 1) % len(series)]
-        timing = SimpleNamespace(ttft_s=t, token_layer_fraction=0.5, prompt_tokens=512,
+        timing = SimpleNamespace(ttft_s=t, stats=SimpleNamespace(fraction=0.5), prompt_tokens=512,
                                  cached_tokens=500 if kw.get("prefix_cache") else 0)
         return SimpleNamespace(text="Paris", timing=timing)
 

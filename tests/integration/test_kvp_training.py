@@ -78,7 +78,7 @@ def test_train_kvp_prefix_command(tmp_path, capsys, smollm2):
 
 def test_distillation_prompts_keep_out_sweep_and_calibration_prompts(smollm2):
     from fastprefill.data.tasks import get_task
-    from fastprefill.methods.kv_prediction.prefix.distill import distillation_prompts
+    from fastprefill.methods.kv_prediction.prefix.distill_prompts import distillation_prompts
 
     _, tok = smollm2
     sweep = {s.id for s in get_task("humaneval-completion").build(tok, None, 4, split="dev", seed=0)}

@@ -11,13 +11,14 @@ import torch
 
 from fastprefill.bench.runner import first_token_kl
 from fastprefill.data.tasks import get_task
-from fastprefill.engine import generate, prepare_prompt, stream
+from fastprefill.engine import generate, stream
 from fastprefill.errors import ConfigError, PromptError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import keep_count
 from fastprefill.methods.registry import make_method
 from fastprefill.prefix_cache import PrefixCache
+from fastprefill.prompt import prepare_prompt
 from research.ceiling import ORACLES, selection_ceiling, summarize_ceiling
 from tests.kvp_helpers import compare_with_full, identity_method
 
@@ -77,7 +78,7 @@ def test_keep_all_equals_full_prefill_smollm2(smollm2):
     assert lazy.token_ids == full.token_ids and len(lazy.token_ids) == 10
     # and the default preset really prunes on the real model, still decoding 10 tokens
     res = generate(model, tok, prompt, LazyLLM(preset="default"), max_new_tokens=10, stop_at_eos=False)
-    assert res.timing.token_layers < res.timing.total_token_layers and len(res.token_ids) == 10
+    assert res.timing.stats.token_layers < res.timing.stats.total_token_layers and len(res.token_ids) == 10
 
 
 @pytest.mark.integration

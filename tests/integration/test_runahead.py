@@ -230,7 +230,7 @@ def test_single_rank_equals_full_prefill(tiny_model, method, make_ids):
     torch.testing.assert_close(out.logits, ref_logits, atol=ATOL, rtol=0)
     res = generate(tiny_model, None, ids, method, max_new_tokens=6, stop_at_eos=False)
     assert res.token_ids == hf
-    assert res.timing.token_layers == 29 * 4 and res.timing.extra["chunks"] == [29]
+    assert res.timing.stats.token_layers == 29 * 4 and res.timing.extra["chunks"] == [29]
 
 
 def test_multi_rank_without_group_is_refused(tiny_llama):

@@ -33,7 +33,7 @@ from fastprefill.methods.base import DistributedMethod
 from fastprefill.methods.registry import METHODS, make_method
 from fastprefill.serve import ServeConfig, background, create_app
 from fastprefill.serve.app import EXIT_GRACE_S
-from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, describe, serving_method
+from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, served_name, serving_method
 from fastprefill.serve.limits import NFC_MERGE, NFKC_MERGE, longest_token_chars, prompt_char_limit
 from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_request, prompt_bytes
 from fastprefill.serve.worker import StopText
@@ -334,9 +334,9 @@ def test_per_request_method_in_the_fastprefill_field(client, ref, served, smollm
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body=body)
     assert r.choices[0].text == want.text
     fp = r.usage.fastprefill
-    assert fp["method"] == describe(serving_method(LAZY)) == "lazyllm[four-stage revival=none]"
+    assert fp["method"] == served_name(serving_method(LAZY)) == "lazyllm[four-stage revival=none]"
     assert "revival=none" in fp["method"]  # the server's LazyLLM decodes with the model's own forward
-    assert fp["token_layer_fraction"] == pytest.approx(want.timing.token_layer_fraction)
+    assert fp["token_layer_fraction"] == pytest.approx(want.timing.stats.fraction)
     assert fp["token_layer_fraction"] < 1.0
     streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body=body, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == want.text
@@ -541,7 +541,7 @@ def test_an_unexpected_failure_is_a_counted_500_in_openai_shape(client, served, 
         raise RuntimeError("a bug")
 
     errors = metric_value(served, "fastprefill_requests_total", outcome="error")
-    monkeypatch.setattr(server, "prompt_ids", broken)
+    monkeypatch.setattr(server.prompts, "prompt_ids", broken)
     for stream in (False, True):
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=stream)
@@ -564,11 +564,11 @@ def test_the_server_decodes_lazyllm_without_revival_unless_a_spec_names_it(tiny_
     table = MethodTable(tiny_llama, "lazyllm:schedule=1:0.5", ())
     label, default = table.get(None)
     assert label == "lazyllm[revival=none]" and default.options.revival.kind == "none"
-    assert describe(default) == "lazyllm[1:0.5 revival=none]"
+    assert served_name(default) == "lazyllm[1:0.5 revival=none]"
     label, paper = table.get("lazyllm:schedule=1:0.5,revival=all")
-    assert label == "lazyllm[revival=all]" and describe(paper) == "lazyllm[1:0.5 revival=all]"
+    assert label == "lazyllm[revival=all]" and served_name(paper) == "lazyllm[1:0.5 revival=all]"
     assert table.get("lazyllm:schedule=1:0.5,revival=budget:2")[0] == "lazyllm[revival=budget]"  # a bounded label
-    assert table.get("full") == ("full", table.get("full")[1]) and describe(table.get("full")[1]) == "full"
+    assert table.get("full") == ("full", table.get("full")[1]) and served_name(table.get("full")[1]) == "full"
 
 
 @pytest.mark.integration
@@ -627,18 +627,18 @@ def test_the_body_limit_holds_for_chunked_uploads_and_passes_what_fits(smollm2, 
 
 @pytest.mark.integration
 def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, served, served_app, monkeypatch):
-    import fastprefill.serve.app as app_module
+    import fastprefill.serve.prompts as prompts_module
 
-    limit = served_app.state.server.max_prompt_chars
+    limit = served_app.state.server.prompts.max_prompt_chars
     assert limit is not None and limit < 2**20
-    real = app_module.prepare_prompt
+    real = prompts_module.prepare_prompt
     calls: list[int] = []
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(app_module, "prepare_prompt", counted)
+    monkeypatch.setattr(prompts_module, "prepare_prompt", counted)
     over = "a" * (limit + 1)
     for send in (lambda: client.completions.create(model=MODEL, prompt=over, max_tokens=1),
                  lambda: client.chat.completions.create(model=MODEL, messages=user_messages(over), max_tokens=1),
@@ -656,9 +656,9 @@ def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, 
 
 @pytest.mark.integration
 def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref, monkeypatch):
-    import fastprefill.serve.app as app_module
+    import fastprefill.serve.prompts as prompts_module
 
-    real = app_module.prepare_prompt
+    real = prompts_module.prepare_prompt
     slow_started = threading.Event()
 
     def slow_for_long_prompts(model, tok, prompt, *args, **kwargs):
@@ -667,7 +667,7 @@ def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref
             time.sleep(4)
         return real(model, tok, prompt, *args, **kwargs)
 
-    monkeypatch.setattr(app_module, "prepare_prompt", slow_for_long_prompts)
+    monkeypatch.setattr(prompts_module, "prepare_prompt", slow_for_long_prompts)
     long_done = threading.Event()
 
     def long_request() -> None:

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fastprefill.errors import MissingPackageError
 from fastprefill.models import gguf, zoo
+from fastprefill.models.pretrained import load_pretrained
 
 
 @pytest.mark.parametrize("name", list(zoo.ZOO))
@@ -34,7 +35,7 @@ def test_smollm2_cache_gives_the_gguf_logits():
         (gguf_path,) = zoo.locate_files(entry)
     except MissingPackageError as exc:
         pytest.skip(str(exc))
-    model, tokenizer = zoo.load("smollm2-135m", dtype="float32")  # the conversion is exact in float32
+    model, tokenizer = load_pretrained("smollm2-135m", dtype="float32")  # the conversion is exact in float32
     reference = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     ).eval()

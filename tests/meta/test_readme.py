@@ -4,8 +4,9 @@
    and no commit hashes outside code, in the README and in ``docs/``.
 2. Its two commands for a fresh machine: the test command is exactly what ``.ci/run`` runs; the
    other sets up the same way and runs the demo.
-3. Every Python snippet compiles, and every ``fastprefill`` name it imports exists (imported,
-   no model loaded); every spec string a snippet passes to ``make_method`` builds.
+3. Every Python snippet compiles, and imports its ``fastprefill`` names from the package itself,
+   each one exported and existing (imported, no model loaded); every spec string a snippet passes
+   to ``make_method`` builds.
 4. Every ``fastprefill`` command line in a shell block parses with the real argument parser, and
    its ``--method`` specs build.
 5. The summary table: every figure recomputed from the result file its row links to
@@ -136,6 +137,21 @@ def test_python_snippet_compiles_and_its_fastprefill_names_exist(index):
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "make_method"
               and node.args and isinstance(node.args[0], ast.Constant)):
             make_method(node.args[0].value)
+
+
+def test_python_snippets_import_fastprefill_names_from_the_package_itself():
+    """A user imports what the README shows from ``fastprefill``, never from a submodule, and the
+    package exports each of those names."""
+    import fastprefill
+
+    imported = set()
+    for code in _snippets():
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fastprefill":
+                assert node.module == "fastprefill", f"README imports from {node.module}; import from fastprefill"
+                imported |= {alias.name for alias in node.names}
+    assert {"generate", "load_model", "make_method", "RankPool"} <= imported
+    assert imported <= set(fastprefill.__all__), sorted(imported - set(fastprefill.__all__))
 
 
 # --------------------------------------------------------------------------- 4. command lines

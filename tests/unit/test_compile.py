@@ -36,7 +36,7 @@ def test_compiled_blocks_keep_the_layer_loop_exact_and_match_eager(dtype, make_i
 def test_without_a_cpp_compiler_the_model_runs_uncompiled_and_says_so(monkeypatch):
     monkeypatch.setattr(models.shutil, "which", lambda name: None)
     monkeypatch.setattr(models, "_warned", False)
-    monkeypatch.setattr(models.zoo, "load", lambda *a, **k: models.random_models.load("random:llama"))
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: models.random_models.load("random:llama"))
     with pytest.warns(UserWarning, match="no C.. compiler on the PATH"):
         model, _ = models.load("smollm2-135m")
     assert not blocks_compiled(model)

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from fastprefill.cache import PositionKVCache
-from fastprefill.engine import generate, prepare_prompt, stream
+from fastprefill.engine import generate, stream
 from fastprefill.errors import ConfigError, PromptError, UnsupportedModelError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.pruning import AttentionScorer
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.attention import causal_mask
+from fastprefill.prompt import prepare_prompt
 
 
 def _hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
@@ -24,8 +26,8 @@ def test_full_prefill_equals_hf_generate_tiny(tiny_model, make_ids):
     assert res.token_ids == _hf_greedy(tiny_model, ids, 12)
     t = res.timing
     assert t.prompt_tokens == 37 and t.new_tokens == 12
-    assert t.token_layers == t.total_token_layers == 37 * 4
-    assert t.ttft_s > 0 and t.decode_s_per_token is not None and t.prefill_flops > 0
+    assert t.stats.token_layers == t.stats.total_token_layers == 37 * 4
+    assert t.ttft_s > 0 and t.decode_s_per_token is not None and t.stats.flops > 0
 
 
 def test_layer_loop_matches_model_forward(tiny_model, make_ids):

@@ -22,11 +22,8 @@ from fastprefill.methods.kv_prediction import (
     default_layer_map,
     validate_layer_map,
 )
-from fastprefill.methods.kv_prediction.auxiliary.train import (
-    base_logits_on_kv,
-    fit_least_squares,
-    kv_relative_errors,
-)
+from fastprefill.methods.kv_prediction.auxiliary.fit import fit_least_squares, kv_relative_errors
+from fastprefill.methods.kv_prediction.auxiliary.train import base_logits_on_kv
 from fastprefill.methods.kv_prediction.checkpoint import read_checkpoint
 from fastprefill.models.kv import prefix_kv, rotate_keys, unrotate_keys
 from fastprefill.models.shape import ModelShape
@@ -51,7 +48,7 @@ def test_identity_through_engine_matches_full(tiny_llama, make_ids):
     full = generate(tiny_llama, None, ids, max_new_tokens=8, stop_at_eos=False)
     kvp = generate(tiny_llama, None, ids, method=identity_method(tiny_llama), max_new_tokens=8, stop_at_eos=False)
     assert kvp.token_ids == full.token_ids
-    assert kvp.timing.token_layers == 4
+    assert kvp.timing.stats.token_layers == 4
 
 
 def test_single_token_prompt_is_plain_prefill(tiny_llama, make_ids):
@@ -308,7 +305,7 @@ def test_aux_alone_baseline_runs_the_aux_only(tiny_llama, make_ids):
     got = generate(tiny_llama, None, ids, method=method, max_new_tokens=6, stop_at_eos=False)
     aux = AuxSpec.layer_drop(2).build(tiny_llama)
     want = generate(aux, None, ids, max_new_tokens=6, stop_at_eos=False)
-    assert got.token_ids == want.token_ids and got.timing.token_layers == 0
-    assert got.timing.prefill_flops == want.timing.prefill_flops
+    assert got.token_ids == want.token_ids and got.timing.stats.token_layers == 0
+    assert got.timing.stats.flops == want.timing.stats.flops
     with pytest.raises(ConfigError, match="AuxAlone.aux"):
         AuxAlone("qwen")

@@ -15,13 +15,12 @@ from fastprefill.cli import main
 from fastprefill.demo import demo_prefix_layer
 from fastprefill.errors import ConfigError
 from fastprefill.methods.kv_prediction import AuxSpec, KVPrediction, KVPredictor
-from fastprefill.methods.kv_prediction.auxiliary.train import (
-    TrainConfig,
+from fastprefill.methods.kv_prediction.auxiliary.fit import (
     error_summary,
     fit_least_squares,
     kv_relative_errors,
-    train_kvp,
 )
+from fastprefill.methods.kv_prediction.auxiliary.train import TrainConfig, train_kvp
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.registry import make_method
 from fastprefill.models.kv import attention_inputs, prefix_kv

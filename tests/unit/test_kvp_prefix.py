@@ -153,13 +153,13 @@ def test_engine_generate_and_stats(tiny_llama, make_ids):
     assert len(res.token_ids) == 6
     shape = ModelShape.from_config(tiny_llama.config)
     n, l, L = 31, 2, 4
-    assert res.timing.token_layers == l * n + (L - l)
+    assert res.timing.stats.token_layers == l * n + (L - l)
     d_kv = shape.num_kv_heads * shape.head_dim
     map_flops = 2.0 * 2 * (L - l) * (n - 1) * (shape.hidden_size + 1) * d_kv
     want = l * shape.layer_flops(n) + map_flops + (L - l) * shape.layer_flops(1, n) + shape.head_flops(1)
-    assert res.timing.prefill_flops == pytest.approx(want)
+    assert res.timing.stats.flops == pytest.approx(want)
     assert res.timing.stats.extra["map_flops"] == pytest.approx(map_flops)
-    assert res.timing.prefill_flops < shape.causal_prefill_flops(n)
+    assert res.timing.stats.flops < shape.causal_prefill_flops(n)
 
 
 # --------------------------------------------------------------------------- least squares
@@ -322,8 +322,8 @@ def test_fill_share_fills_the_highest_ranked_pruned_tokens(calibrated, tiny_qwen
     import math
 
     from fastprefill.methods.lazyllm import LazyLLM
-    from fastprefill.methods.pruning.loop import _filled_rows, progressive_prefill
     from fastprefill.methods.pruning.options import PruneOptions
+    from fastprefill.methods.pruning.prefill import _filled_rows, progressive_prefill
     from fastprefill.methods.pruning.select import top_k_keep
 
     ranked = torch.tensor([5.0, 1.0, float("inf"), 3.0, 4.0, 2.0])
@@ -376,8 +376,8 @@ def test_a_fills_flops_are_dropping_plus_the_maps_plus_attention_to_the_filled_r
     """Counted: a fill's FLOPs = dropping's + the maps' for the filled rows + the kept rows'
     attention to the filled rows before them, at every layer after the cut."""
     from fastprefill.methods.pruning.fill import Fill, FillMaps
-    from fastprefill.methods.pruning.loop import progressive_prefill
     from fastprefill.methods.pruning.options import PruneOptions
+    from fastprefill.methods.pruning.prefill import progressive_prefill
     from fastprefill.methods.pruning.select import top_k_keep
 
     out, _ = calibrated

@@ -20,7 +20,8 @@ from fastprefill.methods.pruning import (
     schedule_token_layers,
 )
 from fastprefill.methods.registry import make_method
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.attention import causal_mask
 
 
 def _decode_n(method, model, ids, n):
@@ -39,7 +40,7 @@ def test_keep_all_counts_every_token_layer_once_and_revives_nothing(tiny_model, 
     """Logit/token equality with full prefill is in test_method_table.py; here the counts."""
     ids = make_ids(41, 1)
     lazy = generate(tiny_model, None, ids, LazyLLM(preset="keep-all"), max_new_tokens=10, stop_at_eos=False)
-    assert lazy.timing.token_layers == lazy.timing.total_token_layers == 41 * 4
+    assert lazy.timing.stats.token_layers == lazy.timing.stats.total_token_layers == 41 * 4
     assert "revived_tokens_total" not in lazy.timing.extra  # nothing deferred: the model's own forward decodes
 
 
@@ -213,7 +214,7 @@ def test_gqa_masked_attention_equals_transformers_sdpa(h_q, h_kv, t):
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from fastprefill.models.adapters import _fastprefill_sdpa, _gqa_with_shared_mask, _packed_gqa_sdpa
+    from fastprefill.models.attention import _fastprefill_sdpa, _gqa_with_shared_mask, _packed_gqa_sdpa
 
     q, k, v, mask = _random_attention(h_q, h_kv, t)
     module = SimpleNamespace(num_key_value_groups=h_q // h_kv, is_causal=True, layer_idx=3)
@@ -238,7 +239,7 @@ def test_gqa_masked_attention_does_not_copy_kv_per_query_head():
     from torch.profiler import profile
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from fastprefill.models.adapters import _fastprefill_sdpa
+    from fastprefill.models.attention import _fastprefill_sdpa
 
     h_q, h_kv, n = 6, 2, 37
     q, k, v, mask = _random_attention(h_q, h_kv, 4, n=n)

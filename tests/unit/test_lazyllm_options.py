@@ -272,7 +272,7 @@ def test_keep_everything_with_every_option_equals_full_and_generate(family, tiny
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     res = generate(model, None, ids, lazy, max_new_tokens=10, stop_at_eos=False)
     assert res.token_ids == expected
-    assert res.timing.token_layers == res.timing.total_token_layers
+    assert res.timing.stats.token_layers == res.timing.stats.total_token_layers
 
 
 # --- fields, spec strings, presets, labels --------------------------------------------------------

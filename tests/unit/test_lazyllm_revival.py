@@ -12,7 +12,8 @@ from fastprefill.cache import PositionKVCache
 from fastprefill.engine import decoder_for, generate
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LazyLLM
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.attention import causal_mask
 
 SCHEDULE = ((0, 0.5), (1, 0.25), (2, 0.1))
 POLICIES = ("all", "budget:0", "budget:2", "none", "catch-up")

@@ -50,7 +50,7 @@ def test_lossless_setting_equals_full_prefill_and_hf_generate(tiny_model_any_dty
     hf = tiny_model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, 41:].tolist()
     res = generate(tiny_model, None, ids, method, max_new_tokens=10, stop_at_eos=False)
     assert res.token_ids == hf
-    assert res.timing.token_layers == 41 * (4 + SELECTION_LAYERS.get(name, 0))
+    assert res.timing.stats.token_layers == 41 * (4 + SELECTION_LAYERS.get(name, 0))
 
 
 def test_every_registered_method_has_a_row():

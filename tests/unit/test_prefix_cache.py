@@ -17,7 +17,8 @@ from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.runahead import KVRunahead
-from fastprefill.models.adapters import DecoderAdapter, _suffix_causal_sdpa, causal_mask
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.attention import _suffix_causal_sdpa, causal_mask
 from fastprefill.models.random import random_model
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 
@@ -70,7 +71,7 @@ def test_full_prefill_over_a_cached_prefix_is_exact(tiny_model_any_dtype, share,
     assert res.token_ids == hf
     assert res.timing.cached_tokens == expect_hit
     assert res.timing.prefix_cache == ("hit" if expect_hit else "miss")
-    assert res.timing.token_layers == (48 - expect_hit) * 4 and res.timing.total_token_layers == 48 * 4
+    assert res.timing.stats.token_layers == (48 - expect_hit) * 4 and res.timing.stats.total_token_layers == 48 * 4
 
 
 def test_generated_tokens_are_cached_for_the_next_turn(tiny_llama, make_ids):

@@ -1,16 +1,27 @@
-"""IncrementalText on a fake byte-level tokenizer: one token per UTF-8 byte, decoded as HF's
+"""IncrementalDecoder on a fake byte-level tokenizer: one token per UTF-8 byte, decoded as HF's
 byte-level decoder does (``bytes.decode("utf-8", "replace")``), so every multi-byte character
 is split over tokens."""
 
 from __future__ import annotations
 
-from fastprefill.text import REPLACEMENT, IncrementalText
+from fastprefill.text import REPLACEMENT, IncrementalDecoder
+
+
+class ByteTokenizer:
+    """One token per byte; counts the tokens it decodes."""
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return bytes(ids).decode("utf-8", "replace")
 
 
 def _stream(data: bytes) -> tuple[list[str], str]:
-    """Push the decode of each prefix of ``data`` (one byte = one token); the deltas and the final decode."""
-    inc = IncrementalText()
-    deltas = [inc.push(data[:k].decode("utf-8", "replace")) for k in range(1, len(data) + 1)]
+    """Push each byte of ``data`` as a token; the deltas (and the flush) and the final decode."""
+    inc = IncrementalDecoder(ByteTokenizer())
+    deltas = [inc.push(b) for b in data]
     return [*deltas, inc.flush()], data.decode("utf-8", "replace")
 
 
@@ -42,4 +53,12 @@ def test_an_invalid_byte_in_the_middle_passes_through_as_the_final_decode_has_it
     deltas, final = _stream(data)
     assert final == "a" + REPLACEMENT + "b中c"
     assert "".join(deltas) == final
-    assert IncrementalText().flush() == ""
+    assert IncrementalDecoder(ByteTokenizer()).flush() == ""
+
+
+def test_each_push_decodes_a_short_window_not_the_whole_sequence():
+    tok = ByteTokenizer()
+    inc = IncrementalDecoder(tok)
+    text = "plain ascii text " * 200
+    assert "".join(inc.push(b) for b in text.encode()) == text
+    assert tok.decoded <= 4 * len(text)  # linear in the length (a full decode per token: quadratic)

@@ -28,6 +28,7 @@ from fastprefill.errors import (
     UnsupportedModelError,
 )
 from fastprefill.models import gguf, zoo
+from fastprefill.models.pretrained import load_pretrained
 
 TINY_VOCAB_EXTRA = ["Ġt", "he", "Ġthe", "<|endoftext|>"]
 PROMPT = "the theory of the thing"
@@ -233,7 +234,7 @@ def test_prepare_converts_and_load_matches_the_gguf(tiny_gguf, site, cache, conv
     assert manifest["packages"] == [{"name": d, "version": v} for d, v in entry.packages]
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
 
-    model, tokenizer = zoo.load(entry, dtype="float32", progress=False)  # the conversion is exact in float32
+    model, tokenizer = load_pretrained(entry, dtype="float32", progress=False)  # the conversion is exact in float32
     reference = AutoModelForCausalLM.from_pretrained(
         str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32
     ).eval()
@@ -341,7 +342,7 @@ def test_missing_package_message_has_the_exact_pip_command(site, cache, conversi
     assert info.value.pip_command == expected
     assert isinstance(info.value, FastprefillError)
     with pytest.raises(MissingPackageError, match="fastprefill-absent-part1==0.9.0 is not installed"):
-        zoo.load(entry, progress=False)
+        load_pretrained(entry, progress=False)
     assert conversions == [] and leftovers(cache) == []
 
 
@@ -368,7 +369,7 @@ def test_installed_package_without_its_file_asks_for_a_reinstall(tiny_gguf, site
     assert f"has no file {files[1]}" in str(info.value)
 
 
-@pytest.mark.parametrize("call", [zoo.load, zoo.prepare, zoo.is_prepared])
+@pytest.mark.parametrize("call", [load_pretrained, zoo.prepare, zoo.is_prepared])
 def test_unknown_name_lists_the_known_names(call, cache):
     with pytest.raises(ModelNotFoundError) as info:
         call("smollm2-13b")
@@ -381,20 +382,20 @@ def test_unknown_name_lists_the_known_names(call, cache):
 
 def test_load_refuses_a_missing_local_path(tmp_path):
     with pytest.raises(ModelNotFoundError, match="No model folder"):
-        zoo.load(tmp_path / "nothing-here")
+        load_pretrained(tmp_path / "nothing-here")
     with pytest.raises(ModelNotFoundError, match="No model folder"):
-        zoo.load("./nothing-here")
+        load_pretrained("./nothing-here")
 
 
 def test_load_refuses_a_model_that_is_not_a_causal_lm(tmp_path):
     T5Config(d_model=8, d_ff=16, num_layers=1, num_heads=2, d_kv=4, vocab_size=32).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="not a decoder-only causal LM"):
-        zoo.load(tmp_path)
+        load_pretrained(tmp_path)
 
 
 def test_load_takes_a_local_folder(tiny_entry, cache):
     folder = zoo.prepare(tiny_entry, progress=False)
-    model, tokenizer = zoo.load(str(folder), dtype=torch.float64)
+    model, tokenizer = load_pretrained(str(folder), dtype=torch.float64)
     assert model.dtype == torch.float64 and not model.training
     assert tokenizer.eos_token == "<|endoftext|>"
 

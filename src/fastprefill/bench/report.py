@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fastprefill.bench.records import FULL, Record, load_records, save_records, write_rows
+from fastprefill.bench.records import FULL, Record, save_records, write_rows
 from fastprefill.bench.summary import Summary, paired_row, summarize
 from fastprefill.errors import ConfigError
 
@@ -31,7 +31,6 @@ __all__ = [
     "prefix_overhead_table",
     "redraw_layer_plot",
     "reference_table",
-    "replot",
     "write_paired_rows",
     "write_report",
 ]
@@ -294,15 +293,6 @@ def plot_score_vs_flops(rows: Sequence[Mapping[str, Any]], path: Path, title: st
 
 def _title(header: Mapping[str, Any]) -> str:
     return f"{header.get('task')} — {header.get('model', '')}"
-
-
-def replot(jsonl: str | Path) -> Path:
-    """Redraw the plot of a result file from its records (no re-measurement)."""
-    path = Path(jsonl)
-    header, records = load_records(path)
-    out = path.with_suffix(".png")
-    plot_accuracy_vs_speedup(summarize(records), out, title=_title(header))
-    return out
 
 
 def write_paired_rows(path: str | Path, header: Mapping[str, Any], summaries: Sequence[Summary]) -> Path:

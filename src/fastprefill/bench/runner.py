@@ -2,7 +2,7 @@
 
 Protocol (what every figure in ``benchmarks/results/`` follows):
 
-- the torch thread count is set explicitly (:func:`~fastprefill.distributed.runtime.set_threads`) before anything runs.
+- the torch thread count is set explicitly (:func:`~fastprefill.host.set_threads`) before anything runs.
 - Full prefill always runs, on the same samples, in the same process.
 - Warm-up runs (``warmup`` per method, on the first sample) are discarded.
 - For each sample every method runs once, in an order rotated per sample so no method is
@@ -31,10 +31,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.bench.records import FULL, Record, RecordLog, environment
 from fastprefill.bench.report import write_report
-from fastprefill.distributed.runtime import set_threads
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
-from fastprefill.host import keep_freed_memory
+from fastprefill.host import keep_freed_memory, set_threads
 from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.pruning import recording_kept_positions
@@ -154,76 +153,107 @@ def run_samples(
     runs_on = {name: (method_models or {}).get(name, model) for name in names}
     skip = {(str(s), str(m)) for s, m in done}
     todo = [(s, n) for s in samples for n in names if (str(s.id), n) not in skip]
-    device = model.device
     if todo and warmup > 0:
         for name in names:
             for _ in range(warmup):
                 generate(runs_on[name], tokenizer, samples[0].input_ids, methods[name], max_new_tokens=2)
     records: list[Record] = []
-
-    def emit(record: Record) -> None:
-        records.append(record)
-        if on_record is not None:
-            on_record(record)
-
     gold_of = getattr(task, "gold_token_positions", None)
     bar = tqdm(total=len(todo), desc=desc or "bench", disable=not progress, unit="run")
     for i, sample in enumerate(samples):
         order = names[i % len(names):] + names[: i % len(names)]
         stop = task.stop(sample) if hasattr(task, "stop") else None
         gold = gold_of(sample, tokenizer) if gold_of is not None else None
-        logits_of: dict[str, torch.Tensor] = {}  # this sample's reference distributions
-        waiting: list[tuple[Record, torch.Tensor]] = []
+        awaiting = _AwaitingReference(refs, records, on_record)
         for name in order:
             if (str(sample.id), name) in skip:
                 continue
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            with recording_kept_positions():
-                res = generate(runs_on[name], tokenizer, sample.input_ids, methods[name],
-                               max_new_tokens=max_new_tokens, stop=stop, stop_at_eos=stop_at_eos)
-            metrics = task.score(sample, res.text)
-            t = res.timing
-            extra = {k: v for k, v in t.extra.items() if k != "kept_positions" and isinstance(v, (int, float, str, list))}
-            if gold is not None and t.extra.get("kept_positions"):
-                extra["gold_kept_share_per_stage"] = gold_kept_shares(gold, t.extra["kept_positions"])
-            record = Record(
-                method=name,
-                length=length,
-                sample_id=str(sample.id),
-                prompt_tokens=t.prompt_tokens,
-                ttft_s=t.ttft_s,
-                decode_s_per_token=t.decode_s_per_token,
-                total_s=t.total_s,
-                new_tokens=t.new_tokens,
-                token_layer_fraction=t.token_layer_fraction,
-                prefill_flops=t.prefill_flops,
-                peak_mem_mb=_peak_mem_mb(device),
-                score=float(metrics["score"]),
-                metrics={k: float(v) for k, v in metrics.items()},
-                output=res.text,
-                extra={**extra, "first_token": res.token_ids[0]},
-            )
-            if name in needed:
-                logits_of[name] = res.first_logits
-            waiting.append((record, res.first_logits))
-            still: list[tuple[Record, torch.Tensor]] = []
-            for rec, logits in waiting:
-                ref = refs[rec.method]
-                if ref == rec.method:
-                    emit(rec)
-                elif ref in logits_of:
-                    if logits_of[ref].shape == logits.shape:
-                        rec.extra["first_token_kl"] = first_token_kl(logits_of[ref], logits)
-                    emit(rec)
-                else:
-                    still.append((rec, logits))
-            waiting = still
+            record, logits = _run_once(
+                runs_on[name], tokenizer, task, sample, name, methods[name], device=model.device, length=length,
+                max_new_tokens=max_new_tokens, stop=stop, stop_at_eos=stop_at_eos, gold=gold)
+            awaiting.add(record, logits, is_reference=name in needed)
             bar.update(1)
-        for rec, _ in waiting:  # the reference ran in an earlier (resumed) session
-            emit(rec)
+        awaiting.release()  # the reference ran in an earlier (resumed) session
     bar.close()
     return records
+
+
+def _run_once(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, task: Any, sample: Any, name: str,
+    method: Method, *, device: torch.device, length: int | None, max_new_tokens: int,
+    stop: Callable[[str], bool] | None, stop_at_eos: bool, gold: torch.Tensor | None,
+) -> tuple[Record, torch.Tensor]:
+    """One run of ``method`` on ``sample``: its record (see :func:`run_samples`) and its ``(V,)``
+    first-token logits."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with recording_kept_positions():
+        res = generate(model, tokenizer, sample.input_ids, method, max_new_tokens=max_new_tokens, stop=stop,
+                       stop_at_eos=stop_at_eos)
+    metrics = task.score(sample, res.text)
+    t = res.timing
+    extra = {k: v for k, v in t.extra.items() if k != "kept_positions" and isinstance(v, (int, float, str, list))}
+    if gold is not None and t.extra.get("kept_positions"):
+        extra["gold_kept_share_per_stage"] = gold_kept_shares(gold, t.extra["kept_positions"])
+    record = Record(
+        method=name,
+        length=length,
+        sample_id=str(sample.id),
+        prompt_tokens=t.prompt_tokens,
+        ttft_s=t.ttft_s,
+        decode_s_per_token=t.decode_s_per_token,
+        total_s=t.total_s,
+        new_tokens=t.new_tokens,
+        token_layer_fraction=t.stats.fraction,
+        prefill_flops=t.stats.flops,
+        peak_mem_mb=_peak_mem_mb(device),
+        score=float(metrics["score"]),
+        metrics={k: float(v) for k, v in metrics.items()},
+        output=res.text,
+        extra={**extra, "first_token": res.token_ids[0]},
+    )
+    return record, res.first_logits
+
+
+class _AwaitingReference:
+    """One sample's records that wait for their reference's first-token logits, appended to
+    ``records`` (and handed to ``on_record``) as soon as the reference has run (with
+    ``extra["first_token_kl"]`` when the vocabularies match)."""
+
+    def __init__(self, refs: Mapping[str, str], records: list[Record],
+                 on_record: Callable[[Record], None] | None) -> None:
+        self.refs, self.records, self.on_record = refs, records, on_record
+        self.logits_of: dict[str, torch.Tensor] = {}  # this sample's reference distributions
+        self.waiting: list[tuple[Record, torch.Tensor]] = []
+
+    def add(self, record: Record, logits: torch.Tensor, is_reference: bool) -> None:
+        """Take a finished run; emit every record whose reference has run."""
+        if is_reference:
+            self.logits_of[record.method] = logits
+        self.waiting.append((record, logits))
+        still: list[tuple[Record, torch.Tensor]] = []
+        for rec, own in self.waiting:
+            ref = self.refs[rec.method]
+            if ref == rec.method:
+                self.emit(rec)
+            elif ref in self.logits_of:
+                if self.logits_of[ref].shape == own.shape:
+                    rec.extra["first_token_kl"] = first_token_kl(self.logits_of[ref], own)
+                self.emit(rec)
+            else:
+                still.append((rec, own))
+        self.waiting = still
+
+    def emit(self, record: Record) -> None:
+        self.records.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def release(self) -> None:
+        """Emit the records still waiting (their reference ran in an earlier session)."""
+        for rec, _ in self.waiting:
+            self.emit(rec)
+        self.waiting = []
 
 
 def run_benchmark(

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from fastprefill.bench.records import FULL, Record
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_number
 
 __all__ = ["Summary", "bootstrap_ci", "method_entry", "needle_by_depth", "paired_row", "references_by_model",
            "summarize"]
@@ -112,7 +112,7 @@ def _counter_value(value: Any) -> float | None:
         return None
     if isinstance(value, (int, float)):
         return float(value)
-    if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and all(is_number(v) for v in value):
         return float(statistics.mean(value)) if value else 0.0
     return None
 

@@ -32,8 +32,8 @@ from typing import Any
 
 from rich.table import Table
 
-from fastprefill.cli.common import _load, _positive, _print_json, _threads, console, err_console
-from fastprefill.cli.train import cmd_train_kvp, cmd_tune
+from fastprefill.cli.common import _load, _positive, _print_json, _threads, console, err_console, model_args
+from fastprefill.cli.train import add_train_kvp_parser, add_tune_parser
 from fastprefill.errors import FastprefillError
 
 
@@ -71,7 +71,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # --- generate ----------------------------------------------------------------------------------
 def _read_prompt(args: argparse.Namespace) -> bytes:
-    """The prompt as bytes (the engine's prepare_prompt refuses what is not UTF-8 text)."""
+    """The prompt as bytes (fastprefill.prompt.prepare_prompt refuses what is not UTF-8 text)."""
     if args.file:
         path = Path(args.file)
         if not path.is_file():
@@ -90,8 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     shown exclude one-time start-up costs (first calls, compiling)."""
     import time
 
-    from fastprefill.distributed.runtime import set_threads
     from fastprefill.engine import generate, stream
+    from fastprefill.host import set_threads
     from fastprefill.methods.base import DistributedMethod
     from fastprefill.methods.registry import make_method
 
@@ -102,7 +102,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     chat = not args.raw
     warmup_s = None
     if isinstance(method, DistributedMethod):
-        from fastprefill.distributed.pool import RankPool, required_ranks
+        from fastprefill.distributed.pool import RankPool
+        from fastprefill.distributed.rank import required_ranks
 
         with RankPool(args.model, required_ranks(method), threads_per_rank=args.threads_per_rank, pin=args.pin,
                       timeout_s=method.timeout_s) as pool:
@@ -156,14 +157,14 @@ def _print_timing(timing: Any, warmup_s: float | None) -> None:
     dec = f"{1000 * timing.decode_s_per_token:.1f} ms/token" if timing.decode_s_per_token else "—"
     err_console.print(
         f"[dim]{timing.method}: TTFT {timing.ttft_s:.3f} s for {timing.prompt_tokens} prompt tokens in {timing.dtype} "
-        f"({_warmup_note(warmup_s)}), decode {dec}, token-layers computed {100 * timing.token_layer_fraction:.0f}%, "
-        f"prefill {timing.prefill_flops / 1e9:.1f} GFLOP[/dim]"
+        f"({_warmup_note(warmup_s)}), decode {dec}, token-layers computed {100 * timing.stats.fraction:.0f}%, "
+        f"prefill {timing.stats.flops / 1e9:.1f} GFLOP[/dim]"
     )
 
 
 # --- serve -------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.host import set_threads
     from fastprefill.serve import ServeConfig, create_app, run, start_ranks
     from fastprefill.serve.config import MULTI_RANK_METHODS
     from fastprefill.serve.torchrun import serve as serve_torchrun
@@ -263,7 +264,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --- demo --------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
     from fastprefill.demo import run_demo
-    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.host import set_threads
 
     set_threads(args.threads)
     model, tok = _load(args.model, args.device, args.dtype, args.compile)
@@ -276,34 +277,29 @@ def _names(registry: Any) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``fastprefill`` parser: one subparser per subcommand, each added by its own function."""
     from fastprefill import __version__
-    from fastprefill.data.tasks import TASKS
-    from fastprefill.host import DTYPES
-    from fastprefill.methods.registry import METHODS
 
     parser = argparse.ArgumentParser(
         prog="fastprefill", description="Faster time to first token for Hugging Face causal LMs: LazyLLM, "
         "KV-Runahead and KV Prediction, measured against plain prefill.")
     parser.add_argument("--version", action="version", version=f"fastprefill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_models, _add_generate, _add_serve, _add_bench, _add_demo, add_train_kvp_parser, add_tune_parser):
+        add(sub)
+    return parser
 
-    def model_args(p: argparse.ArgumentParser, default_model: bool = True, dtype: str = "auto") -> None:
-        if default_model:
-            p.add_argument("--model", default="smollm2-135m", help="zoo name, HF model id or local dir")
-        p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-        p.add_argument("--dtype", default=dtype, choices=list(DTYPES),
-                       help="auto: bfloat16 where the CPU (AMX-BF16, AVX512-BF16) or GPU multiplies it natively, "
-                            f"float32 elsewhere (default: {dtype})")
-        p.add_argument("--no-compile", dest="compile", action="store_const", const=False, default=None,
-                       help="run the model uncompiled (by default each decoder layer's MLP and norms are compiled "
-                            "with torch.compile on the CPU: faster prefill, a few seconds more at the first run)")
-        p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1, help="torch threads")
 
+def _add_models(sub: Any) -> None:
     p = sub.add_parser("models", help="list the model zoo, or prepare models")
     p.add_argument("action", nargs="?", choices=["list", "prepare"], default="list")
     p.add_argument("names", nargs="*", help="zoo names to prepare (default: the embedded default)")
     p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=cmd_models)
+
+
+def _add_generate(sub: Any) -> None:
+    from fastprefill.methods.registry import METHODS
 
     p = sub.add_parser("generate", help="answer a prompt and print its TTFT")
     p.add_argument("prompt", nargs="?", help="the prompt text ('-' or omitted: stdin)")
@@ -327,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.set_defaults(func=cmd_generate)
 
+
+def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over one model")
     p.add_argument("--method", default="full", help="default method spec (a request may name another in its "
                    "'fastprefill' field: full, lazyllm, static, random); runahead:procs=N starts N ranks")
@@ -362,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.set_defaults(func=cmd_serve)
 
+
+def _add_bench(sub: Any) -> None:
+    from fastprefill.data.tasks import TASKS
+    from fastprefill.host import DTYPES
+    from fastprefill.methods.registry import METHODS
+
     p = sub.add_parser("bench", help="benchmark methods beside full prefill")
     p.add_argument("action", nargs="?", choices=["run", "verify"], default="run",
                    help=f"run (default) a benchmark; verify: {VERIFY_HINT}")
@@ -387,6 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the model uncompiled (see generate --help)")
     p.set_defaults(func=cmd_bench)
 
+
+def _add_demo(sub: Any) -> None:
     p = sub.add_parser("demo", help="one multi-document QA prompt, every method side by side")
     p.add_argument("--length", type=_positive, default=1024, help="prompt length in tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -396,81 +402,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed runs per method after one untimed warm-up; the table shows their median and range")
     model_args(p)
     p.set_defaults(func=cmd_demo)
-
-    p = sub.add_parser("train-kvp", help="train a KV Prediction predictor (least squares, then gradient steps), "
-                       "or calibrate kvp-prefix maps (--variant prefix)")
-    p.add_argument("--variant", choices=["aux", "prefix"], default="aux",
-                   help="aux: maps from an aux model's KV (kvp); prefix: maps from the base's own layer-L hidden "
-                        "state (kvp-prefix, least squares only)")
-    p.add_argument("--base", "--model", dest="base", default="qwen2.5-coder-1.5b",
-                   help="base model (zoo name, HF id or dir)")
-    p.add_argument("--layer", type=int, help="--variant prefix: layers the base runs exactly")
-    p.add_argument("--rank", type=_positive, help="--variant prefix: rank of the stored correction "
-                   "(default: full rank if it fits --max-mb, else the largest that fits)")
-    p.add_argument("--max-mb", type=float, default=20.0, help="--variant prefix: bound on the weights file")
-    p.add_argument("--task-share", type=float, default=0.25,
-                   help="share of dev-split task prompts (chat template) in the calibration text")
-    p.add_argument("--source", choices=["kv", "hidden", "hidden2"], default="kv",
-                   help="--variant aux: the maps read the aux layer's KV (the paper), its normalised attention "
-                        "input (hidden) or two aux layers' (hidden2)")
-    p.add_argument("--distill-from", metavar="DIR",
-                   help="--variant prefix: refine this calibrated checkpoint by KL distillation on dev task "
-                        "prompts into --out (SwiftKV's second step, the maps only)")
-    p.add_argument("--tail", type=_positive, default=32,
-                   help="--distill-from: prompt tokens run exactly during distillation (use the same tail=W)")
-    p.add_argument("--train-prompts", action="append", metavar="TASK:N",
-                   help="--distill-from: dev prompts to train on (repeatable; default "
-                        "singledoc-qa:24 multidoc-qa:4 humaneval-completion:4)")
-    p.add_argument("--heldout-prompts", action="append", metavar="TASK:N",
-                   help="--distill-from: dev prompts the best maps are chosen on (default singledoc-qa:8)")
-    p.add_argument("--prompt-length", type=_positive, default=1024, help="--distill-from: prompt tokens")
-    p.add_argument("--aux", help="KVP-C: the smaller auxiliary model (same tokenizer)")
-    p.add_argument("--drop-stride", type=_positive, help="KVP-LP: aux = the base keeping every N-th layer")
-    p.add_argument("--out", required=True, help="checkpoint directory")
-    p.add_argument("--lsq-tokens", type=_positive, default=None,
-                   help="calibration tokens (default 100000; --variant prefix: 32768)")
-    p.add_argument("--steps", type=_positive, default=None,
-                   help="gradient steps (default 200; --variant prefix --distill-from: 120)")
-    p.add_argument("--seq-len", type=_positive, default=512)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--l1-weight", type=float, default=0.1)
-    p.add_argument("--ridge", type=float, default=None, help="ridge (default 1e-4; --variant prefix: 1e-3)")
-    p.add_argument("--checkpoint-every", type=_positive, default=25)
-    p.add_argument("--train-aux", action="store_true", help="also train the aux model (KVP-C only)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    model_args(p, default_model=False, dtype="float32")  # maps are fitted in float32; they apply in any dtype
-    p.set_defaults(func=cmd_train_kvp)
-
-    p = sub.add_parser("tune", help="choose the fastest method per prompt length that keeps a fidelity target, "
-                       "measured on your prompts; writes a profile for --method auto:profile=FILE")
-    p.add_argument("--prompts", help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} per line")
-    p.add_argument("--task", help="a packaged task instead of --prompts (multidoc-qa, singledoc-qa, needle, ...)")
-    p.add_argument("--lengths", type=_positive, nargs="+", default=[512, 1024, 2048, 4096],
-                   help="--task: prompt lengths in tokens")
-    p.add_argument("--n", type=_positive, default=80, help="--task: prompts per length (half choose, half report)")
-    p.add_argument("--split", choices=["dev", "test"], default="dev",
-                   help="--task: the split (halves by hash, unless --report-split)")
-    p.add_argument("--report-split", choices=["dev", "test"], default=None,
-                   help="--task: choose on all of --split and report on --n prompts per length of this split")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target", default="first-token=0.9",
-                   help="first-token=S, identical=S (shares of prompts, lower interval end >= S) or kl=X "
-                        "(mean first-token KL, upper end <= X)")
-    p.add_argument("--confidence", type=float, default=0.95, help="two-sided level of the fidelity interval")
-    p.add_argument("--methods", nargs="+", metavar="SPEC", help="more candidate specs (e.g. kvp-prefix:predictor=DIR)")
-    p.add_argument("--only", action="store_true", help="try only --methods, not the default candidates")
-    p.add_argument("--min-speedup", type=float, default=1.1,
-                   help="a bucket whose best qualifying candidate is slower than this runs full prefill")
-    p.add_argument("--max-new-tokens", type=_positive, default=None,
-                   help="tokens per run (default: 1 for first-token and kl targets, 32 for identical)")
-    p.add_argument("--out", default="tune-profile.json", help="the profile (records beside it as .jsonl, plot as .png)")
-    p.add_argument("--records", default=None,
-                   help="the records file (default: --out with .jsonl); with --resume, runs already in it are "
-                        "reused, so one set of runs can be tuned for several targets")
-    p.add_argument("--resume", action="store_true", help="continue the records of an interrupted tune")
-    model_args(p)
-    p.set_defaults(func=cmd_tune)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.table import Table
 
-from fastprefill.cli.common import _load, console, err_console
+from fastprefill.cli.common import _load, _positive, console, err_console, model_args
 from fastprefill.errors import FastprefillError
 
 
@@ -18,12 +18,11 @@ def _distill_prefix(args: argparse.Namespace) -> int:
     import time
 
     from fastprefill.methods.kv_prediction.prefix.distill import (
-        DEFAULT_HELDOUT,
-        DEFAULT_TRAIN,
         PrefixDistillation,
         distill_on_dev,
         read_distill_source,
     )
+    from fastprefill.methods.kv_prediction.prefix.distill_prompts import DEFAULT_HELDOUT, DEFAULT_TRAIN
 
     source = read_distill_source(args.distill_from, args.layer)
     cfg = PrefixDistillation(steps=args.steps, lr=args.lr, tail=args.tail)
@@ -40,7 +39,7 @@ def _distill_prefix(args: argparse.Namespace) -> int:
 def cmd_train_kvp(args: argparse.Namespace) -> int:
     import time
 
-    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.host import set_threads
     from fastprefill.methods.kv_prediction import AuxSpec
     from fastprefill.methods.kv_prediction.auxiliary.train import TrainConfig, train_kvp
 
@@ -80,7 +79,7 @@ def _train_prefix(args: argparse.Namespace) -> int:
     """``train-kvp --variant prefix``: least-squares maps of kvp-prefix at ``--layer``."""
     import time
 
-    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.host import set_threads
     from fastprefill.methods.kv_prediction.prefix import PrefixCalibration, calibrate_prefix
 
     if args.layer is None and args.distill_from is None:
@@ -103,7 +102,7 @@ def _train_prefix(args: argparse.Namespace) -> int:
 
 # --- tune --------------------------------------------------------------------------------------
 def cmd_tune(args: argparse.Namespace) -> int:
-    from fastprefill.distributed.runtime import set_threads
+    from fastprefill.host import set_threads
     from fastprefill.methods.auto import Target
     from fastprefill.methods.registry import make_method
     from fastprefill.tune import DEFAULT_CANDIDATES, load_prompts, plot_frontier, task_prompts, tune
@@ -158,3 +157,83 @@ def cmd_tune(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"profile: {out} (serve it: --method auto:profile={out}); records: {records}; plot: {plot}")
     return 0
+
+
+def add_train_kvp_parser(sub: Any) -> None:
+    """The ``train-kvp`` subcommand's parser."""
+    p = sub.add_parser("train-kvp", help="train a KV Prediction predictor (least squares, then gradient steps), "
+                       "or calibrate kvp-prefix maps (--variant prefix)")
+    p.add_argument("--variant", choices=["aux", "prefix"], default="aux",
+                   help="aux: maps from an aux model's KV (kvp); prefix: maps from the base's own layer-L hidden "
+                        "state (kvp-prefix, least squares only)")
+    p.add_argument("--base", "--model", dest="base", default="qwen2.5-coder-1.5b",
+                   help="base model (zoo name, HF id or dir)")
+    p.add_argument("--layer", type=int, help="--variant prefix: layers the base runs exactly")
+    p.add_argument("--rank", type=_positive, help="--variant prefix: rank of the stored correction "
+                   "(default: full rank if it fits --max-mb, else the largest that fits)")
+    p.add_argument("--max-mb", type=float, default=20.0, help="--variant prefix: bound on the weights file")
+    p.add_argument("--task-share", type=float, default=0.25,
+                   help="share of dev-split task prompts (chat template) in the calibration text")
+    p.add_argument("--source", choices=["kv", "hidden", "hidden2"], default="kv",
+                   help="--variant aux: the maps read the aux layer's KV (the paper), its normalised attention "
+                        "input (hidden) or two aux layers' (hidden2)")
+    p.add_argument("--distill-from", metavar="DIR",
+                   help="--variant prefix: refine this calibrated checkpoint by KL distillation on dev task "
+                        "prompts into --out (SwiftKV's second step, the maps only)")
+    p.add_argument("--tail", type=_positive, default=32,
+                   help="--distill-from: prompt tokens run exactly during distillation (use the same tail=W)")
+    p.add_argument("--train-prompts", action="append", metavar="TASK:N",
+                   help="--distill-from: dev prompts to train on (repeatable; default "
+                        "singledoc-qa:24 multidoc-qa:4 humaneval-completion:4)")
+    p.add_argument("--heldout-prompts", action="append", metavar="TASK:N",
+                   help="--distill-from: dev prompts the best maps are chosen on (default singledoc-qa:8)")
+    p.add_argument("--prompt-length", type=_positive, default=1024, help="--distill-from: prompt tokens")
+    p.add_argument("--aux", help="KVP-C: the smaller auxiliary model (same tokenizer)")
+    p.add_argument("--drop-stride", type=_positive, help="KVP-LP: aux = the base keeping every N-th layer")
+    p.add_argument("--out", required=True, help="checkpoint directory")
+    p.add_argument("--lsq-tokens", type=_positive, default=None,
+                   help="calibration tokens (default 100000; --variant prefix: 32768)")
+    p.add_argument("--steps", type=_positive, default=None,
+                   help="gradient steps (default 200; --variant prefix --distill-from: 120)")
+    p.add_argument("--seq-len", type=_positive, default=512)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--l1-weight", type=float, default=0.1)
+    p.add_argument("--ridge", type=float, default=None, help="ridge (default 1e-4; --variant prefix: 1e-3)")
+    p.add_argument("--checkpoint-every", type=_positive, default=25)
+    p.add_argument("--train-aux", action="store_true", help="also train the aux model (KVP-C only)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    model_args(p, default_model=False, dtype="float32")  # maps are fitted in float32; they apply in any dtype
+    p.set_defaults(func=cmd_train_kvp)
+
+
+def add_tune_parser(sub: Any) -> None:
+    """The ``tune`` subcommand's parser."""
+    p = sub.add_parser("tune", help="choose the fastest method per prompt length that keeps a fidelity target, "
+                       "measured on your prompts; writes a profile for --method auto:profile=FILE")
+    p.add_argument("--prompts", help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} per line")
+    p.add_argument("--task", help="a packaged task instead of --prompts (multidoc-qa, singledoc-qa, needle, ...)")
+    p.add_argument("--lengths", type=_positive, nargs="+", default=[512, 1024, 2048, 4096],
+                   help="--task: prompt lengths in tokens")
+    p.add_argument("--n", type=_positive, default=80, help="--task: prompts per length (half choose, half report)")
+    p.add_argument("--split", choices=["dev", "test"], default="dev",
+                   help="--task: the split (halves by hash, unless --report-split)")
+    p.add_argument("--report-split", choices=["dev", "test"], default=None,
+                   help="--task: choose on all of --split and report on --n prompts per length of this split")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", default="first-token=0.9",
+                   help="first-token=S, identical=S (shares of prompts, lower interval end >= S) or kl=X "
+                        "(mean first-token KL, upper end <= X)")
+    p.add_argument("--confidence", type=float, default=0.95, help="two-sided level of the fidelity interval")
+    p.add_argument("--methods", nargs="+", metavar="SPEC", help="more candidate specs (e.g. kvp-prefix:predictor=DIR)")
+    p.add_argument("--only", action="store_true", help="try only --methods, not the default candidates")
+    p.add_argument("--min-speedup", type=float, default=1.1,
+                   help="a bucket whose best qualifying candidate is slower than this runs full prefill")
+    p.add_argument("--max-new-tokens", type=_positive, default=None,
+                   help="tokens per run (default: 1 for first-token and kl targets, 32 for identical)")
+    p.add_argument("--out", default="tune-profile.json", help="the profile (records beside it as .jsonl, plot as .png)")
+    p.add_argument("--records", default=None,
+                   help="the records file (default: --out with .jsonl); with --resume, runs already in it are "
+                        "reused, so one set of runs can be tuned for several targets")
+    p.add_argument("--resume", action="store_true", help="continue the records of an interrupted tune")
+    model_args(p)
+    p.set_defaults(func=cmd_tune)

@@ -9,15 +9,15 @@ and TTFT is measured **on the driver** from dispatching the prompt through recei
 token id from the last rank (pipes, every rank's work and all communication included).
 :func:`generate_distributed` is the one-shot wrapper (``fastprefill generate --method runahead
 --procs 2``). A pool may also drive ranks started elsewhere (torchrun's, on several machines:
-:mod:`fastprefill.distributed.torchrun`), given as :class:`RankLink` objects.
+:mod:`fastprefill.distributed.torchrun_links`), given as links (:mod:`fastprefill.distributed.links`).
 
 Roles and the protocol every rank answers are :mod:`fastprefill.distributed.rank`'s: every rank
-validates the request before any communication (:func:`check_request`); then the last rank runs
+validates the request before any communication (``check_request``); then the last rank runs
 :func:`fastprefill.engine.stream` (prefill, first token, decode) and ranks ``0..P-2`` call the
-method's :meth:`~fastprefill.methods.base.DistributedMethod.contribute` (:func:`run_rank`).
-The driver sees each rank as a :class:`RankLink`: its connection, and how it tells that the
-rank has gone (a local worker: its process sentinel; a rank known only by its connection: the
-connection's end).
+method's :meth:`~fastprefill.methods.base.DistributedMethod.contribute` (``run_rank``). The
+driver sees each rank as a :class:`~fastprefill.distributed.links.RankLink`: its connection, and
+how it tells that the rank has gone (a local worker: its process sentinel; a rank known only by
+its connection: the connection's end).
 
 Faults: a request a rank refuses (a :class:`~fastprefill.errors.FastprefillError` from
 validation: bad prompt, bad method setting, a model family the method does not support) is
@@ -35,40 +35,19 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any, NoReturn, Self
 
 import torch
 
-from fastprefill.distributed.rank import (
-    FAULT_EXIT_CODE,
-    Request,
-    check_ranks,
-    check_request,
-    required_ranks,
-    run_rank,
-    send_error,
-    serve_rank,
-)
-from fastprefill.distributed.runtime import free_port, init_group, set_threads, use_loopback
-from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.distributed.links import ProcessLink, RankLink, worker_main
+from fastprefill.distributed.rank import Request, required_ranks
+from fastprefill.distributed.runtime import free_port
+from fastprefill.errors import ConfigError, FastprefillError, is_int
 from fastprefill.host import DTYPES, resolve_dtype
 from fastprefill.methods.base import DistributedMethod, Method
 
-__all__ = [
-    "FAULT_EXIT_CODE",
-    "PoolResult",
-    "ProcessLink",
-    "RankLink",
-    "RankPool",
-    "RankPoolError",
-    "Request",
-    "check_ranks",
-    "check_request",
-    "generate_distributed",
-    "required_ranks",
-    "run_rank",
-]
+__all__ = ["PoolResult", "RankPool", "RankPoolError", "generate_distributed"]
 
 
 class RankPoolError(FastprefillError, RuntimeError):
@@ -97,99 +76,6 @@ class PoolResult:
     logits: torch.Tensor | None = None
 
 
-class RankLink:
-    """One rank as the driver sees it: the connection it answers on, and how it tells it has gone.
-
-    This base class is a rank known only by its connection (a torchrun rank, here or on another
-    machine): the connection's end is the rank's end. :class:`ProcessLink` is a local worker.
-
-    Attributes:
-        conn: the duplex connection (:mod:`fastprefill.distributed.rank`'s protocol).
-        pid: the rank's process id (on its own machine), for logs and ``/health``.
-        host: where the rank runs, for messages.
-        sentinel: an object :func:`multiprocessing.connection.wait` reports once the rank has
-            gone; ``None``: the end of ``conn`` reports it.
-    """
-
-    sentinel: Any = None
-
-    def __init__(self, conn: Connection, pid: int | None = None, host: str = "") -> None:
-        self.conn, self.pid, self.host = conn, pid, host
-        self.ended = False  # the rank's end of the connection has closed
-
-    def alive(self) -> bool:
-        return not (self.ended or self.conn.closed)
-
-    def gone(self) -> str:
-        """What happened to the rank, for a message after ``"rank N "``."""
-        return (f"closed its connection (pid {self.pid} on {self.host}: its process ended or its machine is "
-                "unreachable)")
-
-    def kill(self) -> None:
-        """Make the rank leave: it ends its loop when its connection closes."""
-        self.conn.close()
-
-    def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the rank to close its end (its messages are dropped)."""
-        deadline = time.monotonic() + timeout
-        try:
-            while not self.conn.closed and (left := deadline - time.monotonic()) > 0:
-                if self.conn.poll(left):
-                    self.conn.recv()
-        except (EOFError, OSError):
-            self.ended = True
-
-
-class ProcessLink(RankLink):
-    """A worker process of this machine (a :class:`RankPool`'s own): its sentinel tells its death."""
-
-    def __init__(self, proc: Any, conn: Connection) -> None:
-        super().__init__(conn, proc.pid, "this machine")
-        self.proc = proc
-        self.sentinel = proc.sentinel
-
-    def alive(self) -> bool:
-        return bool(self.proc.is_alive())
-
-    def gone(self) -> str:
-        return f"died (exit code {self.proc.exitcode})"
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-
-    def join(self, timeout: float) -> None:
-        self.proc.join(timeout=timeout)
-
-
-def _worker_main(
-    rank: int, world: int, port: int, model_spec: str, dtype: str, threads: int, core: int | None,
-    conn: Connection, parent_pid: int, timeout_s: float,
-) -> None:
-    """Entry point of one spawned rank (module-level so ``spawn`` can import it)."""
-    import torch.distributed as dist
-
-    from fastprefill.host import keep_freed_memory
-    from fastprefill.models import load
-
-    try:
-        if core is not None:
-            os.sched_setaffinity(0, {core})
-        set_threads(threads, interop=1)
-        use_loopback()
-        keep_freed_memory()
-        model, tokenizer = load(model_spec, dtype=dtype)
-        if world > 1:
-            init_group(rank, world, port=port, timeout_s=timeout_s)
-        if not serve_rank(conn, model, tokenizer, rank, world, driver_alive=lambda: os.getppid() == parent_pid):
-            os._exit(1)  # the driver is gone: do not linger
-        if world > 1:
-            dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - report any failure, then exit non-zero: the driver tears the pool down
-        send_error(conn, rank, exc)
-        os._exit(1)
-
-
 # --- driver side ---------------------------------------------------------------------------------
 class RankPool:
     """A persistent group of ranks, each holding the model (see the module docstring).
@@ -200,7 +86,7 @@ class RankPool:
         procs: number of ranks (>= 1).
         dtype: what every rank loads the model in (``"auto"``, ``"bfloat16"``, ``"float32"``,
             ``"float16"``; see :func:`fastprefill.host.resolve_dtype`): the same on every rank.
-        threads_per_rank: torch threads in each rank (:func:`~fastprefill.distributed.runtime.set_threads`).
+        threads_per_rank: torch threads in each rank (:func:`~fastprefill.host.set_threads`).
         pin: pin rank ``r`` to the ``r``-th CPU of this process's affinity set (one core per rank).
         timeout_s: process-group timeout and the bound on each communication wait.
         start_timeout_s: bound on starting all workers (model loading included).
@@ -236,9 +122,9 @@ class RankPool:
         start_method: str = "spawn",
         links: Sequence[RankLink] | None = None,
     ) -> None:
-        if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+        if not is_int(procs, 1):
             raise ConfigError(f"procs must be an integer >= 1, got {procs!r}")
-        if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
+        if not is_int(threads_per_rank, 1):
             raise ConfigError(f"threads_per_rank must be an integer >= 1, got {threads_per_rank!r}")
         cores = sorted(os.sched_getaffinity(0))
         if pin and procs > len(cores):
@@ -273,7 +159,7 @@ class RankPool:
         for rank in range(procs):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(
-                target=_worker_main,
+                target=worker_main,
                 args=(rank, procs, port, model, dtype, threads, None if cores is None else cores[rank], child, os.getpid(),
                       timeout_s),
                 daemon=True, name=f"fastprefill-rank{rank}",
@@ -406,7 +292,7 @@ class RankPool:
             from fastprefill.methods.runahead.method import KVRunahead
 
             method = KVRunahead(procs=self.procs) if self.procs > 1 else FullPrefill()
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not is_int(max_new_tokens, 1):
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         req = Request(prompt if isinstance(prompt, (str, bytes)) else list(prompt), method, max_new_tokens, chat, stop_at_eos,
                       fault)

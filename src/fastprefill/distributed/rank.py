@@ -107,9 +107,9 @@ def check_request(model: Any, tokenizer: Any, request: Request, world: int) -> t
 
     Raises:
         ConfigError: not a Method, or a method for another number of ranks; see also
-            :func:`fastprefill.engine.prepare_prompt` (PromptError, UnsupportedModelError, ...).
+            :func:`fastprefill.prompt.prepare_prompt` (PromptError, UnsupportedModelError, ...).
     """
-    from fastprefill.engine import prepare_prompt
+    from fastprefill.prompt import prepare_prompt
 
     method = request.method
     if not isinstance(method, Method):
@@ -248,7 +248,7 @@ def serve_rank(
         if kind == "cancel":  # for a run that had already ended
             continue
         if kind == "tokenize":
-            from fastprefill.engine import encode_prompt
+            from fastprefill.prompt import encode_prompt
 
             conn.send(("tokens", encode_prompt(tokenizer, payload["prompt"], chat=payload["chat"])[0].tolist()))
             continue

@@ -1,9 +1,7 @@
-"""Process-level settings in one place: torch threads, the loopback port, process-group init.
+"""Process groups in one place: the loopback port, the backend, process-group init.
 
-Every entry point that sets threads (the CLI, the benchmark harness, the rank pool's workers,
-torchrun ranks, partition calibration) calls :func:`set_threads`; every process group is made
-by :func:`init_group`. This module imports nothing from fastprefill but the errors, so any layer
-may use it.
+Every process group is made by :func:`init_group`. This module imports nothing from
+fastprefill, so any layer may use it (torch threads are set by :func:`fastprefill.host.set_threads`).
 """
 
 from __future__ import annotations
@@ -14,30 +12,7 @@ import socket
 
 import torch
 
-from fastprefill.errors import ConfigError
-
-__all__ = ["backend_for", "free_port", "init_group", "set_threads", "use_loopback"]
-
-
-def set_threads(threads: int, *, interop: int | None = None) -> None:
-    """Fix torch's intra-op thread count (and, once per process, the inter-op count).
-
-    Args:
-        threads: intra-op threads, >= 1.
-        interop: inter-op threads; ``None`` leaves them. torch refuses to change them after
-            parallel work has started, which is ignored here (the intra-op count is what counts).
-
-    Raises:
-        ConfigError: ``threads`` is not an integer >= 1.
-    """
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
-    torch.set_num_threads(threads)
-    if interop is not None:
-        try:
-            torch.set_num_interop_threads(interop)
-        except RuntimeError:
-            pass  # already set or parallel work has started: torch keeps the old value
+__all__ = ["backend_for", "free_port", "init_group", "use_loopback"]
 
 
 def free_port() -> int:

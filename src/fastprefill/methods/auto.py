@@ -1,11 +1,13 @@
 """Tuning profiles: which method serves which prompt length, chosen by measured fidelity.
 
 A :class:`TuneProfile` is what ``fastprefill tune`` writes: the model it was measured on
-(weights and tokenizer fingerprints) and the dtype it ran in, the fidelity target, and per prompt-length bucket the
-method spec to run with its held-out TTFT ratio and fidelity. ``--method auto:profile=FILE``
-(:class:`~fastprefill.methods.registry.AutoMethod`) reads one and picks the bucket's method for
-each prompt; a profile made for another model, tokenizer or dtype is refused (a method's speed and
-fidelity both change with the dtype). A profile without a ``dtype`` field was measured in float32.
+(weights and tokenizer fingerprints) and the dtype it ran in, the fidelity target, and per
+prompt-length bucket the method spec to run with its held-out TTFT ratio and fidelity.
+``--method auto:profile=FILE`` (:class:`~fastprefill.methods.registry.AutoMethod`) reads one and
+picks the bucket's method for each prompt; a model whose weights fingerprint differs from the
+profile's, or that runs in another dtype, is refused (a method's speed and fidelity both change
+with the dtype). The tokenizer's fingerprint is recorded, not checked. A profile without a
+``dtype`` field was measured in float32.
 
 The file is JSON (``format`` ``"fastprefill-tune-profile"``, ``version`` 1)::
 
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_number
 
 __all__ = ["FORMAT", "MEASURES", "ProfileBucket", "Target", "TuneProfile"]
 
@@ -54,7 +56,7 @@ class Target:
     def __post_init__(self) -> None:
         if self.measure not in MEASURES:
             raise ConfigError(f"target measure must be one of {MEASURES}, got {self.measure!r}")
-        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not self.value > 0 or (
+        if not is_number(self.value) or not self.value > 0 or (
                 self.measure != "kl" and self.value > 1):
             allowed = "> 0" if self.measure == "kl" else "a share in (0, 1]"
             raise ConfigError(f"target {self.measure} must be {allowed}, got {self.value!r}")

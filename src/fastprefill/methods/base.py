@@ -59,6 +59,12 @@ class ComputeStats:
         """``token_layers / total_token_layers`` (1.0 for full prefill without a cached prefix)."""
         return self.token_layers / self.total_token_layers if self.total_token_layers else 1.0
 
+    def to_dict(self) -> dict[str, Any]:
+        """The keys a benchmark record uses: ``token_layers``, ``total_token_layers``,
+        ``prefill_flops`` (:attr:`flops`), ``extra`` and ``token_layer_fraction`` (:attr:`fraction`)."""
+        return {"token_layers": self.token_layers, "total_token_layers": self.total_token_layers,
+                "prefill_flops": self.flops, "extra": self.extra, "token_layer_fraction": self.fraction}
+
 
 @runtime_checkable
 class Decoder(Protocol):
@@ -187,7 +193,7 @@ class Method(ABC):
         Args:
             model: a causal LM in eval mode.
             input_ids: ``(1, T)`` int64 prompt ids on the model's device, ``T >= 1``, already
-                validated by :func:`fastprefill.engine.prepare_prompt` (this method's
+                validated by :func:`fastprefill.prompt.prepare_prompt` (this method's
                 :meth:`check_model` and :meth:`check_prompt` included).
             prefix: only for a method that :attr:`takes_prefix`: a cache holding the exact
                 keys and values of positions ``0..P-1`` (``P < T``) at every layer, owned by
@@ -239,7 +245,7 @@ class DistributedMethod(Method):
         Args:
             model: the same model as on every other rank.
             input_ids: ``(1, T)`` int64, the whole prompt, validated by
-                :func:`fastprefill.engine.prepare_prompt` as on the last rank.
+                :func:`fastprefill.prompt.prepare_prompt` as on the last rank.
             layer_hook: called as ``hook(rank, layer)`` after every layer, or ``None``.
 
         Returns:

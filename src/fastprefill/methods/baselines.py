@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int, is_number
 from fastprefill.methods.base import Method, PrefillOutput
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import (
@@ -115,7 +115,7 @@ class RandomDrop(Method):
 
     def __post_init__(self) -> None:
         self.keep = check_keep(self.keep)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if not is_int(self.seed):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
 
     def choose(self, n: int) -> torch.Tensor:
@@ -161,7 +161,7 @@ class StaticPruning(Method):
 
     def __post_init__(self) -> None:
         self.keep = check_keep(self.keep)
-        if isinstance(self.select_layer, bool) or not isinstance(self.select_layer, int) or self.select_layer < 0:
+        if not is_int(self.select_layer, 0):
             raise ConfigError(f"select_layer must be an integer >= 0, got {self.select_layer!r}")
 
     def check_prompt(self, model: PreTrainedModel, prompt_len: int) -> None:
@@ -222,15 +222,15 @@ class GemFilter(Method):
 
     def __post_init__(self) -> None:
         self.keep = check_keep(self.keep)
-        if isinstance(self.select_layer, bool) or not isinstance(self.select_layer, int) or self.select_layer < -1:
+        if not is_int(self.select_layer, -1):
             raise ConfigError(f"select_layer must be an integer >= 0 (or -1: from select_depth), got {self.select_layer!r}")
         depth = self.select_depth
-        if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not (0.0 <= depth < 1.0 or depth == -1):
+        if not is_number(depth) or not (0.0 <= depth < 1.0 or depth == -1):
             raise ConfigError(f"select_depth must lie in [0, 1) (or -1: from select_layer), got {depth!r}")
         self.select_depth = float(depth)
         if self.select_layer >= 0 and self.select_depth >= 0:
             raise ConfigError("give select_layer or select_depth, not both")
-        if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 or self.kernel % 2 == 0:
+        if not is_int(self.kernel, 1) or self.kernel % 2 == 0:
             raise ConfigError(f"kernel must be an odd integer >= 1 (1 = no pooling), got {self.kernel!r}")
 
     def selection_layer(self, num_layers: int) -> int:

@@ -18,7 +18,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput, prefix_length
-from fastprefill.models.adapters import fastprefill_attention, supports_layer_loop
+from fastprefill.models.adapters import supports_layer_loop
+from fastprefill.models.attention import fastprefill_attention
 from fastprefill.models.shape import ModelShape, causal_pairs
 
 

@@ -18,7 +18,7 @@ taken from the Aux Cache at ``b_s`` and it is computed from ``b_s`` upward toget
 new token, never from layer 0. Every (token, layer) pair is computed at most once over the whole
 generation (counted by :class:`~fastprefill.methods.pruning.ComputeCounter`, always on).
 
-*Choose* (decode attention set and keep count): see :mod:`fastprefill.methods.pruning.loop`. The
+*Choose* (decode attention set and keep count): see :mod:`fastprefill.methods.pruning.decode`. The
 keep-all schedule reproduces full prefill and decoding to float rounding (tested).
 
 Beyond the paper (each off by default, so the presets run the paper's rule): a window of the

@@ -76,10 +76,6 @@ class AutoMethod(Method):
         self._methods = {b.method: make_method(b.method) for b in self._profile.buckets}
         self._checked: weakref.WeakKeyDictionary[PreTrainedModel, bool] = weakref.WeakKeyDictionary()
 
-    @property
-    def tune_profile(self) -> TuneProfile:
-        return self._profile
-
     def check_model(self, model: PreTrainedModel) -> None:  # type: ignore[override]
         """The model must be the one the profile was measured on (weights fingerprint) and run in its
         dtype (checked once per model)."""
@@ -96,14 +92,6 @@ class AutoMethod(Method):
             raise ConfigError(f"the tuning profile {self.profile} was made for {self._profile.model!r}, whose "
                               "weights differ from this model's; tune this model (fastprefill tune --model ...)")
         self._checked[model] = True
-
-    def check_tokenizer(self, tokenizer: object) -> None:
-        """Raise :class:`ConfigError` unless ``tokenizer`` is the profile's (its fingerprint)."""
-        from fastprefill.models.fingerprint import tokenizer_fingerprint
-
-        if tokenizer_fingerprint(tokenizer) != self._profile.tokenizer_fingerprint:
-            raise ConfigError(f"the tuning profile {self.profile} was made with another tokenizer than this "
-                              f"model's ({self._profile.model!r}); tune with this model's tokenizer")
 
     def resolve(self, model: PreTrainedModel, prompt_len: int) -> Method:
         self.check_model(model)

@@ -1,5 +1,6 @@
-"""Models: the zoo of packaged real models (``zoo``), seeded random test models (``random``)
-and the family adapters (``adapters``).
+"""Models: the zoo of packaged real models (``zoo``), any transformers causal LM (``pretrained``),
+seeded random test models (``random``), the family adapters (``adapters``) and fastprefill's
+attention function (``attention``).
 
 :func:`load` is the one loader every process calls with a model name (the CLI, rank-pool
 workers, torchrun ranks, calibration): a zoo name, a local folder or Hugging Face id, or
@@ -17,8 +18,8 @@ import torch
 
 from fastprefill.host import resolve_dtype
 from fastprefill.models import random as random_models
-from fastprefill.models import zoo
 from fastprefill.models.adapters import compile_blocks
+from fastprefill.models.pretrained import load_pretrained
 from fastprefill.models.zoo import (
     DEFAULT_MODEL,
     ZOO,
@@ -55,7 +56,7 @@ def load(
     Args:
         spec: ``"random:llama"`` / ``"random:qwen2"`` / ``"random:gpt2"`` (a seeded tiny model,
             tokenizer ``None``; see :mod:`fastprefill.models.random`), or anything
-            :func:`fastprefill.models.zoo.load` accepts (zoo name, model folder, HF id).
+            :func:`fastprefill.models.pretrained.load_pretrained` accepts (zoo name, model folder, HF id).
         dtype: ``"auto"`` (bfloat16 where the device multiplies it natively, else float32: see
             :func:`fastprefill.host.resolve_dtype`), ``"bfloat16"``, ``"float32"``, ``"float16"``
             or the ``torch.dtype``.
@@ -64,19 +65,20 @@ def load(
             ``None`` (the default): on the CPU when a C++ compiler is on the PATH for inductor
             (without one, a warning says the model runs uncompiled), never for ``random:``
             test models.
-        cache_dir, progress: for zoo models (see :func:`fastprefill.models.zoo.load`).
+        cache_dir, progress: for zoo models (see :func:`~fastprefill.models.pretrained.load_pretrained`).
 
     Raises:
         ConfigError: an unknown ``dtype``.
         ModelNotFoundError, UnsupportedModelError, MissingPackageError, ChecksumError: see
-            :func:`fastprefill.models.zoo.load`.
+            :func:`~fastprefill.models.pretrained.load_pretrained`.
     """
     torch_dtype = resolve_dtype(dtype, device)
     if random_models.is_random_spec(spec):
         model, tokenizer = random_models.load(str(spec), device=device, dtype=torch_dtype)
         compile = bool(compile)
     else:
-        model, tokenizer = zoo.load(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir, progress=progress)
+        model, tokenizer = load_pretrained(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir,
+                                           progress=progress)
     if compile is None:
         compile = torch.device(device).type == "cpu" and _inductor_can_compile()
     if compile:

@@ -20,7 +20,8 @@ Cache layout (``cache_dir`` defaults to ``$FASTPREFILL_CACHE_DIR``, else ``~/.ca
                                         removed by the next build of that entry
 
 A folder without a valid manifest (or with one for another source hash) is not an entry: it is
-rebuilt. ``load`` also takes a local model folder or a Hugging Face id.
+rebuilt. A prepared entry loads like any model folder
+(:func:`fastprefill.models.pretrained.load_pretrained`).
 """
 
 from __future__ import annotations
@@ -40,16 +41,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from fastprefill.errors import MissingPackageError, ModelNotFoundError, UnsupportedModelError
-from fastprefill.host import resolve_dtype
+from fastprefill.errors import MissingPackageError, ModelNotFoundError
 from fastprefill.models.gguf import convert_gguf, join_and_hash
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -60,7 +56,6 @@ __all__ = [
     "entry_dir",
     "is_prepared",
     "list_models",
-    "load",
     "locate_files",
     "models_dir",
     "prepare",
@@ -442,81 +437,3 @@ def prepare(
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
-def _resolve_source(
-    name_or_path: str | os.PathLike[str] | ZooEntry, cache_dir: str | os.PathLike[str] | None, progress: bool
-) -> str:
-    """A folder or Hugging Face id that ``from_pretrained`` takes, preparing zoo entries first."""
-    if isinstance(name_or_path, ZooEntry) or (isinstance(name_or_path, str) and name_or_path in ZOO):
-        return str(prepare(name_or_path, cache_dir=cache_dir, progress=progress))
-    text = os.fspath(name_or_path)
-    path = Path(text).expanduser()
-    if path.is_dir():
-        return str(path)
-    if not isinstance(name_or_path, str) or text.startswith(("/", ".", "~")) or path.exists():
-        raise ModelNotFoundError(f"No model folder at {text!r}. Known zoo models: {', '.join(ZOO)}.")
-    if "/" not in text:
-        resolve_entry(text)  # raises ModelNotFoundError listing the known names
-    return text  # a Hugging Face id, for users who have the hub
-
-
-def _check_causal_lm(config, source: str) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_type = getattr(config, "model_type", None)
-    if getattr(config, "is_encoder_decoder", False) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UnsupportedModelError(
-            f"{source} is a {model_type!r} model, not a decoder-only causal LM that "
-            "AutoModelForCausalLM can load; fastprefill only speeds up causal LMs."
-        )
-
-
-def load(
-    name_or_path: str | os.PathLike[str] | ZooEntry,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype = "auto",
-    *,
-    cache_dir: str | os.PathLike[str] | None = None,
-    progress: bool = True,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A causal LM in eval mode on ``device``, and its tokenizer.
-
-    ``name_or_path`` is a zoo name (prepared into the cache first), a local model folder, or a
-    Hugging Face id ``owner/name`` (needs the hub). ``dtype``: see
-    :func:`fastprefill.host.resolve_dtype` (``"auto"``: bfloat16 where the device multiplies it
-    natively, float32 elsewhere).
-
-    Raises:
-        ConfigError: an unknown ``dtype``.
-        ModelNotFoundError: a bare name that is not in the zoo, a path that is no folder, or a
-            Hugging Face id that cannot be fetched (offline, or no such model).
-        UnsupportedModelError: the model is not a decoder-only causal LM.
-        MissingPackageError, ChecksumError: see ``prepare``.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    dtype = resolve_dtype(dtype, device)
-    source = _resolve_source(name_or_path, cache_dir, progress)
-    try:
-        config = AutoConfig.from_pretrained(source)
-        _check_causal_lm(config, source)
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except OSError as exc:  # hub unreachable, no such id, or files missing: one line, not the hub's traceback
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelNotFoundError(
-            f"cannot load model {source!r} ({reason}). Give a zoo name ({', '.join(ZOO)}; see `fastprefill "
-            "models`), a local model folder, or a Hugging Face id that exists; without network, set HF_HUB_OFFLINE=1 "
-            "to use only models already in the Hugging Face cache.") from exc
-    except UnsupportedModelError:
-        raise
-    except ValueError as exc:
-        raise UnsupportedModelError(f"AutoModelForCausalLM cannot load {source}: {exc}") from exc
-    model.to(device)
-    model.eval()
-    return model, tokenizer

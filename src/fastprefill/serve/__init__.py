@@ -6,8 +6,8 @@ table, ``runner.py`` uvicorn and the draining shutdown, ``worker.py`` the one ge
 and its bounded queue, ``ranks.py`` the rank pool of multi-rank methods (KV-Runahead),
 ``torchrun.py`` the server over torchrun's ranks (``fastprefill serve`` under torchrun),
 ``protocol.py`` the wire format, ``limits.py`` the body-size and prompt-length limits checked
-before any model work, ``metrics.py`` the Prometheus series. The user's page is
-``docs/serving.md``.
+before any model work, ``prompts.py`` the prompts' validation on checker threads beside the
+worker, ``metrics.py`` the Prometheus series. The user's page is ``docs/serving.md``.
 """
 
 from __future__ import annotations

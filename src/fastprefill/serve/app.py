@@ -2,10 +2,9 @@
 
 A completion request goes: body (at most ``--max-body-mb``) -> schema and greedy-only checks ->
 method (the server's, or the request's ``"fastprefill": {"method": SPEC}``) -> the prompt's
-length in characters against what the context can hold (:mod:`fastprefill.serve.limits`) ->
-:func:`fastprefill.engine.prepare_prompt` (on one of :data:`CHECK_THREADS` checker threads, each
-with its own tokenizer copy, so neither the worker's generation nor other requests wait for a
-long tokenization) -> the bounded queue -> the worker. Every refusal is answered in OpenAI's
+length in characters against what the context can hold, then
+:func:`fastprefill.prompt.prepare_prompt` on a checker thread
+(:class:`~fastprefill.serve.prompts.PromptChecker`) -> the bounded queue -> the worker. Every refusal is answered in OpenAI's
 error shape: 400 (404 for an unknown model name or route, 405 for a wrong HTTP method, 413 for
 a body over the limit, 429 when the queue is full, 503 while shutting down, 500 for an
 unexpected failure, which the server log details); nothing a request does changes the server's
@@ -20,17 +19,13 @@ seconds and then ends it with an error event, and exits once the answers are out
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
-import queue
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,14 +34,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastprefill.engine import PromptInput, context_length, generate, prepare_prompt
+from fastprefill.engine import generate
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.host import dtype_name, precision_report
-from fastprefill.methods.base import DistributedMethod, Method
+from fastprefill.methods.base import DistributedMethod
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
-from fastprefill.serve.config import MethodTable, ServeConfig, describe
-from fastprefill.serve.limits import prompt_char_limit, read_body
+from fastprefill.serve.config import MethodTable, ServeConfig, served_name
+from fastprefill.serve.limits import read_body
 from fastprefill.serve.metrics import ServeMetrics
+from fastprefill.serve.prompts import PromptChecker
 from fastprefill.serve.protocol import (
     APIError,
     ChatRequest,
@@ -56,7 +52,6 @@ from fastprefill.serve.protocol import (
     completion_body,
     describe_errors,
     parse_request,
-    prompt_bytes,
     sse,
     usage_block,
 )
@@ -76,8 +71,6 @@ __all__ = ["Server", "create_app"]
 
 log = logging.getLogger(__name__)
 
-#: Threads (each with its own tokenizer copy) that validate and tokenize prompts beside the worker.
-CHECK_THREADS = 4
 #: Seconds a shutdown gives the last answers to be sent once the drain timeout has passed.
 DRAIN_GRACE_S = 2.0
 #: Seconds uvicorn then gives open connections to close.
@@ -107,7 +100,7 @@ class _JobStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
-            self.job.resolve("cancelled")  # a no-op unless the client left before the end
+            self.job.settle("cancelled")  # a no-op unless the client left before the end
             self.on_end()
 
 
@@ -137,7 +130,7 @@ class Server:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = ServeMetrics()
-        self.metrics.describe_precision(precision_report(model.dtype, model.device))
+        self.metrics.set_precision(precision_report(model.dtype, model.device))
         if ranks is not None and ranks.dtype != model.dtype:
             raise ConfigError(f"the rank pool runs the model in {dtype_name(ranks.dtype)} and the server's own model is "
                               f"{dtype_name(model.dtype)}: start both in one dtype")
@@ -145,16 +138,7 @@ class Server:
         self.methods = MethodTable(model, config.method, config.allow_methods, ranks.procs if ranks else 1)
         self.prefix_cache = self._open_prefix_cache()
         self.worker = Worker(model, tokenizer, self.metrics, config.queue_size, self.prefix_cache, ranks)
-        self.context = context_length(model)
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        #: characters over which a prompt cannot fit the context (None: the tokenizer gives no safe bound)
-        self.max_prompt_chars = prompt_char_limit(tokenizer, self.context)
-        # prepare_prompt runs beside the worker's generation on the checker threads, each call
-        # with a tokenizer copy of its own (a fast tokenizer is not safe to share between threads)
-        self._check_tokenizers: queue.SimpleQueue[PreTrainedTokenizerBase] = queue.SimpleQueue()
-        for _ in range(CHECK_THREADS):
-            self._check_tokenizers.put(copy.deepcopy(tokenizer))
-        self._checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="fastprefill-check")
+        self.prompts = PromptChecker(model, tokenizer)  # validates prompts beside the worker's generation
         self.created = int(time.time())
         self.draining = False
         self.active = 0  # completion requests being answered (a stream until its last event)
@@ -195,7 +179,7 @@ class Server:
         save the prefix cache to ``prefix_cache_dir`` if one is set."""
         self.draining = True
         self.worker.stop(_shutting_down(), timeout=WORKER_JOIN_S)
-        self._checker.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
         self.save_prefix_cache()
         if self.ranks is not None:
             self.ranks.close()
@@ -214,7 +198,7 @@ class Server:
         except (OSError, FastprefillError) as exc:
             log.warning("prefix cache not saved to %s: %s", folder, exc)
             return None
-        log.info("prefix cache: %d tokens saved to %s", cache.cached_tokens, path)
+        log.info("prefix cache: %d tokens saved to %s", cache.held_tokens, path)
         return path
 
     def _refusal(self) -> APIError:
@@ -243,80 +227,13 @@ class Server:
     def warm_up(self) -> None:
         """One short generation per method built at start (first calls are slow; a method that
         cannot run on this model fails here, not on the first request)."""
-        ids = [(1000 + i) % self.vocab_size for i in range(64)]
+        ids = [(1000 + i) % self.prompts.vocab_size for i in range(64)]
         for _, method in self.methods.built.values():
             if isinstance(method, DistributedMethod):
                 assert self.ranks is not None
-                self.ranks.warm_up(method, self.vocab_size)
+                self.ranks.warm_up(method, self.prompts.vocab_size)
             else:
                 generate(self.model, self.tokenizer, ids, method, max_new_tokens=2)
-
-    # --- validation ----------------------------------------------------------------------------
-    def check_length(self, text: str, param: str) -> None:
-        """Refuse ``text`` (what will be tokenized, or a part of it that the tokenizer keeps)
-        if it has more characters than the model's context can hold: no tokenization needed.
-
-        Raises:
-            APIError: 400.
-        """
-        limit = self.max_prompt_chars
-        if limit is not None and len(text) > limit:
-            raise APIError(400, f"the prompt has {len(text)} characters, more than the model's context of "
-                                f"{self.context} tokens can hold (at most {limit} characters); shorten it",
-                           param=param)
-
-    def check_lengths(self, req: ChatRequest | CompletionRequest) -> None:
-        """:meth:`check_length` on what can be counted before the chat template runs: a text
-        prompt, or the one user message (stripped: a template may trim it)."""
-        if isinstance(req, CompletionRequest):
-            prompt = req.single_prompt(self.vocab_size)
-            if isinstance(prompt, str):
-                self.check_length(prompt, "prompt")
-        elif len(req.messages) == 1 and req.messages[0].role == "user":
-            self.check_length(req.messages[0].text().strip(), "messages")
-
-    def _prepare(self, tok: PreTrainedTokenizerBase, prompt: PromptInput, method: Method, max_tokens: int,
-                 chat: bool) -> torch.Tensor:
-        try:
-            return prepare_prompt(self.model, tok, prompt, method, max_new_tokens=max_tokens, chat=chat)
-        except FastprefillError as exc:
-            raise APIError(400, str(exc)) from None
-
-    def prompt_ids(self, req: ChatRequest | CompletionRequest, method: Method, max_tokens: int) -> torch.Tensor:
-        """The request's ``(1, T)`` prompt ids, validated by :func:`~fastprefill.engine.prepare_prompt`
-        (a checker thread runs this)."""
-        tok = self._check_tokenizers.get()
-        try:
-            return self._prompt_ids(tok, req, method, max_tokens)
-        finally:
-            self._check_tokenizers.put(tok)
-
-    def _prompt_ids(self, tok: PreTrainedTokenizerBase, req: ChatRequest | CompletionRequest, method: Method,
-                    max_tokens: int) -> torch.Tensor:
-        if isinstance(req, CompletionRequest):
-            prompt = req.single_prompt(self.vocab_size)
-            return self._prepare(tok, prompt_bytes(prompt) if isinstance(prompt, str) else prompt, method,
-                                 max_tokens, chat=False)
-        msgs = req.messages
-        if len(msgs) == 1 and msgs[0].role == "user":  # exactly `generate(..., chat=True)`
-            return self._prepare(tok, prompt_bytes(msgs[0].text()), method, max_tokens, chat=True)
-        if not getattr(tok, "chat_template", None):
-            raise APIError(400, "messages: this model has no chat template, so a conversation must be one user "
-                                "message; send raw text to /v1/completions", param="messages")
-        from jinja2 import TemplateError
-
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in msgs]
-        try:
-            text = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-        except TemplateError as exc:
-            raise APIError(400, f"messages: the model's chat template refuses them: {exc}", param="messages") from None
-        self.check_length(text, "messages")
-        # The rendered conversation is checked as text (UTF-8, NUL characters, limits: with a BOS
-        # the tokenizer may add, one token stricter), then as the ids the template itself gives
-        # (the template holds the special tokens, so none are added).
-        self._prepare(tok, prompt_bytes(text), method, max_tokens, chat=False)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        return self._prepare(tok, ids, method, max_tokens, chat=False)
 
     # --- requests ------------------------------------------------------------------------------
     async def complete(self, request: Request, chat: bool) -> Response:
@@ -348,9 +265,9 @@ class Server:
             if isinstance(method, DistributedMethod) and self.ranks is not None and self.ranks.closed:
                 raise ranks_down(self.ranks.failure or "closed", fatal=self.ranks.fatal)
             max_tokens = req.budget() or self.config.max_tokens
-            self.check_lengths(req)
+            self.prompts.check_lengths(req)
+            ids = await self.prompts.prompt_ids(req, method, max_tokens)
             loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self._checker, self.prompt_ids, req, method, max_tokens)
             job = Job(ids, method, label, max_tokens, stops, req.fastprefill.ignore_eos, req.stream,
                       arrived, arrived + self.config.timeout_s, self.metrics, loop)
             self.worker.submit(job)
@@ -388,12 +305,12 @@ class Server:
                 return await asyncio.wait_for(job.events.get(), timeout=max(0.0, min(0.5, left)))
             except TimeoutError:
                 pass
-            if time.monotonic() >= job.deadline and job.resolve("timeout"):
+            if time.monotonic() >= job.deadline and job.settle("timeout"):
                 job.cancel()
                 return Failed(timeout_error(self.config.timeout_s))
             if request is not None and await request.is_disconnected():
                 job.cancel()
-                job.resolve("cancelled")
+                job.settle("cancelled")
                 return None
 
     async def _stream(self, job: Job, ids: ResponseIds, include_usage: bool) -> AsyncIterator[bytes]:
@@ -418,7 +335,7 @@ class Server:
         return {
             "status": "draining" if self.draining else "ok",
             "model": self.config.model_name,
-            "method": describe(self.methods.built[self.methods.default][1]),
+            "method": served_name(self.methods.built[self.methods.default][1]),
             "busy": self.worker.current is not None,
             "queue": {"waiting": self.worker.waiting, "capacity": self.config.queue_size},
             "timeout_s": self.config.timeout_s,
@@ -430,7 +347,7 @@ class Server:
     def model_card(self) -> dict[str, Any]:
         """The served model as OpenAI's model object (plus ``context_length``)."""
         return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "fastprefill",
-                "context_length": self.context}
+                "context_length": self.prompts.context}
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}

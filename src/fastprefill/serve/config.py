@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedModel
 
 from fastprefill.distributed.rank import check_ranks
-from fastprefill.errors import ConfigError, FastprefillError, check_fields
+from fastprefill.errors import ConfigError, FastprefillError, check_fields, is_int, is_number
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import PruneOptions
 from fastprefill.methods.registry import METHODS, make_method, parse_spec
 from fastprefill.serve.protocol import APIError
 
-__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "SERVER_REVIVAL", "MethodTable", "ServeConfig", "describe",
-           "metric_label", "serving_method"]
+__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "SERVER_REVIVAL", "MethodTable", "ServeConfig",
+           "metric_label", "served_name", "serving_method"]
 
 #: Methods a request may build by name: their settings are plain values. The others (``kvp``
 #: reads a checkpoint from the server's disk) serve only if named when the server starts.
@@ -66,10 +66,10 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         def count(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+            return is_int(v, 1)
 
         def seconds(v: object, low: float) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= low
+            return is_number(v) and math.isfinite(v) and v >= low
 
         check_fields(self, (
             ("queue_size", count(self.queue_size), "an integer >= 1"),
@@ -99,7 +99,7 @@ def serving_method(spec: str) -> Method:
     return make_method(spec, {"revival": SERVER_REVIVAL})  # only lazyllm declares revival
 
 
-def describe(method: Method) -> str:
+def served_name(method: Method) -> str:
     """How responses and ``/health`` name ``method``: its ``describe()``; LazyLLM's always names its
     revival policy, so that a response says how it decoded (``lazyllm[four-stage revival=none]``)."""
     return method.describe(show=("revival",)) if isinstance(method, LazyLLM) else method.describe()

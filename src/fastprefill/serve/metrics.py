@@ -60,7 +60,7 @@ class ServeMetrics:
         self.precision = Info("fastprefill_precision", "the served model's dtype and device, and the CPU's bfloat16 "
                               "matrix units (amx_bf16, avx512_bf16 or none) and vector ISA", registry=r)
 
-    def describe_precision(self, report: dict[str, object]) -> None:
+    def set_precision(self, report: dict[str, object]) -> None:
         """Set the precision info (:func:`fastprefill.host.precision_report`'s fields, as strings)."""
         self.precision.info({key: str(value) for key, value in report.items() if value is not None})
 

@@ -2,7 +2,7 @@
 
 Requests are parsed from the raw body here (not by FastAPI) so that every refusal is a 400 in
 OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) and so that prompt
-text carries any byte that is not UTF-8 through to :func:`fastprefill.engine.prepare_prompt`,
+text carries any byte that is not UTF-8 through to :func:`fastprefill.prompt.prepare_prompt`,
 which refuses it with its own message (see :func:`prompt_bytes`).
 """
 
@@ -65,7 +65,7 @@ def prompt_bytes(text: str) -> bytes:
     The body is decoded with ``surrogateescape``, so a raw byte that is not UTF-8 arrives as a
     lone surrogate and goes back to that same byte here; a JSON ``\\ud800``-style escape (a
     lone surrogate, not text) becomes bytes that are not UTF-8 either. Either way
-    :func:`fastprefill.engine.prepare_prompt` refuses them.
+    :func:`fastprefill.prompt.prepare_prompt` refuses them.
     """
     try:
         return text.encode("utf-8", "surrogateescape")
@@ -257,8 +257,8 @@ def usage_block(timing: Timing, completion_tokens: int, queue_wait_s: float) -> 
             "ttft_s": timing.ttft_s,
             "queue_wait_s": queue_wait_s,
             "decode_s_per_token": timing.decode_s_per_token,
-            "token_layer_fraction": timing.token_layer_fraction,
-            "prefill_flops": timing.prefill_flops,
+            "token_layer_fraction": timing.stats.fraction,
+            "prefill_flops": timing.stats.flops,
             "dtype": timing.dtype,
             "bf16_native": cpu_info().bf16_native,
         },

@@ -31,7 +31,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from fastprefill.distributed.pool import RankPool, RankPoolError, Request
+from fastprefill.distributed.pool import RankPool, RankPoolError
+from fastprefill.distributed.rank import Request
 from fastprefill.engine import StreamEvent
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.methods.base import DistributedMethod

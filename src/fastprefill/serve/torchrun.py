@@ -13,7 +13,7 @@ alike before anything runs (exit status 2, the message printed once per machine)
 
 Roles are those of the rank pool (:mod:`fastprefill.distributed.pool`): rank 0 serves HTTP
 (:func:`fastprefill.serve.create_app` over a :class:`~fastprefill.serve.ranks.ServedPool` whose
-links are torchrun's ranks, :mod:`fastprefill.distributed.torchrun`), takes part in every
+links are torchrun's ranks, :mod:`fastprefill.distributed.torchrun_links`), takes part in every
 prefill as the chain's first rank (a thread of its process) and runs the single-process methods
 itself; the last rank ends each prefill holding the whole K/V, decodes there and sends each
 token to rank 0 as it comes. The other ranks ignore SIGINT and SIGTERM: they leave when rank 0
@@ -33,8 +33,9 @@ import sys
 from typing import Any
 
 from fastprefill.distributed.rank import check_ranks
-from fastprefill.distributed.runtime import init_group, set_threads, use_loopback
+from fastprefill.distributed.runtime import init_group, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.host import set_threads
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.serve.config import ServeConfig, serving_method
 
@@ -153,7 +154,7 @@ def serve(config: ServeConfig, *, host: str, port: int, threads: int, log_level:
 def _serve_other(model: Any, tokenizer: Any, rank: int, world: int, timeout: float) -> int:
     import torch.distributed as dist
 
-    from fastprefill.distributed.torchrun import join_driver, serve_driver
+    from fastprefill.distributed.torchrun_links import join_driver, serve_driver
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 drains first, then stops this rank
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -168,7 +169,7 @@ def _serve_first(config: ServeConfig, model: Any, tokenizer: Any, world: int, ti
                  log_level: str, control_port: int) -> int:
     import copy
 
-    from fastprefill.distributed.torchrun import driver_links
+    from fastprefill.distributed.torchrun_links import driver_links
     from fastprefill.serve.app import create_app
     from fastprefill.serve.ranks import ServedPool
     from fastprefill.serve.runner import run

@@ -1,12 +1,12 @@
 """One model, one generation at a time: the worker thread, its bounded queue and the jobs.
 
 A :class:`Job` is a validated request (its prompt ids already made by
-:func:`fastprefill.engine.prepare_prompt`). The :class:`Worker` thread takes jobs in arrival
+:func:`fastprefill.prompt.prepare_prompt`). The :class:`Worker` thread takes jobs in arrival
 order and runs :func:`fastprefill.engine.stream` on each; between two tokens it stops a job
 whose client has gone (:meth:`Job.cancel`) or whose deadline has passed. Events go back to the
 request's event loop with ``call_soon_threadsafe``.
 
-Each job ends with exactly one outcome (:meth:`Job.resolve`: the first caller wins, the HTTP
+Each job ends with exactly one outcome (:meth:`Job.settle`: the first caller wins, the HTTP
 side for a timeout, a disconnect or a shutdown, the worker otherwise), counted once in the metrics.
 
 :meth:`Worker.close` starts a shutdown: the jobs still waiting fail with its error, later
@@ -31,7 +31,7 @@ from fastprefill.engine import Timing, stream
 from fastprefill.errors import FastprefillError
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.prefix_cache import PrefixCache
-from fastprefill.serve.config import describe
+from fastprefill.serve.config import served_name
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError
 
@@ -112,7 +112,7 @@ class Job:
     """A validated request waiting for, or running on, the worker.
 
     Attributes:
-        input_ids: ``(1, T)`` ids from :func:`~fastprefill.engine.prepare_prompt`.
+        input_ids: ``(1, T)`` ids from :func:`~fastprefill.prompt.prepare_prompt`.
         method: the prefill method; ``label`` its metrics label (:func:`~fastprefill.serve.config.metric_label`).
         max_tokens: tokens to generate at most (the first included).
         stops: stop strings (cut from the answer, not included).
@@ -146,7 +146,7 @@ class Job:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    def resolve(self, outcome: str) -> bool:
+    def settle(self, outcome: str) -> bool:
         """Record the job's outcome; True for the first caller only (who then answers the client)."""
         with self._lock:
             if self.outcome is not None:
@@ -158,7 +158,7 @@ class Job:
     def fail(self, error: APIError) -> None:
         """End the job with ``error`` (its outcome label), unless it has an outcome already, and
         stop its generation at the next token. Safe from any thread."""
-        if self.resolve(error.outcome):
+        if self.settle(error.outcome):
             self.post(Failed(error))
         self.cancel()
 
@@ -267,7 +267,7 @@ class Worker:
         queue_wait = started - job.arrived
         m.queue_wait.labels(label).observe(queue_wait)
         if job.cancelled:
-            job.resolve("cancelled")
+            job.settle("cancelled")
             return
         if started > job.deadline:
             job.fail(timeout_error(job.deadline - job.arrived))
@@ -300,9 +300,9 @@ class Worker:
             events.close()
             m.completion_tokens.labels(label).inc(len(ids))
         if timing is None:  # stopped early: by a timeout (resolved above) or a disconnect
-            job.resolve("cancelled")
+            job.settle("cancelled")
             return
-        timing.method = describe(job.method.resolve(self.model, timing.prompt_tokens))  # LazyLLM: with its revival
+        timing.method = served_name(job.method.resolve(self.model, timing.prompt_tokens))  # LazyLLM: with its revival
         if multi_rank and self.prefix_cache is not None:  # the ranks ran the whole prompt, with no cache
             timing.prefix_cache = f"not used: {job.method.name} takes no cached prefix"
         tail = stop.flush()
@@ -312,13 +312,13 @@ class Worker:
         if timing.decode_s_per_token is not None:
             m.decode.labels(label).observe(timing.decode_s_per_token)
         m.prompt_tokens.labels(label).observe(timing.prompt_tokens)
-        m.token_layers.labels(label).inc(timing.token_layers)
-        m.token_layers_full.labels(label).inc(timing.total_token_layers)
+        m.token_layers.labels(label).inc(timing.stats.token_layers)
+        m.token_layers_full.labels(label).inc(timing.stats.total_token_layers)
         if label == "auto":  # the profile's choice for this prompt's length
             m.auto_choices.labels(timing.method).inc()
         m.cached_prompt_tokens.labels(label).inc(timing.cached_tokens)
         m.computed_prompt_tokens.labels(label).inc(timing.prompt_tokens - timing.cached_tokens)
-        if job.resolve("ok"):
+        if job.settle("ok"):
             text = stop.cut(self.tokenizer.decode(ids, skip_special_tokens=True))
             reason = "stop" if stop.hit or len(ids) < job.max_tokens else "length"
             job.post(Finished(text, len(ids), reason, timing, queue_wait))

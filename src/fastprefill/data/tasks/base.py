@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from fastprefill.data.tasks.sizing import Encoder, Overhead
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 
 __all__ = [
     "DEV_FRACTION",
@@ -93,7 +93,7 @@ class Task(ABC):
         if n is not None and (not isinstance(n, int) or n < 0):
             raise ConfigError(f"n must be a non-negative int or None, got {n!r}")
         if self.sized:
-            if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+            if not is_int(length, 1):
                 raise ConfigError(f"{self.name}: length must be a positive int (tokens), got {length!r}")
         elif length is not None:
             raise ConfigError(

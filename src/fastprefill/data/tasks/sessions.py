@@ -22,7 +22,7 @@ from typing import Any
 
 from fastprefill.data import metrics, sources
 from fastprefill.data.tasks.base import SPLITS, Split, split_of
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 
 __all__ = ["DocumentSession", "chat_turn", "document_sessions", "messages_for", "question_prompt", "score_answer"]
 
@@ -87,7 +87,7 @@ def document_sessions(
     if split not in SPLITS:
         raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
     for name, value, low in (("doc_tokens", doc_tokens, 64), ("n", n, 1), ("questions", questions, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not is_int(value, low):
             raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
     by_paragraph: dict[str, list[sources.SquadQuestion]] = defaultdict(list)
     for q in sources.squad():

@@ -103,7 +103,7 @@ def fit_prompt(
     render: Callable[[Sequence[Unit]], str],
     units: Iterator[Unit],
     length: int,
-    describe: str,
+    sample_name: str,
     overhead: Overhead,
 ) -> tuple[str, list[int], list[Unit]]:
     """Fill the prompt with filler units, word by word, up to ``length`` tokens.
@@ -125,95 +125,113 @@ def fit_prompt(
     """
     tolerance = max(2, length // 256)
     aim = length - tolerance / 2  # estimates err both ways: aim at the middle of the window
-    memo: dict[int, tuple[str, list[int]]] = {}
-    pool: list[Unit] = []
-    counts: list[list[int]] = []  # counts[i][w]: tokens of unit i's first w words (with title)
-    first_word: list[int] = [0]  # first_word[i]: flat position of unit i's first word
-    whole: list[int] = [0]  # whole[i]: estimated tokens of units < i (overheads excluded)
-
-    def locate(p: int) -> tuple[int, int]:
-        k = bisect.bisect_right(first_word, p) - 1
-        return k, p - first_word[k]
-
-    def chosen(p: int) -> list[Unit]:
-        k, words = locate(p)
-        if not words:
-            return pool[:k]
-        return [*pool[:k], dataclasses.replace(pool[k], text=_truncate_words(pool[k].text, words))]
-
-    def measure(p: int) -> int:
-        if p not in memo:
-            memo[p] = encoder.encode(render(chosen(p)))
-        return len(memo[p][1])
-
-    base = measure(0)
-    if base > length:
+    search = _Search(encoder, render, units, overhead)
+    if search.base > length:
         raise ConfigError(
-            f"length={length} is too small for {describe}: the prompt without filler text already "
-            f"has {base} tokens; use length >= {base}"
+            f"length={length} is too small for {sample_name}: the prompt without filler text already "
+            f"has {search.base} tokens; use length >= {search.base}"
         )
-
-    def text_tokens(p: int) -> tuple[int, int]:
-        """(tokens of the units' own text up to ``p``, how many units that is)."""
-        k, words = locate(p)
-        return whole[k] + (counts[k][words] if words else 0), k + (1 if words else 0)
-
-    def estimate(p: int) -> float:
-        own, n_units = text_tokens(p)
-        return base + own + n_units * overhead.per_unit
-
     lo, hi = 0, None  # measure(lo) <= length; measure(hi) > length (None: not found yet)
     correction = 0.0
-    exhausted = False
     for _ in range(64):
         # Draw candidates (counted in one batched call per chunk) until they overfill the prompt.
-        while hi is None and not exhausted:
-            missing = length + length // 32 + 16 - (estimate(first_word[-1]) + correction)
+        while hi is None and not search.exhausted:
+            missing = length + length // 32 + 16 - (search.estimate(search.first_word[-1]) + correction)
             if missing <= 0:
                 break
-            chunk, chars = [], 0.0
-            while chars < 4.0 * missing:  # ~4 characters per token for English text
-                unit = next(units, None)
-                if unit is None:
-                    exhausted = True
-                    break
-                chunk.append(unit)
-                chars += len(unit.title) + len(unit.text) + 1
-            for unit, unit_counts in zip(chunk, encoder.word_counts(chunk)):
-                pool.append(unit)
-                counts.append(unit_counts)
-                first_word.append(first_word[-1] + len(unit_counts) - 1)
-                whole.append(whole[-1] + unit_counts[-1])
-        limit = first_word[-1] if hi is None else hi - 1
+            search.draw(missing)
+        limit = search.first_word[-1] if hi is None else hi - 1
         if limit <= lo:
             break
-        # Largest p in (lo, limit] whose corrected estimate fits; at least lo + 1.
-        left, right = lo + 1, limit
-        if estimate(left) + correction > aim:
-            guess = left
-        else:
-            while left < right:
-                mid = (left + right + 1) // 2
-                if estimate(mid) + correction <= aim:
-                    left = mid
-                else:
-                    right = mid - 1
-            guess = left
+        guess = search.largest_fit(lo, limit, aim, correction)
         if hi is not None and guess >= hi - 1 and hi - lo > 2:
             guess = (lo + hi) // 2  # the estimate keeps pointing at the bound: bisect
-        tokens = measure(guess)
-        correction = tokens - estimate(guess)
+        tokens = search.measure(guess)
+        correction = tokens - search.estimate(guess)
         if tokens <= length:
             lo = guess
             if length - tokens <= tolerance:
                 break
         else:
             hi = guess
-    if hi is None and lo == first_word[-1] and exhausted and length - measure(lo) > tolerance:
+    if hi is None and lo == search.first_word[-1] and search.exhausted and length - search.measure(lo) > tolerance:
         raise ConfigError(
-            f"length={length} is too large for {describe}: the source text runs out at {measure(lo)} tokens"
+            f"length={length} is too large for {sample_name}: the source text runs out at {search.measure(lo)} tokens"
         )
-    prompt, ids = memo[lo]
-    own, n_units = text_tokens(lo)
-    overhead.observe(len(ids) - base - own, n_units)
-    return prompt, ids, chosen(lo)
+    prompt, ids = search.memo[lo]
+    own, n_units = search.text_tokens(lo)
+    overhead.observe(len(ids) - search.base - own, n_units)
+    return prompt, ids, search.chosen(lo)
+
+
+class _Search:
+    """One :func:`fit_prompt` search: the units drawn so far with their word counts, and the real
+    measurements of the prompt by flat word position ``p`` (whole units, then words of the next)."""
+
+    def __init__(self, encoder: Encoder, render: Callable[[Sequence[Unit]], str], units: Iterator[Unit],
+                 overhead: Overhead) -> None:
+        self.encoder, self.render, self.units, self.overhead = encoder, render, units, overhead
+        self.memo: dict[int, tuple[str, list[int]]] = {}
+        self.pool: list[Unit] = []
+        self.counts: list[list[int]] = []  # counts[i][w]: tokens of unit i's first w words (with title)
+        self.first_word: list[int] = [0]  # first_word[i]: flat position of unit i's first word
+        self.whole: list[int] = [0]  # whole[i]: estimated tokens of units < i (overheads excluded)
+        self.exhausted = False  # the source has no more units
+        self.base = self.measure(0)  # the prompt without filler
+
+    def locate(self, p: int) -> tuple[int, int]:
+        """``(unit index, words of it)`` of flat position ``p``."""
+        k = bisect.bisect_right(self.first_word, p) - 1
+        return k, p - self.first_word[k]
+
+    def chosen(self, p: int) -> list[Unit]:
+        """The units up to ``p``, the last one cut at a word boundary."""
+        k, words = self.locate(p)
+        if not words:
+            return self.pool[:k]
+        return [*self.pool[:k], dataclasses.replace(self.pool[k], text=_truncate_words(self.pool[k].text, words))]
+
+    def measure(self, p: int) -> int:
+        """The real token count of the prompt filled up to ``p`` (tokenized once per ``p``)."""
+        if p not in self.memo:
+            self.memo[p] = self.encoder.encode(self.render(self.chosen(p)))
+        return len(self.memo[p][1])
+
+    def text_tokens(self, p: int) -> tuple[int, int]:
+        """(tokens of the units' own text up to ``p``, how many units that is)."""
+        k, words = self.locate(p)
+        return self.whole[k] + (self.counts[k][words] if words else 0), k + (1 if words else 0)
+
+    def estimate(self, p: int) -> float:
+        """The estimated token count of the prompt filled up to ``p``."""
+        own, n_units = self.text_tokens(p)
+        return self.base + own + n_units * self.overhead.per_unit
+
+    def draw(self, missing: float) -> None:
+        """Draw units worth about ``missing`` tokens from the source and count their words."""
+        chunk, chars = [], 0.0
+        while chars < 4.0 * missing:  # ~4 characters per token for English text
+            unit = next(self.units, None)
+            if unit is None:
+                self.exhausted = True
+                break
+            chunk.append(unit)
+            chars += len(unit.title) + len(unit.text) + 1
+        for unit, unit_counts in zip(chunk, self.encoder.word_counts(chunk)):
+            self.pool.append(unit)
+            self.counts.append(unit_counts)
+            self.first_word.append(self.first_word[-1] + len(unit_counts) - 1)
+            self.whole.append(self.whole[-1] + unit_counts[-1])
+
+    def largest_fit(self, lo: int, limit: int, aim: float, correction: float) -> int:
+        """The largest ``p`` in ``(lo, limit]`` whose corrected estimate is at most ``aim``; at least ``lo + 1``."""
+        left, right = lo + 1, limit
+        if self.estimate(left) + correction > aim:
+            return left
+        while left < right:
+            mid = (left + right + 1) // 2
+            if self.estimate(mid) + correction <= aim:
+                left = mid
+            else:
+                right = mid - 1
+        return left

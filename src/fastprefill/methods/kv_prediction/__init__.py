@@ -9,7 +9,7 @@ share their checkpoint files (:mod:`.checkpoint`) and calibration text (:mod:`.c
 - :mod:`.prefix`: kvp-prefix (SwiftKV-style, arXiv 2410.03960): the base's first layers run
   exactly and later layers' KV is predicted from their output (``kvp-prefix``). ``predictor``
   (:class:`PrefixPredictor`), ``method`` (:class:`KVPrefix`), ``calibrate`` (least squares),
-  ``distill`` (KL distillation of the maps).
+  ``distill`` (KL distillation of the maps), ``distill_prompts`` (the dev prompts it uses).
 
 The subpackage is ``auxiliary``, not ``aux``: ``aux`` is a reserved file name on Windows.
 """

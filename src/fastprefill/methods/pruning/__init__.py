@@ -1,26 +1,25 @@
 """The token-pruning mechanism shared by LazyLLM and its baselines (policies over it).
 
-The mechanism (:mod:`~fastprefill.methods.pruning.loop`) runs the model layer by layer on
-gathered rows, defers pruned tokens to the Aux Cache, revives them while decoding and counts
-every (layer, position) it computes. A policy supplies only the choice of tokens: a ``select``
+The mechanism runs the model layer by layer on gathered rows and counts every (layer, position)
+it computes: at prefill (:mod:`~fastprefill.methods.pruning.prefill`) it defers pruned tokens to
+the Aux Cache; while decoding (:mod:`~fastprefill.methods.pruning.decode`) it revives them. What
+the prefill leaves for decoding is :mod:`~fastprefill.methods.pruning.state`. A policy supplies
+only the choice of tokens: a ``select``
 callable over a score row (:mod:`~fastprefill.methods.pruning.select`) from a scorer
 (:mod:`~fastprefill.methods.pruning.scorers`: what a token's importance is), a schedule
 (:mod:`~fastprefill.methods.pruning.schedule`) and its scoring, protection and revival options
 (:mod:`~fastprefill.methods.pruning.options`), or a fixed subset.
 """
 
-from fastprefill.methods.pruning.loop import (
+from fastprefill.methods.pruning.decode import RevivalDecoder, catch_up, decode_step
+from fastprefill.methods.pruning.options import REVIVAL_POLICIES, PruneOptions, Revival
+from fastprefill.methods.pruning.prefill import (
     PrunedPrefill,
-    RevivalDecoder,
-    catch_up,
-    decode_step,
     probe_scores,
     progressive_prefill,
     recording_kept_positions,
-    run_rows,
     subset_prefill,
 )
-from fastprefill.methods.pruning.options import REVIVAL_POLICIES, PruneOptions, Revival
 from fastprefill.methods.pruning.schedule import (
     DepthSchedule,
     Schedule,
@@ -34,7 +33,7 @@ from fastprefill.methods.pruning.schedule import (
 )
 from fastprefill.methods.pruning.scorers import AttentionScorer, LogitScorer, RandomScorer, Scorer
 from fastprefill.methods.pruning.select import SelectFn, avg_pool_scores, pool_in_position_order, top_k_keep
-from fastprefill.methods.pruning.state import ComputeCounter, LazyState, new_state
+from fastprefill.methods.pruning.state import ComputeCounter, LazyState, new_state, run_rows
 
 __all__ = [
     "REVIVAL_POLICIES",

@@ -1,4 +1,4 @@
-"""Options of the progressive pruning loop: how a cut scores and selects, and how decoding revives.
+"""Options of the pruning mechanism: how a cut scores and selects, and how decoding revives.
 
 :class:`PruneOptions` is what :func:`~fastprefill.methods.pruning.progressive_prefill` and
 :func:`~fastprefill.methods.pruning.decode_step` read besides the schedule and the ``select``
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int, is_number
 from fastprefill.methods.pruning.fill import Fill
 
 __all__ = ["MAX_POOL_KERNEL", "MAX_SCORE_WINDOW", "REVIVAL_POLICIES", "PruneOptions", "Revival"]
@@ -71,7 +71,7 @@ class Revival:
 
 
 def _check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+    if not is_int(value, low, high):
         upper = f"..{high}" if high is not None else " or more"
         raise ConfigError(f"{name} must be an integer in {low}{upper}, got {value!r}")
     return value
@@ -137,7 +137,7 @@ class PruneOptions:
         object.__setattr__(self, "revival", Revival.parse(self.revival))
         object.__setattr__(self, "fill", Fill.parse(self.fill))
         share = self.fill_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        if not is_number(share) or not 0 < share <= 1:
             raise ConfigError(f"fill_share must be a number in (0, 1], got {share!r}")
         object.__setattr__(self, "fill_share", float(share))
         if share != 1 and not self.fill.active:

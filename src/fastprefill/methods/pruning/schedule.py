@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int, is_number
 
 __all__ = [
     "DepthSchedule",
@@ -23,6 +23,7 @@ __all__ = [
     "keep_count",
     "resolve_depth_schedule",
     "schedule_token_layers",
+    "scored_layers",
 ]
 
 Schedule = tuple[tuple[int, float], ...]
@@ -36,7 +37,7 @@ def keep_count(fraction: float, n: int) -> int:
 
 def check_keep(keep: Any, fieldname: str = "keep") -> float:
     """``keep`` as a float in ``(0, 1]``, or a :class:`ConfigError` naming ``fieldname``."""
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < float(keep) <= 1.0:
+    if not is_number(keep) or not 0.0 < float(keep) <= 1.0:
         raise ConfigError(f"{fieldname} must be a fraction in (0, 1], got {keep!r}")
     return float(keep)
 
@@ -67,7 +68,7 @@ def check_schedule(schedule: Any) -> Schedule:
     pairs = _pairs(schedule, "schedule", "layer")
     prev = -1
     for layer, _ in pairs:
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        if not is_int(layer, 0):
             raise ConfigError(f"schedule: pruning layer must be an integer >= 0, got {layer!r}")
         if layer <= prev:
             raise ConfigError(
@@ -83,7 +84,7 @@ def check_depth_schedule(depth_schedule: Any) -> DepthSchedule:
     depth = _pairs(depth_schedule, "depth_schedule", "depth")
     prev = -1.0
     for d, _ in depth:
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0 or d <= prev:
+        if not is_number(d) or not 0.0 <= d < 1.0 or d <= prev:
             raise ConfigError(f"depth_schedule: depths must be strictly increasing in [0, 1), got {d} after {prev}")
         prev = d
     _check_fractions(depth, "depth_schedule")
@@ -124,3 +125,12 @@ def schedule_token_layers(schedule: Schedule, num_layers: int, prompt_len: int) 
         if layer in prune:
             n = min(n, keep_count(prune[layer], prompt_len))
     return total
+
+
+def scored_layers(schedule: Schedule, accumulate: bool) -> set[int]:
+    """The layers whose scores a cut uses: the pruning layers, or every layer up to the last one
+    when scores ``accumulate`` over a stage."""
+    prune = {layer for layer, _ in schedule}
+    if accumulate and prune:
+        return set(range(max(prune) + 1))
+    return prune

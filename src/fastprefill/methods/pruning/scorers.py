@@ -5,7 +5,7 @@ and boolean mask ``(B, 1, T, N)`` (``None``: causal) into one score per key ``(B
 family adapter calls it inside its attention function
 (:meth:`~fastprefill.models.adapters.DecoderAdapter.layer`) so the score is one row, never the
 full matrix. A pruning method is a schedule, a scorer and a selection over one mechanism
-(:mod:`fastprefill.methods.pruning.loop`):
+(:mod:`fastprefill.methods.pruning.prefill` and :mod:`~fastprefill.methods.pruning.decode`):
 
 - :class:`AttentionScorer`: attention probabilities from the last query (LazyLLM's paper rule),
   or averaged over a window of last queries (SnapKV / FastKV practice);

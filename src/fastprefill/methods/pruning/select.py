@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["SelectFn", "avg_pool_scores", "pool_in_position_order", "top_k_keep"]
+__all__ = ["SelectFn", "avg_pool_scores", "cut_scores", "pool_in_position_order", "top_k_keep"]
 
 SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -54,3 +54,12 @@ def pool_in_position_order(scores: torch.Tensor, positions: torch.Tensor, among:
     out = scores.clone()
     out[idx] = avg_pool_scores(scores[idx], kernel, count_pad=False)
     return out
+
+
+def cut_scores(
+    row: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor, forced: torch.Tensor, kernel: int
+) -> torch.Tensor:
+    """A cut's selection row ``(N,)``: ``row`` pooled among ``candidates`` in position order,
+    ``-inf`` outside them, ``+inf`` at ``forced`` (all ``(N,)``)."""
+    row = pool_in_position_order(row, positions, candidates, kernel)
+    return row.masked_fill(~candidates, float("-inf")).masked_fill(forced, float("inf"))

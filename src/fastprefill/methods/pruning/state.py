@@ -1,4 +1,5 @@
-"""What a pruned prefill leaves for decoding: per-layer KV, the Aux Cache, the compute counter.
+"""What a pruned prefill leaves for decoding: per-layer KV, the Aux Cache, the compute counter;
+and :func:`run_rows`, the one way prefill and decode run a layer on gathered rows of that state.
 
 Shapes: positions ``(N,)`` int64; the counter is ``(L, N)`` int32.
 """
@@ -13,17 +14,21 @@ import torch
 from fastprefill.cache import AuxCache, PositionKVCache
 from fastprefill.methods.pruning.options import PruneOptions
 from fastprefill.methods.pruning.schedule import Schedule
+from fastprefill.methods.pruning.scorers import AttentionScorer, Scorer
 from fastprefill.methods.pruning.select import SelectFn, top_k_keep
 from fastprefill.models.adapters import DecoderAdapter
 
-__all__ = ["ComputeCounter", "LazyState", "new_state"]
+__all__ = ["LAST_QUERY", "ComputeCounter", "LazyState", "new_state", "run_rows"]
+
+#: The paper's score (the last query's attention), used while decoding: the new token is the only query.
+LAST_QUERY = AttentionScorer()
 
 
 class ComputeCounter:
     """How many times each (layer, position) was computed: an ``(L, capacity)`` int32 tensor.
 
     Always on: one ``index_add_`` per layer call, independent of the caches. The invariant of
-    the pruning loop is ``counts.max() <= 1`` over the whole generation.
+    the pruning mechanism is ``counts.max() <= 1`` over the whole generation.
     """
 
     def __init__(self, num_layers: int, capacity: int, device: torch.device) -> None:
@@ -51,14 +56,14 @@ class ComputeCounter:
 
 @dataclass
 class LazyState:
-    """Decode state of every method built on the pruning loop.
+    """Decode state of every method built on the pruning mechanism.
 
     Attributes:
         adapter: the model's :class:`DecoderAdapter`.
         cache: per-layer KV over the positions computed at each layer.
         aux: the Aux Cache of deferred tokens (empty when nothing is deferred).
         schedule: resolved ``(layer, keep)`` pairs (empty: plain decoding over the cache).
-        next_pos: position of the next token fed to :func:`~fastprefill.methods.pruning.decode_step`.
+        next_pos: position of the next token fed to :func:`~fastprefill.methods.pruning.decode.decode_step`.
         prompt_len: positions ``0..prompt_len-1`` are the prompt (as run: the kept count when
             renumbered); later positions are generated tokens.
         options: the scoring, protection and revival options decoding applies (those of the
@@ -113,3 +118,16 @@ def new_state(
         next_pos=n_prompt, counter=ComputeCounter(adapter.num_layers, n_prompt + 64, adapter.device),
         prompt_len=n_prompt, options=options or PruneOptions(), select=select,
     )
+
+
+def run_rows(
+    state: LazyState, layer: int, hidden: torch.Tensor, positions: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+    scores: dict[int, torch.Tensor] | None = None, scorer: Scorer = LAST_QUERY,
+) -> torch.Tensor:
+    """Run ``layer`` on rows ``hidden`` ``(1, R, D)`` at ``positions`` ``(R,)``, writing their KV; count them."""
+    state.cache.stage(layer, positions)
+    out = state.adapter.layer(layer, hidden, positions[None], state.cache, mask=mask, rotary=rotary, scores=scores,
+                              scorer=scorer)
+    state.counter.add(layer, positions)
+    return out

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from fastprefill.distributed.runtime import free_port, init_group, set_threads, use_loopback
-from fastprefill.errors import ConfigError, FastprefillError
+from fastprefill.distributed.runtime import free_port, init_group, use_loopback
+from fastprefill.errors import ConfigError, FastprefillError, is_int
+from fastprefill.host import set_threads
 from fastprefill.methods.runahead.search import CostModel
 from fastprefill.methods.runahead.tables import TABLE_LENGTHS, TABLE_RANKS, PartitionTable
 from fastprefill.models.shape import ModelShape
@@ -61,12 +62,13 @@ def calibrate(
     Raises:
         ConfigError: ``repeats`` is not an integer >= 1.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    if not is_int(repeats, 1):
         raise ConfigError(f"repeats must be an integer >= 1, got {repeats!r}")
     from tqdm import tqdm
 
     from fastprefill.cache import PositionKVCache
-    from fastprefill.models.adapters import DecoderAdapter, causal_mask
+    from fastprefill.models.adapters import DecoderAdapter
+    from fastprefill.models.attention import causal_mask
 
     ad = DecoderAdapter(model, method="runahead calibration")
     shape = ad.shape

@@ -56,13 +56,14 @@ import torch.distributed as dist
 from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.cache import PositionKVCache
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 from fastprefill.methods.base import ComputeStats, DistributedMethod, LayerHook, PrefillOutput
 from fastprefill.methods.runahead.comm import ChainComm, ChainCommError
 from fastprefill.methods.runahead.plan import PartitionPlan, check_procs
 from fastprefill.methods.runahead.search import CostModel, search_partition
 from fastprefill.methods.runahead.tables import PartitionTable, find_table
-from fastprefill.models.adapters import DecoderAdapter, causal_mask
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.attention import causal_mask
 from fastprefill.models.shape import ModelShape
 
 __all__ = ["KVRunahead", "SequenceParallel"]
@@ -148,7 +149,7 @@ class _DistributedPrefill(DistributedMethod):
     timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.procs, bool) or not isinstance(self.procs, int) or self.procs < 1:
+        if not is_int(self.procs, 1):
             raise ConfigError(f"procs must be an integer >= 1, got {self.procs!r}")
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be a number > 0 (seconds), got {self.timeout_s!r}")
@@ -172,9 +173,6 @@ class _DistributedPrefill(DistributedMethod):
         if world != self.procs:
             raise ConfigError(f"procs={self.procs}, but the process group has {world} ranks; they must be equal")
         return dist.get_rank()
-
-    def is_last_rank(self) -> bool:
-        return self.rank() == self.procs - 1
 
     def check_prompt(self, model: PreTrainedModel, prompt_len: int) -> None:
         """Every rank needs a token, and the frozen partition must be valid for this prompt."""

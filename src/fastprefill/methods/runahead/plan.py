@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 
 __all__ = ["PartitionPlan", "check_procs"]
 
 
 def check_procs(procs: Any, total: int) -> None:
     """Raise :class:`ConfigError` unless ``1 <= procs <= total``."""
-    if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+    if not is_int(procs, 1):
         raise ConfigError(f"procs must be an integer >= 1, got {procs!r}")
     if procs > total:
         raise ConfigError(
@@ -52,7 +52,7 @@ class PartitionPlan:
         if not chunks:
             raise ConfigError("partition: needs at least one chunk (procs >= 1)")
         for i, c in enumerate(chunks):
-            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            if not is_int(c, 1):
                 raise ConfigError(f"partition: chunk {i} is {c!r}; every chunk must be an integer >= 1")
         if self.total is not None and sum(chunks) != self.total:
             raise ConfigError(

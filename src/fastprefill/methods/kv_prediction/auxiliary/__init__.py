@@ -4,6 +4,7 @@
   base with layers dropped) and the tokenizer / weights checks;
 - :mod:`.predictor`: :class:`KVPredictor`, the per-layer linear maps and the layer map;
 - :mod:`.method`: :class:`KVPrediction` (prefill, load / save) and :class:`AuxAlone`;
+- :mod:`.fit`: the closed-form least-squares fit of the maps and their error measures;
 - :mod:`.train`: :func:`train_kvp` (least-squares initialisation, then a short gradient phase).
 """
 

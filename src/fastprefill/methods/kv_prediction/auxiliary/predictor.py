@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 from fastprefill.models.kv import attention_inputs, prefix_kv
 from fastprefill.models.shape import ModelShape
 
@@ -73,7 +73,7 @@ def validate_layer_map(layer_map: Sequence[int], num_aux: int, num_base: int) ->
             f"layer_map must have one aux layer per base layer (length {num_base}), got length {len(values)}"
         )
     for l, a in enumerate(values):
-        if isinstance(a, bool) or not isinstance(a, int) and not (isinstance(a, torch.Tensor) and a.numel() == 1):
+        if not (is_int(a) or (isinstance(a, torch.Tensor) and a.numel() == 1)):
             raise ConfigError(f"layer_map[{l}] must be an int in [0, {num_aux}), got {a!r}")
         if not 0 <= int(a) < num_aux:
             raise ConfigError(f"layer_map[{l}] = {int(a)} is out of range: aux layers are [0, {num_aux})")
@@ -195,6 +195,3 @@ class KVPredictor(nn.Module):
             dt = dtype or xk.dtype
             out.append((self._map(self.k_maps[l], xk, dt), self._map(self.v_maps[l], xv, dt)))
         return out
-
-    def describe_map(self) -> str:
-        return ",".join(map(str, self.layer_map))

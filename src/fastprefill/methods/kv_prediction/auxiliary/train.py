@@ -7,11 +7,8 @@ The paper (arXiv 2410.08391, Sec. 3.3) trains the predictor (and the aux model) 
 
 for ~140B tokens. Two CPU cores allow far less, so (as METHODS.md suggests):
 
-1. **Least squares** (:func:`fit_least_squares`). Each map is linear, so its L2-optimal weights
-   are closed form. For every aux layer the Gram matrix ``[X 1]^T [X 1]`` (X = aux KV rows,
-   heads merged, keys before rotation) and for every base layer ``[X 1]^T Y`` (Y = the base KV
-   rows) are accumulated in float64 over the corpus (streaming, no activations kept), then
-   ``W = (G + ρ·mean(diag G)·I)^{-1} [X 1]^T Y`` (ridge ρ, bias not penalised).
+1. **Least squares** (:func:`~.fit.fit_least_squares`): each map's L2-optimal weights in
+   closed form, from Gram matrices accumulated over the corpus (see :mod:`.fit`).
 2. **Gradient refinement** (:func:`train_kvp` ``steps``): Adam on the maps (and the aux model if
    ``train_aux``), base frozen. Each step takes one training sequence of ``seq_len`` tokens; the
    aux model reads it, the maps predict the base KV at every layer, and the base runs the whole
@@ -22,11 +19,6 @@ for ~140B tokens. Two CPU cores allow far less, so (as METHODS.md suggests):
    over layers). *Choice*: λ = 0.1 by default, so that the L1 sum over ~24-28 layers (the first
    row of a checkpoint's ``loss.json`` gives it at the start of the gradient phase) weighs about as
    much as the CE; the loss curve (``loss.png``) shows both terms.
-
-   (A first version ran the base only over the last tokens of the sequence against a
-   predicted prefix. Those tokens also saw each other's *true* KV, so the CE could stay low from
-   local context alone while the predicted prefix was unusable: predictors trained that way made
-   the base emit the same first token for every prompt.)
 
 **Data** (:func:`~fastprefill.methods.kv_prediction.corpus.training_corpus`), disjoint from every
 reported evaluation: dev-split task prompts in the tasks' chat template (``task_share``, at least
@@ -57,6 +49,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.cache import ReplayCache
 from fastprefill.errors import ConfigError, check_fields
+from fastprefill.methods.kv_prediction.auxiliary.fit import fit_least_squares, kv_relative_errors
 from fastprefill.methods.kv_prediction.auxiliary.method import KVPrediction
 from fastprefill.methods.kv_prediction.auxiliary.models import (
     AuxSpec,
@@ -76,113 +69,7 @@ from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.kv import prefix_kv, rotate_keys
 from fastprefill.models.shape import ModelShape
 
-__all__ = [
-    "TrainConfig", "base_logits_on_kv", "error_summary", "fit_least_squares", "kv_relative_errors", "train_kvp",
-    "training_corpus",
-]
-
-
-# ----------------------------------------------------------------------------------- least squares
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``(1, N, F)`` -> float64 ``(N, F + 1)`` with a ones column."""
-    x = t[0].to("cpu", torch.float64)
-    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
-
-
-def _merged(t: torch.Tensor) -> torch.Tensor:
-    """``(1, H, N, d)`` -> float64 ``(N, H*d)``."""
-    return t[0].transpose(0, 1).reshape(t.shape[2], -1).to("cpu", torch.float64)
-
-
-@torch.no_grad()
-def fit_least_squares(
-    predictor: KVPredictor,
-    pairs: Iterator[tuple[Sequence[Any], Sequence[tuple[torch.Tensor, torch.Tensor]]]],
-    ridge: float = 1e-4,
-) -> int:
-    """Fit every map of ``predictor`` in closed form on streamed ``(aux features, base KV)`` pairs.
-
-    Args:
-        predictor: its ``k_maps`` / ``v_maps`` are overwritten.
-        pairs: yields ``(features, base_kv)``: the aux features of :meth:`KVPredictor.features`
-            (``L_aux`` pairs ``(K, V)`` ``(1, H, N, d)``, or attention inputs ``(1, N, D_aux)``)
-            and ``L_base`` pairs ``(K, V)`` ``(1, H, N, d)`` for the same ``N`` tokens (keys
-            before rotation).
-        ridge: ρ, relative to the mean diagonal of the Gram matrix (bias not penalised).
-
-    Returns:
-        The number of token rows fitted.
-    """
-    din, dout = predictor.in_features, predictor.out_features
-    keys = [predictor.input_keys(l) for l in range(len(predictor.layer_map))]  # per base layer: (K key, V key)
-    gram = {key: torch.zeros(din + 1, din + 1, dtype=torch.float64) for pair in keys for key in pair}
-    cross = [[torch.zeros(din + 1, dout, dtype=torch.float64) for _ in (0, 1)] for _ in keys]
-    rows = 0
-    for features, base_kv in pairs:
-        xs = {key: _rows(predictor.input_rows(features, key)) for key in gram}
-        for key, x in xs.items():
-            gram[key] += x.T @ x
-        for l, pair in enumerate(keys):
-            for w in (0, 1):
-                cross[l][w] += xs[pair[w]].T @ _merged(base_kv[l][w])
-        rows += int(next(iter(xs.values())).shape[0])
-    if rows == 0:
-        raise ConfigError("fit_least_squares got no data")
-    for l, pair in enumerate(keys):
-        for w, maps in ((0, predictor.k_maps), (1, predictor.v_maps)):
-            g = gram[pair[w]].clone()
-            scale = g.diagonal()[:-1].mean().clamp_min(1e-12)
-            g.diagonal()[:-1] += ridge * scale
-            sol = torch.linalg.solve(g, cross[l][w])  # (din + 1, dout)
-            maps[l].weight.copy_(sol[:-1].T.to(maps[l].weight.dtype))
-            maps[l].bias.copy_(sol[-1].to(maps[l].bias.dtype))
-    return rows
-
-
-@torch.no_grad()
-def kv_relative_errors(
-    base: PreTrainedModel, aux: PreTrainedModel, predictor: KVPredictor, sequences: Sequence[torch.Tensor]
-) -> dict[str, list[float]]:
-    """Per base layer, pooled over ``sequences``: relative error ``||K̂ - K||_F / ||K||_F`` (and V)
-    and the centred ``R² = 1 - SSE / Σ||K - mean K||²`` (mean over tokens per feature).
-
-    The relative error divides by the raw energy, which a constant offset (a bias any linear map
-    fits) can dominate; R² divides by the energy around the mean, so it says how much of the
-    varying part is predicted (0: no better than the mean, 1: exact). Keys are compared before
-    rotation (RoPE is orthogonal per position, so the rotated error is the same).
-
-    Returns:
-        ``{"k": [...], "v": [...], "r2_k": [...], "r2_v": [...]}``, one value per base layer.
-    """
-    n = predictor.base_shape.num_layers
-    sse = {"k": [0.0] * n, "v": [0.0] * n}
-    energy = {"k": [0.0] * n, "v": [0.0] * n}
-    count = [0] * n
-    total: dict[str, list[torch.Tensor | None]] = {"k": [None] * n, "v": [None] * n}
-    for ids in sequences:
-        ids = ids.to(base.device)
-        true, _ = prefix_kv(base, ids)
-        pred = predictor(predictor.features(aux, ids)[0], dtype=torch.float32)
-        for l in range(n):
-            count[l] += int(ids.shape[1])
-            for w, name in ((0, "k"), (1, "v")):
-                y, yh = _merged(true[l][w]), _merged(pred[l][w])
-                sse[name][l] += float((yh - y).pow(2).sum())
-                energy[name][l] += float(y.pow(2).sum())
-                s = y.sum(0)
-                total[name][l] = s if total[name][l] is None else total[name][l] + s
-    out: dict[str, list[float]] = {}
-    for name in ("k", "v"):
-        out[name] = [math.sqrt(a / max(b, 1e-30)) for a, b in zip(sse[name], energy[name])]
-        centred = [e - float((t**2).sum()) / max(c, 1) if t is not None else 0.0
-                   for e, t, c in zip(energy[name], total[name], count)]
-        out[f"r2_{name}"] = [1.0 - a / max(c, 1e-30) for a, c in zip(sse[name], centred)]
-    return out
-
-
-def error_summary(errors: dict[str, list[float]]) -> dict[str, float]:
-    """Means over layers of :func:`kv_relative_errors`' lists (``mean_k``, ``mean_v``, ``mean_r2_k``, ...)."""
-    return {f"mean_{key}": sum(vals) / len(vals) for key, vals in errors.items() if vals}
+__all__ = ["TrainConfig", "base_logits_on_kv", "train_kvp"]
 
 
 # ----------------------------------------------------------------------------------- training
@@ -335,7 +222,7 @@ def train_kvp(
         config: :class:`TrainConfig`.
         corpus: training sequences ``(1, N)``; default :func:`training_corpus`.
         heldout: sequences for the per-layer error report (relative error and centred R²,
-            :func:`kv_relative_errors`) after least squares (``heldout_errors.least_squares`` in
+            :func:`~.fit.kv_relative_errors`) after least squares (``heldout_errors.least_squares`` in
             ``config.json``) and after the gradient phase (``heldout_errors.after_gradient``);
             default ``heldout_seqs`` sequences of other-seed text.
         resume: continue from the checkpoint in ``out_dir`` (must exist).
@@ -350,98 +237,141 @@ def train_kvp(
     """
     cfg = config or TrainConfig()
     out = Path(out_dir)
-    if isinstance(aux, AuxSpec):
-        spec = aux
-        aux_model = spec.build(base)
-    else:
-        spec = AuxSpec.model(aux_name)
-        aux_model = aux
+    spec, aux_model = (aux, aux.build(base)) if isinstance(aux, AuxSpec) else (AuxSpec.model(aux_name), aux)
     if cfg.train_aux and spec.kind == "layer_drop":
         raise ConfigError("TrainConfig.train_aux must be False for a layer-drop aux: its layers are the base's own")
     if aux_tokenizer is not None:
         check_tokenizers(tokenizer, aux_tokenizer)
-    base_shape = ModelShape.from_config(base.config)
-    aux_shape = ModelShape.from_config(aux_model.config)
-    predictor = KVPredictor(aux_shape, base_shape, layer_map, source=cfg.source).to(base.device)
-    meta: dict[str, Any] = {
-        "base": {"name": base_name, "shape": base_shape.to_json(), "fingerprint": weights_fingerprint(base),
-                 "tokenizer": tokenizer_fingerprint(tokenizer)},
-        "aux": {"spec": spec.to_json(), "name": aux_name or spec.name, "shape": aux_shape.to_json(),
-                "fingerprint": weights_fingerprint(aux_model) if spec.kind == "model" else None},
-        "layer_map": list(predictor.layer_map),
-        "source": cfg.source,
-        "heldout_errors": {},
-        "l1_weight": cfg.l1_weight,
-        "train_config": vars(cfg).copy(),
-    }
-
-    state: dict[str, Any] = {"phase": "start", "step": 0, "history": [], "seconds": 0.0}
-    optim_state = None
+    predictor = KVPredictor(ModelShape.from_config(aux_model.config), ModelShape.from_config(base.config), layer_map,
+                            source=cfg.source).to(base.device)
+    run = _Training(base, aux_model, predictor, cfg, out)
+    run.record_models(spec, tokenizer, base_name, aux_name)
     if resume:
-        ckpt, weights, train_state = read_checkpoint(out, with_train_state=True)
-        if ckpt["base"].get("fingerprint") != meta["base"]["fingerprint"] or ckpt["aux"].get("shape") != meta["aux"]["shape"]:
-            raise CheckpointError(f"cannot resume {out}: it was trained for other base / aux models")
-        predictor.load_state_dict(weights)
-        meta["heldout_errors"] = ckpt.get("heldout_errors", {})
-        if train_state:
-            state = {k: train_state[k] for k in ("phase", "step", "history", "seconds")}
-            optim_state = train_state.get("optimizer")
+        run.resume()
     elif (out / "config.json").exists():
         raise CheckpointError(f"{out} already holds a checkpoint; pass resume=True or another directory")
-
-    trained: list[torch.nn.Module] = [base, aux_model]
-    flags = {id(p): p.requires_grad for m in trained for p in m.parameters()}
-    start = time.perf_counter() - float(state["seconds"])
+    flags = {id(p): p.requires_grad for m in (base, aux_model) for p in m.parameters()}
+    run.start = time.perf_counter() - float(run.state["seconds"])
     try:
         base.requires_grad_(False)
         aux_model.requires_grad_(cfg.train_aux)
+        corpus = run.data(tokenizer, corpus, heldout)
+        if run.state["phase"] == "start":
+            run.least_squares(corpus, progress)
+        run.gradient(corpus, progress)
+    finally:
+        for m in (base, aux_model):
+            for p in m.parameters():
+                p.requires_grad_(flags.get(id(p), p.requires_grad))
+    predictor.eval().requires_grad_(False)
+    if cfg.train_aux:
+        aux_model.save_pretrained(out / "aux-trained")  # load it and pass aux=... to KVPrediction.load
+    return KVPrediction.load(out, aux=aux_model if spec.kind == "model" else None)
+
+
+class _Training:
+    """One :func:`train_kvp` run: the predictor, the checkpoint's metadata and the training state
+    (phase, step, loss history, seconds, and the optimiser's state on resume)."""
+
+    def __init__(self, base: PreTrainedModel, aux: PreTrainedModel, predictor: KVPredictor, cfg: TrainConfig,
+                 out: Path) -> None:
+        self.base, self.aux, self.predictor, self.cfg, self.out = base, aux, predictor, cfg, out
+        self.meta: dict[str, Any] = {}
+        self.state: dict[str, Any] = {"phase": "start", "step": 0, "history": [], "seconds": 0.0}
+        self.optim_state: dict[str, Any] | None = None
+        self.heldout: Sequence[torch.Tensor] = []
+        self.start = time.perf_counter()
+
+    def record_models(self, spec: AuxSpec, tokenizer: PreTrainedTokenizerBase, base_name: str | None,
+                      aux_name: str | None) -> None:
+        """The checkpoint's record of the models (names, shapes, fingerprints), the layer map and the settings."""
+        predictor, cfg = self.predictor, self.cfg
+        self.meta.update({
+            "base": {"name": base_name, "shape": predictor.base_shape.to_json(),
+                     "fingerprint": weights_fingerprint(self.base), "tokenizer": tokenizer_fingerprint(tokenizer)},
+            "aux": {"spec": spec.to_json(), "name": aux_name or spec.name, "shape": predictor.aux_shape.to_json(),
+                    "fingerprint": weights_fingerprint(self.aux) if spec.kind == "model" else None},
+            "layer_map": list(predictor.layer_map), "source": cfg.source, "heldout_errors": {},
+            "l1_weight": cfg.l1_weight, "train_config": vars(cfg).copy(),
+        })
+
+    def resume(self) -> None:
+        """Continue from the checkpoint in ``out``.
+
+        Raises:
+            CheckpointError: no checkpoint there, or one made for other models.
+        """
+        ckpt, weights, train_state = read_checkpoint(self.out, with_train_state=True)
+        if ckpt["base"].get("fingerprint") != self.meta["base"]["fingerprint"] \
+                or ckpt["aux"].get("shape") != self.meta["aux"]["shape"]:
+            raise CheckpointError(f"cannot resume {self.out}: it was trained for other base / aux models")
+        self.predictor.load_state_dict(weights)
+        self.meta["heldout_errors"] = ckpt.get("heldout_errors", {})
+        if train_state:
+            self.state = {k: train_state[k] for k in ("phase", "step", "history", "seconds")}
+            self.optim_state = train_state.get("optimizer")
+
+    def data(self, tokenizer: PreTrainedTokenizerBase, corpus: Sequence[torch.Tensor] | None,
+             heldout: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The training sequences on the base's device (default: calibration text, recorded in the
+        metadata); the held-out ones (default: other-seed text) are kept for :meth:`report`."""
+        cfg = self.cfg
         if corpus is None:
             built = calibration_corpus(tokenizer, cfg.lsq_tokens, cfg.seq_len, seed=cfg.seed, task_share=cfg.task_share)
             corpus = built.sequences
-            meta["task_ids"], meta["calibration_tokens"] = built.task_ids, built.tokens
-        corpus = [ids.to(base.device) for ids in corpus]
+            self.meta["task_ids"], self.meta["calibration_tokens"] = built.task_ids, built.tokens
         if heldout is None:
             heldout = training_corpus(tokenizer, cfg.seq_len * cfg.heldout_seqs, cfg.seq_len, seed=cfg.seed + 12345,
                                       task_share=0.0) if cfg.heldout_seqs else []
+        self.heldout = heldout
+        return [ids.to(self.base.device) for ids in corpus]
 
-        def report(phase: str) -> None:
-            if heldout:
-                meta["heldout_errors"][phase] = kv_relative_errors(base, aux_model, predictor, heldout)
+    def report(self, phase: str) -> None:
+        """The per-layer errors on the held-out sequences, under ``heldout_errors[phase]``."""
+        if self.heldout:
+            self.meta["heldout_errors"][phase] = kv_relative_errors(self.base, self.aux, self.predictor, self.heldout)
 
-        def save(extra_state: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> None:
-            state["seconds"] = time.perf_counter() - start
-            if cfg.train_aux:  # the aux weights change: record what they are now
-                meta["aux"]["fingerprint"] = weights_fingerprint(aux_model)
-            train_state = {**state, **extra_state, "optimizer": optimizer.state_dict() if optimizer else None}
-            write_checkpoint(out, predictor.state_dict(), {**meta, "wall_seconds": state["seconds"]},
-                             step=int(state["step"]), train_state=train_state)
-            _plot_loss(out, state["history"])
+    def save(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Write a checkpoint (with the training state to resume from) and the loss curve."""
+        state = self.state
+        state["seconds"] = time.perf_counter() - self.start
+        if self.cfg.train_aux:  # the aux weights change: record what they are now
+            self.meta["aux"]["fingerprint"] = weights_fingerprint(self.aux)
+        train_state = {**state, "optimizer": optimizer.state_dict() if optimizer else None}
+        write_checkpoint(self.out, self.predictor.state_dict(), {**self.meta, "wall_seconds": state["seconds"]},
+                         step=int(state["step"]), train_state=train_state)
+        _plot_loss(self.out, state["history"])
 
-        if state["phase"] == "start":
-            lsq_seqs = corpus[: max(1, math.ceil(cfg.lsq_tokens / cfg.seq_len))]
+    def least_squares(self, corpus: Sequence[torch.Tensor], progress: bool) -> None:
+        """Fit the maps in closed form on the first ``lsq_tokens`` of ``corpus``; save."""
+        lsq_seqs = corpus[: max(1, math.ceil(self.cfg.lsq_tokens / self.cfg.seq_len))]
 
-            def pairs() -> Iterator[tuple[Any, Any]]:
-                for ids in tqdm(lsq_seqs, desc="least squares (sequences)", disable=not progress):
-                    with torch.no_grad():
-                        yield predictor.features(aux_model, ids)[0], prefix_kv(base, ids)[0]
+        def pairs() -> Iterator[tuple[Any, Any]]:
+            for ids in tqdm(lsq_seqs, desc="least squares (sequences)", disable=not progress):
+                with torch.no_grad():
+                    yield self.predictor.features(self.aux, ids)[0], prefix_kv(self.base, ids)[0]
 
-            rows = fit_least_squares(predictor, pairs(), ridge=cfg.ridge)
-            report("least_squares")
-            state["phase"] = "gradient"
-            state["lsq_rows"] = rows
-            meta["lsq_rows"] = rows
-            save({}, None)
+        rows = fit_least_squares(self.predictor, pairs(), ridge=self.cfg.ridge)
+        self.report("least_squares")
+        self.state["phase"] = "gradient"
+        self.state["lsq_rows"] = rows
+        self.meta["lsq_rows"] = rows
+        self.save(None)
 
-        params = list(predictor.parameters()) + (list(aux_model.parameters()) if cfg.train_aux else [])
+    def gradient(self, corpus: Sequence[torch.Tensor], progress: bool) -> None:
+        """Adam steps up to ``steps`` (one sequence each, in a seeded order), saved every
+        ``checkpoint_every``; then the held-out errors after the gradient phase."""
+        cfg, state = self.cfg, self.state
+        params = list(self.predictor.parameters()) + (list(self.aux.parameters()) if cfg.train_aux else [])
         optimizer = torch.optim.Adam(params, lr=cfg.lr)
-        if optim_state:
-            optimizer.load_state_dict(optim_state)
+        if self.optim_state:
+            optimizer.load_state_dict(self.optim_state)
         order = list(range(len(corpus)))
         random.Random(cfg.seed + 1).shuffle(order)
         bar = tqdm(total=cfg.steps, initial=int(state["step"]), desc="gradient steps", disable=not progress)
         while state["step"] < cfg.steps:
             ids = corpus[order[int(state["step"]) % len(order)]]
-            loss, parts = _step_loss(base, aux_model, predictor, ids, cfg)
+            loss, parts = _step_loss(self.base, self.aux, self.predictor, ids, cfg)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -450,18 +380,10 @@ def train_kvp(
             bar.update(1)
             bar.set_postfix(ce=f"{parts['ce']:.3f}", l1=f"{parts['l1']:.3f}")
             if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
-                save({}, optimizer)
+                self.save(optimizer)
         bar.close()
         if cfg.steps == 0:
-            save({}, None)
-        elif "after_gradient" not in meta["heldout_errors"]:
-            report("after_gradient")
-            save({}, optimizer)
-    finally:
-        for m in trained:
-            for p in m.parameters():
-                p.requires_grad_(flags.get(id(p), p.requires_grad))
-    predictor.eval().requires_grad_(False)
-    if cfg.train_aux:
-        aux_model.save_pretrained(out / "aux-trained")  # load it and pass aux=... to KVPrediction.load
-    return KVPrediction.load(out, aux=aux_model if spec.kind == "model" else None)
+            self.save(None)
+        elif "after_gradient" not in self.meta["heldout_errors"]:
+            self.report("after_gradient")
+            self.save(optimizer)

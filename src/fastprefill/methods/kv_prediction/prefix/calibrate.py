@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from fastprefill.errors import ConfigError, check_fields
+from fastprefill.errors import ConfigError, check_fields, is_int
 from fastprefill.methods.kv_prediction.auxiliary.models import tokenizer_fingerprint, weights_fingerprint
 from fastprefill.methods.kv_prediction.checkpoint import (
     CheckpointError,
@@ -73,7 +73,7 @@ class PrefixCalibration:
 
     def __post_init__(self) -> None:
         checks = [
-            ("layer", isinstance(self.layer, int) and not isinstance(self.layer, bool) and self.layer >= 0, ">= 0"),
+            ("layer", is_int(self.layer, 0), ">= 0"),
             ("seq_len", self.seq_len >= 2, ">= 2"),
             ("lsq_tokens", self.lsq_tokens >= self.seq_len, f">= seq_len ({self.seq_len})"),
             ("ridge", self.ridge >= 0, ">= 0"),
@@ -238,30 +238,14 @@ def calibrate_prefix(
     """
     out = Path(out_dir)
     ad = DecoderAdapter(model, "kvp-prefix")
-    shape, l = ad.shape, check_layer(config.layer, ad.num_layers)
+    l = check_layer(config.layer, ad.num_layers)
     if len({float(ad.layers[j].input_layernorm.variance_epsilon) for j in range(ad.num_layers)}) != 1:
         raise ConfigError("kvp-prefix calibration needs one RMSNorm epsilon in every layer")
-    rank = choose_rank(shape, l, config.rank, config.max_mb)
-    zero = PrefixPredictor.zero_shot(model, l)
-    meta: dict[str, Any] = {
-        "variant": VARIANT, "layer": l,
-        "base": {"name": model_name, "shape": shape.to_json(), "fingerprint": weights_fingerprint(model),
-                 "tokenizer": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None},
-        "maps": {"storage": "float16 corrections of the zero-shot map" + (f", rank {rank}" if rank else ", full rank"),
-                 "rank": rank, "dtype": "float16"},
-        "calibration": vars(config).copy(),
-        "complete": False, "layers_done": [],
-    }
-    stats: dict[str, Any] = {"sequences_done": 0, "rows": 0, "gram": None, "cross": {}, "seconds": 0.0}
-    tensors: dict[str, torch.Tensor] = {}
+    run = _Calibration(ad, out, config, l, choose_rank(ad.shape, l, config.rank, config.max_mb))
+    run.meta["base"] = {"name": model_name, "shape": ad.shape.to_json(), "fingerprint": weights_fingerprint(model),
+                        "tokenizer": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None}
     if resume:
-        old, tensors, _ = read_checkpoint(out)
-        if old.get("variant") != VARIANT or old["base"].get("fingerprint") != meta["base"]["fingerprint"] \
-                or old.get("layer") != l:
-            raise CheckpointError(f"cannot resume {out}: it was calibrated for another model or layer")
-        meta.update({k: old[k] for k in ("layers_done", "calibration_tokens", "task_ids") if k in old})
-        if (out / STATS_FILE).is_file():
-            stats = torch.load(out / STATS_FILE, weights_only=False)
+        run.resume()
     elif (out / "config.json").exists():
         raise CheckpointError(f"{out} already holds a checkpoint; pass resume=True (--resume) or another directory")
     if corpus is None:
@@ -270,16 +254,70 @@ def calibrate_prefix(
         built = calibration_corpus(tokenizer, config.lsq_tokens, config.seq_len, seed=config.seed,
                                    task_share=config.task_share)
         corpus = built.sequences
-        meta["task_ids"], meta["calibration_tokens"] = built.task_ids, built.tokens
-    start = time.perf_counter() - float(stats["seconds"])
-    layers = list(range(l, shape.num_layers))
-
-    def save(step: int) -> None:
-        meta["wall_seconds"] = time.perf_counter() - start
-        write_checkpoint(out, tensors, meta, step=step, dtype=None)
-
+        run.meta["task_ids"], run.meta["calibration_tokens"] = built.task_ids, built.tokens
+    zero = PrefixPredictor.zero_shot(model, l)
+    run.start = time.perf_counter() - float(run.stats["seconds"])
     with torch.no_grad():
-        todo = corpus[int(stats["sequences_done"]):] if len(meta["layers_done"]) < len(layers) else []
+        run.accumulate(corpus, progress)
+        run.fit(zero, progress)
+        if heldout is None and tokenizer is not None and config.heldout_seqs:
+            heldout = calibration_corpus(tokenizer, config.seq_len * config.heldout_seqs, config.seq_len,
+                                         seed=config.seed + 12345, task_share=0.0).sequences
+        if heldout and run.layers:
+            fitted = _build_from(model, l, run.tensors, run.rank)
+            run.meta["heldout_errors"] = {"zero-shot": prefix_errors(model, zero, heldout),
+                                          "least-squares": prefix_errors(model, fitted, heldout),
+                                          "sequences": len(heldout)}
+        run.save(step=len(run.layers) + 1)
+    (out / STATS_FILE).unlink(missing_ok=True)
+    return KVPrefix(predictor=str(out))
+
+
+class _Calibration:
+    """One :func:`calibrate_prefix` run: the checkpoint's metadata and tensors, and the running
+    Gram statistics (``gram`` ``(D+1, D+1)``, ``cross[j]`` ``(D+1, H_kv*d)`` for K and V)."""
+
+    def __init__(self, ad: DecoderAdapter, out: Path, config: PrefixCalibration, layer: int, rank: int | None) -> None:
+        self.ad, self.out, self.config, self.l, self.rank = ad, out, config, layer, rank
+        self.layers = list(range(layer, ad.num_layers))
+        self.meta: dict[str, Any] = {
+            "variant": VARIANT, "layer": layer, "base": {},
+            "maps": {"storage": "float16 corrections of the zero-shot map" + (f", rank {rank}" if rank else ", full rank"),
+                     "rank": rank, "dtype": "float16"},
+            "calibration": vars(config).copy(),
+            "complete": False, "layers_done": [],
+        }
+        self.stats: dict[str, Any] = {"sequences_done": 0, "rows": 0, "gram": None, "cross": {}, "seconds": 0.0}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.start = time.perf_counter()
+
+    def resume(self) -> None:
+        """Continue the calibration in ``out``: its finished layers and saved statistics.
+
+        Raises:
+            CheckpointError: the checkpoint is for another model or layer.
+        """
+        old, self.tensors, _ = read_checkpoint(self.out)
+        if old.get("variant") != VARIANT or old["base"].get("fingerprint") != self.meta["base"]["fingerprint"] \
+                or old.get("layer") != self.l:
+            raise CheckpointError(f"cannot resume {self.out}: it was calibrated for another model or layer")
+        self.meta.update({k: old[k] for k in ("layers_done", "calibration_tokens", "task_ids") if k in old})
+        if (self.out / STATS_FILE).is_file():
+            self.stats = torch.load(self.out / STATS_FILE, weights_only=False)
+
+    def save(self, step: int) -> None:
+        self.meta["wall_seconds"] = time.perf_counter() - self.start
+        write_checkpoint(self.out, self.tensors, self.meta, step=step, dtype=None)
+
+    def _save_stats(self) -> None:
+        self.stats["seconds"] = time.perf_counter() - self.start
+        atomic_torch_save(self.out / STATS_FILE, self.stats)
+
+    def accumulate(self, corpus: Sequence[torch.Tensor], progress: bool) -> None:
+        """Add every sequence of ``corpus`` not yet counted to the Gram statistics (saved every
+        ``checkpoint_every`` sequences)."""
+        ad, l, stats = self.ad, self.l, self.stats
+        todo = corpus[int(stats["sequences_done"]):] if len(self.meta["layers_done"]) < len(self.layers) else []
         bar = tqdm(total=len(corpus), initial=int(stats["sequences_done"]), desc=f"kvp-prefix l={l}: statistics",
                    disable=not progress or not todo)
         for ids in todo:
@@ -288,7 +326,7 @@ def calibrate_prefix(
                 break
             x = _augment(ad.unit_rms(l, inputs[0]))  # (N, D+1)
             stats["gram"] = x.T @ x if stats["gram"] is None else stats["gram"] + x.T @ x
-            for offset, j in enumerate(layers):
+            for offset, j in enumerate(self.layers):
                 k, v = ad.project_kv(j, inputs[offset])
                 ck, cv = x.T @ _merged(k), x.T @ _merged(v)
                 old = stats["cross"].get(j)
@@ -296,38 +334,29 @@ def calibrate_prefix(
             stats["sequences_done"] += 1
             stats["rows"] += int(ids.shape[1])
             bar.update(1)
-            if stats["sequences_done"] % config.checkpoint_every == 0 and stats["sequences_done"] < len(corpus):
-                stats["seconds"] = time.perf_counter() - start
-                atomic_torch_save(out / STATS_FILE, stats)
-                save(step=0)
+            if stats["sequences_done"] % self.config.checkpoint_every == 0 and stats["sequences_done"] < len(corpus):
+                self._save_stats()
+                self.save(step=0)
         bar.close()
         if todo:
-            stats["seconds"] = time.perf_counter() - start
-            atomic_torch_save(out / STATS_FILE, stats)
-        meta["rows"] = stats["rows"]
-        for j in tqdm([j for j in layers if j not in meta["layers_done"]], desc=f"kvp-prefix l={l}: least squares",
-                      disable=not progress):
+            self._save_stats()
+        self.meta["rows"] = stats["rows"]
+
+    def fit(self, zero: PrefixPredictor, progress: bool) -> None:
+        """Solve the correction of every layer not yet done (saved after each); the run is then complete."""
+        stats = self.stats
+        for j in tqdm([j for j in self.layers if j not in self.meta["layers_done"]],
+                      desc=f"kvp-prefix l={self.l}: least squares", disable=not progress):
             if stats["gram"] is None:
                 raise ConfigError("kvp-prefix calibration got no data")
             for w, zmat, cross in zip(("k", "v"), zero.maps[j].augmented(), stats["cross"][j]):
-                parts = _solve(stats["gram"], cross, zmat, config.ridge, rank)
+                parts = _solve(stats["gram"], cross, zmat, self.config.ridge, self.rank)
                 names = ("delta",) if len(parts) == 1 else ("a", "b")
                 for name, part in zip(names, parts):
-                    tensors[f"{w}.{j}.{name}"] = part.to(torch.float16)
-            meta["layers_done"] = sorted([*meta["layers_done"], j])
-            save(step=len(meta["layers_done"]))
-        meta["complete"] = True
-        if heldout is None and tokenizer is not None and config.heldout_seqs:
-            heldout = calibration_corpus(tokenizer, config.seq_len * config.heldout_seqs, config.seq_len,
-                                         seed=config.seed + 12345, task_share=0.0).sequences
-        if heldout and layers:
-            fitted = _build_from(model, l, tensors, rank)
-            meta["heldout_errors"] = {"zero-shot": prefix_errors(model, zero, heldout),
-                                      "least-squares": prefix_errors(model, fitted, heldout),
-                                      "sequences": len(heldout)}
-        save(step=len(layers) + 1)
-    (out / STATS_FILE).unlink(missing_ok=True)
-    return KVPrefix(predictor=str(out))
+                    self.tensors[f"{w}.{j}.{name}"] = part.to(torch.float16)
+            self.meta["layers_done"] = sorted([*self.meta["layers_done"], j])
+            self.save(step=len(self.meta["layers_done"]))
+        self.meta["complete"] = True
 
 
 def _build_from(model: PreTrainedModel, layer: int, tensors: dict[str, torch.Tensor],

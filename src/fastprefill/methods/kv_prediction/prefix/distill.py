@@ -43,32 +43,25 @@ from transformers import DynamicCache, PreTrainedModel
 from fastprefill.errors import ConfigError, check_fields
 from fastprefill.methods.kv_prediction.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from fastprefill.methods.kv_prediction.prefix.calibrate import exact_hidden
+from fastprefill.methods.kv_prediction.prefix.distill_prompts import (
+    DEFAULT_HELDOUT,
+    DEFAULT_TRAIN,
+    DISTILL_SEED,
+    distillation_prompts,
+)
 from fastprefill.methods.kv_prediction.prefix.method import KVPrefix, predicted_tail
 from fastprefill.methods.kv_prediction.prefix.predictor import VARIANT, PrefixPredictor
 from fastprefill.models.adapters import DecoderAdapter
 
 __all__ = [
-    "DEFAULT_HELDOUT",
-    "DEFAULT_TRAIN",
-    "DISTILL_SEED",
-    "DistillPrompts",
     "PrefixDistillation",
     "PrefixTargets",
     "distill_on_dev",
     "distill_prefix",
-    "distillation_prompts",
     "prefix_targets",
     "read_distill_source",
     "tail_kl",
 ]
-
-#: Default training prompts: ``TASK:N`` dev prompts per task.
-DEFAULT_TRAIN: tuple[str, ...] = ("singledoc-qa:24", "multidoc-qa:4", "humaneval-completion:4")
-#: Default held-out prompts (the selection measure).
-DEFAULT_HELDOUT: tuple[str, ...] = ("singledoc-qa:8",)
-#: Distillation prompts are built with this seed (train) and the next (held-out).
-DISTILL_SEED = 2000
-
 
 @dataclass(frozen=True)
 class PrefixDistillation:
@@ -109,74 +102,6 @@ class PrefixDistillation:
             ("grad_clip", self.grad_clip >= 0, ">= 0"),
         ]
         check_fields(self, checks)
-
-
-@dataclass
-class DistillPrompts:
-    """Dev prompts for :func:`distill_prefix`.
-
-    Attributes:
-        train, heldout: ``(1, T)`` int64 ids each.
-        ids: the dev sample ids of both (to keep them out of dev evaluations).
-    """
-
-    train: list[torch.Tensor]
-    heldout: list[torch.Tensor]
-    ids: list[str]
-
-
-def distillation_prompts(
-    tokenizer: Any,
-    train: Sequence[str] = DEFAULT_TRAIN,
-    heldout: Sequence[str] = DEFAULT_HELDOUT,
-    length: int = 1024,
-    exclude: Sequence[str] = (),
-    keep_out_n: int = 16,
-    seed: int = DISTILL_SEED,
-) -> DistillPrompts:
-    """Dev-split task prompts for distillation, in the tasks' own chat template.
-
-    Args:
-        tokenizer: the base's tokenizer.
-        train, heldout: ``"TASK:N"`` specs (registry task names).
-        length: prompt tokens for sized tasks.
-        exclude: sample ids never to use (a calibration's ``task_ids``).
-        keep_out_n: the first ``n`` seed-0 dev prompts of each task (those dev sweeps and gates
-            score) are never used either.
-        seed: task seed of the training prompts (``seed + 1``: held-out).
-
-    Raises:
-        ConfigError: a malformed spec, an unknown task, a split too small.
-    """
-    from fastprefill.data.tasks import get_task
-
-    def parse(spec: str) -> tuple[Any, int]:
-        name, sep, n = spec.partition(":")
-        if not sep or not n.isdigit() or int(n) < 1:
-            raise ConfigError(f"distillation prompts are given as TASK:N with N >= 1, got {spec!r}")
-        return get_task(name), int(n)
-
-    def size(task: Any) -> int | None:
-        return length if task.sized else None
-
-    parsed = {role: [parse(s) for s in specs] for role, specs in (("train", train), ("heldout", heldout))}
-    used = set(exclude)
-    for task in {t.name: t for t, _ in (*parsed["train"], *parsed["heldout"])}.values():
-        used |= {s.id for s in task.build(tokenizer, size(task), min(keep_out_n, len(task.source_ids("dev"))),
-                                          split="dev", seed=0)}
-    out: dict[str, list[torch.Tensor]] = {"train": [], "heldout": []}
-    ids: list[str] = []
-    for role, role_seed in (("train", seed), ("heldout", seed + 1)):
-        for task, n in parsed[role]:
-            ask = min(n + len(used), len(task.source_ids("dev")))
-            samples = [s for s in task.build(tokenizer, size(task), ask, split="dev", seed=role_seed)
-                       if s.id not in used][:n]
-            if len(samples) < n:
-                raise ConfigError(f"{task.name}: only {len(samples)} unused dev prompts, asked for {n}")
-            used |= {s.id for s in samples}
-            ids += [s.id for s in samples]
-            out[role] += [torch.as_tensor(s.input_ids, dtype=torch.long).reshape(1, -1) for s in samples]
-    return DistillPrompts(out["train"], out["heldout"], ids)
 
 
 @dataclass
@@ -331,94 +256,129 @@ def distill_prefix(
     short = [t.length for t in (*train, *heldout) if t.length <= config.tail]
     if short:
         raise ConfigError(f"every distillation prompt must be longer than tail={config.tail} tokens; got {short[:4]}")
-    method = KVPrefix(predictor=str(src))
-    method.bind(model)  # shape and weights checks
+    KVPrefix(predictor=str(src)).bind(model)  # shape and weights checks
     base_meta, state, _ = read_checkpoint(src)
     if base_meta.get("distillation"):
         raise ConfigError(f"{src} is already distilled; distill its least-squares checkpoint instead")
     ad = DecoderAdapter(model, "kvp-prefix distillation")
     if int(base_meta["layer"]) >= ad.num_layers:
         raise ConfigError(f"{src} runs every layer exactly (l = {base_meta['layer']}): there are no maps to distill")
-    maps = _Maps(model, int(base_meta["layer"]), state)
-    opt = torch.optim.Adam(maps.parameters(), lr=config.lr)
-    settings = vars(config).copy()
-    meta: dict[str, Any] = {k: v for k, v in base_meta.items()
-                            if k not in ("format", "version", "step", "weights", "weights_sha256", "train_state")}
-    meta["maps"] = {**base_meta.get("maps", {}), "fit": "least squares, then KL distillation"}
-    meta["task_ids"] = sorted({*base_meta.get("task_ids", []), *task_ids})
-    record: dict[str, Any] = {"settings": settings, "from": str(src), "train_prompts": len(train),
-                              "heldout_prompts": len(heldout), "curve": [], "best_step": 0, "step": 0,
-                              "seconds": 0.0}
-    rng = random.Random(config.seed)
-    best_state = maps.state()
+    run = _Distillation(ad, _Maps(model, int(base_meta["layer"]), state), config, src, out, base_meta, task_ids,
+                        len(train), heldout)
     if resume:
-        old, old_state, train_state = read_checkpoint(out, with_train_state=True)
-        if old.get("variant") != VARIANT or (old.get("distillation") or {}).get("settings") != settings \
-                or train_state is None:
-            raise CheckpointError(f"cannot resume {out}: no distillation run with these settings there")
-        record = old["distillation"]
-        best_state = old_state
-        with torch.no_grad():
-            for key, p in maps.parts.items():
-                p.copy_(train_state["current"][key])
-        opt.load_state_dict(train_state["optimizer"])
-        rng.setstate(train_state["rng"])
+        run.resume()
     elif (out / "config.json").exists():
         raise ConfigError(f"{out} already holds a checkpoint; pass resume=True (--resume) or another directory")
-    start = time.perf_counter() - float(record["seconds"])
-
-    def save() -> None:
-        record["seconds"] = time.perf_counter() - start
-        meta["distillation"] = record
-        meta["wall_seconds"] = float(base_meta.get("wall_seconds", 0.0)) + record["seconds"]
-        train_state = {"current": {k: p.detach().cpu().clone() for k, p in maps.parts.items()},
-                       "optimizer": opt.state_dict(), "rng": rng.getstate()}
-        write_checkpoint(out, best_state, meta, step=int(record["step"]), train_state=train_state, dtype=None)
-
-    def evaluate(step: int) -> None:
-        nonlocal best_state
-        score = {"step": step, **_evaluate(ad, maps, heldout, config.tail), "train_loss": None}
-        record["curve"].append(score)
-        best = min(record["curve"], key=lambda r: r["tail_kl"])
-        if best is score:
-            record["best_step"] = step
-            best_state = maps.state()
-
-    if not record["curve"]:
-        evaluate(0)
-        save()
-    bar = tqdm(total=config.steps, initial=int(record["step"]), desc="kvp-prefix distillation", disable=not progress)
-    losses: list[float] = []
+    run.start = time.perf_counter() - float(run.record["seconds"])
+    if not run.record["curve"]:
+        run.evaluate(0)
+        run.save()
     frozen = {p: p.requires_grad for p in model.parameters()}
     try:
         for p in frozen:
             p.requires_grad_(False)
-        with ad.attention_scope():
-            while record["step"] < config.steps:
-                opt.zero_grad(set_to_none=True)
-                for _ in range(config.batch):
-                    target = train[rng.randrange(len(train))]
-                    lo = min(config.tail + config.min_prefix, target.length)
-                    cut = target.length if rng.random() < config.end_share else rng.randint(lo, target.length)
-                    loss = tail_kl(ad, maps, target, cut, config.tail) / config.batch
-                    loss.backward()
-                    losses.append(float(loss.detach()) * config.batch)
-                if config.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(maps.parameters(), config.grad_clip)
-                opt.step()
-                record["step"] += 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{sum(losses[-8:]) / len(losses[-8:]):.3f}")
-                if record["step"] % config.eval_every == 0 or record["step"] == config.steps:
-                    evaluate(int(record["step"]))
-                    record["curve"][-1]["train_loss"] = sum(losses) / len(losses) if losses else math.nan
-                    losses = []
-                    save()
+        run.train(train, progress)
     finally:
-        bar.close()
         for p, flag in frozen.items():
             p.requires_grad_(flag)
     return KVPrefix(predictor=str(out))
+
+
+class _Distillation:
+    """One :func:`distill_prefix` run: the maps and their optimiser, the checkpoint's metadata, the
+    run's record (settings, held-out curve, best step) and the best maps so far."""
+
+    def __init__(self, ad: DecoderAdapter, maps: _Maps, config: PrefixDistillation, src: Path, out: Path,
+                 base_meta: dict[str, Any], task_ids: Sequence[str], train_prompts: int,
+                 heldout: Sequence[PrefixTargets]) -> None:
+        self.ad, self.maps, self.config, self.out, self.heldout = ad, maps, config, out, heldout
+        self.base_meta = base_meta
+        self.opt = torch.optim.Adam(maps.parameters(), lr=config.lr)
+        self.meta: dict[str, Any] = {k: v for k, v in base_meta.items()
+                                     if k not in ("format", "version", "step", "weights", "weights_sha256", "train_state")}
+        self.meta["maps"] = {**base_meta.get("maps", {}), "fit": "least squares, then KL distillation"}
+        self.meta["task_ids"] = sorted({*base_meta.get("task_ids", []), *task_ids})
+        self.record: dict[str, Any] = {"settings": vars(config).copy(), "from": str(src), "train_prompts": train_prompts,
+                                       "heldout_prompts": len(heldout), "curve": [], "best_step": 0, "step": 0,
+                                       "seconds": 0.0}
+        self.rng = random.Random(config.seed)
+        self.best_state = maps.state()
+        self.start = time.perf_counter()
+
+    def resume(self) -> None:
+        """Continue the run in ``out``: its record, best maps, current maps, optimiser and RNG.
+
+        Raises:
+            CheckpointError: no distillation run with these settings there.
+        """
+        old, old_state, train_state = read_checkpoint(self.out, with_train_state=True)
+        if old.get("variant") != VARIANT or (old.get("distillation") or {}).get("settings") != self.record["settings"] \
+                or train_state is None:
+            raise CheckpointError(f"cannot resume {self.out}: no distillation run with these settings there")
+        self.record = old["distillation"]
+        self.best_state = old_state
+        with torch.no_grad():
+            for key, p in self.maps.parts.items():
+                p.copy_(train_state["current"][key])
+        self.opt.load_state_dict(train_state["optimizer"])
+        self.rng.setstate(train_state["rng"])
+
+    def save(self) -> None:
+        """Write the best maps with the run's state (current maps, optimiser, RNG) to resume from."""
+        self.record["seconds"] = time.perf_counter() - self.start
+        self.meta["distillation"] = self.record
+        self.meta["wall_seconds"] = float(self.base_meta.get("wall_seconds", 0.0)) + self.record["seconds"]
+        train_state = {"current": {k: p.detach().cpu().clone() for k, p in self.maps.parts.items()},
+                       "optimizer": self.opt.state_dict(), "rng": self.rng.getstate()}
+        write_checkpoint(self.out, self.best_state, self.meta, step=int(self.record["step"]), train_state=train_state,
+                         dtype=None)
+
+    def evaluate(self, step: int) -> None:
+        """Measure the held-out prompts; keep the maps if they are the best so far."""
+        score = {"step": step, **_evaluate(self.ad, self.maps, self.heldout, self.config.tail), "train_loss": None}
+        self.record["curve"].append(score)
+        best = min(self.record["curve"], key=lambda r: r["tail_kl"])
+        if best is score:
+            self.record["best_step"] = step
+            self.best_state = self.maps.state()
+
+    def train(self, train: Sequence[PrefixTargets], progress: bool) -> None:
+        """Optimiser steps up to ``config.steps``, evaluated and saved every ``eval_every``."""
+        config, record = self.config, self.record
+        bar = tqdm(total=config.steps, initial=int(record["step"]), desc="kvp-prefix distillation",
+                   disable=not progress)
+        losses: list[float] = []
+        try:
+            with self.ad.attention_scope():
+                while record["step"] < config.steps:
+                    losses += self._step(train)
+                    record["step"] += 1
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{sum(losses[-8:]) / len(losses[-8:]):.3f}")
+                    if record["step"] % config.eval_every == 0 or record["step"] == config.steps:
+                        self.evaluate(int(record["step"]))
+                        record["curve"][-1]["train_loss"] = sum(losses) / len(losses) if losses else math.nan
+                        losses = []
+                        self.save()
+        finally:
+            bar.close()
+
+    def _step(self, train: Sequence[PrefixTargets]) -> list[float]:
+        """One optimiser step over ``batch`` random cuts of training prompts; their losses."""
+        config, rng = self.config, self.rng
+        self.opt.zero_grad(set_to_none=True)
+        losses = []
+        for _ in range(config.batch):
+            target = train[rng.randrange(len(train))]
+            lo = min(config.tail + config.min_prefix, target.length)
+            cut = target.length if rng.random() < config.end_share else rng.randint(lo, target.length)
+            loss = tail_kl(self.ad, self.maps, target, cut, config.tail) / config.batch
+            loss.backward()
+            losses.append(float(loss.detach()) * config.batch)
+        if config.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.maps.parameters(), config.grad_clip)
+        self.opt.step()
+        return losses
 
 
 def read_distill_source(predictor: str | os.PathLike[str], layer: int | None = None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput, prefix_length
 from fastprefill.methods.kv_prediction.auxiliary.models import weights_fingerprint
 from fastprefill.methods.kv_prediction.checkpoint import (
@@ -26,7 +26,8 @@ from fastprefill.methods.kv_prediction.prefix.predictor import (
     check_layer,
     stored_delta,
 )
-from fastprefill.models.adapters import DecoderAdapter, causal_mask, require_layer_loop
+from fastprefill.models.adapters import DecoderAdapter, require_layer_loop
+from fastprefill.models.attention import causal_mask
 from fastprefill.models.kv import rotate_keys
 from fastprefill.models.shape import ModelShape, causal_pairs
 
@@ -64,7 +65,6 @@ class KVPrefix(Method):
     tail: int = 1
     _config: dict[str, Any] | None = field(default=None, init=False, repr=False)
     _state: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False)
-    _given: PrefixPredictor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.layer is None and self.predictor is None:
@@ -73,10 +73,9 @@ class KVPrefix(Method):
                 "predictor=DIR (a checkpoint from `fastprefill train-kvp --variant prefix --model NAME --layer L "
                 "--out DIR`); for example --method kvp-prefix:layer=8"
             )
-        if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)
-                                       or self.layer < 0):
+        if self.layer is not None and not is_int(self.layer, 0):
             raise ConfigError(f"KVPrefix.layer must be an int >= 0 (layers run exactly), got {self.layer!r}")
-        if isinstance(self.tail, bool) or not isinstance(self.tail, int) or self.tail < 1:
+        if not is_int(self.tail, 1):
             raise ConfigError(f"KVPrefix.tail must be an int >= 1 (prompt tokens run through every layer; 1 = "
                               f"only the last, as in SwiftKV), got {self.tail!r}")
         if self.predictor is not None:
@@ -100,13 +99,6 @@ class KVPrefix(Method):
             self._config, self._state = config, state
         self._bound: tuple[weakref.ref, PrefixPredictor] | None = None
 
-    @classmethod
-    def from_predictor(cls, predictor: PrefixPredictor) -> KVPrefix:
-        """A method around maps already built (tests, sweeps): bound to nothing until first used."""
-        method = cls(layer=predictor.layer)
-        method._given = predictor
-        return method
-
     def bind(self, model: PreTrainedModel) -> PrefixPredictor:
         """Check ``model`` and build the maps for it (remembered per model; call before timing)."""
         if self._bound is not None and self._bound[0]() is model:
@@ -114,12 +106,7 @@ class KVPrefix(Method):
         require_layer_loop(model, "kvp-prefix")
         shape = ModelShape.from_config(model.config)
         check_layer(self.layer, shape.num_layers)
-        given = self._given
-        if given is not None:
-            if given.shape != shape:
-                raise ConfigError(f"these kvp-prefix maps were built for a model of shape {given.shape}, not {shape}")
-            pred = given
-        elif self._config is None:
+        if self._config is None:
             pred = PrefixPredictor.zero_shot(model, self.layer)
         else:
             pred = self._from_checkpoint(model, shape)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from fastprefill.errors import ConfigError
+from fastprefill.errors import ConfigError, is_int
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.shape import ModelShape
 
@@ -23,7 +23,7 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 def check_layer(layer: Any, num_layers: int) -> int:
     """``layer`` as an int in ``[0, num_layers]``, else :class:`ConfigError` naming the range."""
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= num_layers:
+    if not is_int(layer, 0, num_layers):
         raise ConfigError(
             f"kvp-prefix layer must be an int in [0, {num_layers}] for this {num_layers}-layer model "
             f"(the number of layers run exactly), got {layer!r}"

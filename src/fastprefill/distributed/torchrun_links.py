@@ -28,7 +28,8 @@ import time
 from multiprocessing.connection import Connection, Pipe, answer_challenge, deliver_challenge
 from typing import Any
 
-from fastprefill.distributed.pool import RankLink, RankPoolError
+from fastprefill.distributed.links import RankLink
+from fastprefill.distributed.pool import RankPoolError
 from fastprefill.distributed.rank import send_error, serve_rank
 
 __all__ = ["ThreadLink", "driver_links", "join_driver", "on_one_machine", "serve_driver"]

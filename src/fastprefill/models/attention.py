@@ -1,0 +1,226 @@
+"""fastprefill's attention function, registered with transformers' ``AttentionInterface``, and
+masks by original position.
+
+:func:`fastprefill_attention` selects the function (``"fastprefill_sdpa"``, registered once,
+lazily, never at import) on a model for the duration of a block and restores the previous
+choice in ``finally``; :meth:`~fastprefill.models.adapters.DecoderAdapter.attention_scope` and
+full prefill over a cached prefix use it. Inside, the fused SDPA kernel computes the output:
+
+- with a boolean mask shared by the heads of a grouped-query layer, without copying K and V per
+  query head (:func:`_gqa_masked_sdpa`);
+- for a prompt's suffix over a cached prefix (no mask, fewer queries than keys), causal by
+  original position at the cost of a causal prefill (:func:`_suffix_causal_sdpa`);
+- otherwise as transformers' own SDPA attention.
+
+Beside it, a caller may ask for one score per key from the last query rows (:data:`ScoreFn`,
+through the keyword arguments :data:`SCORE_SINK_KWARG` and :data:`SCORER_KWARG`).
+
+Shapes: queries ``(B, H_q, T, d)``; keys / values ``(B, H_kv, N, d)``; boolean masks
+``(B, 1, T, N)``, ``True`` where a query may attend a key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+__all__ = ["ATTENTION_NAME", "SCORER_KWARG", "SCORE_SINK_KWARG", "ScoreFn", "causal_mask", "fastprefill_attention"]
+
+ATTENTION_NAME = "fastprefill_sdpa"
+#: Keyword argument, passed through the decoder layer to the attention function, that receives
+#: the last query's scores: a dict ``{layer_idx: (B, N) float32}``.
+SCORE_SINK_KWARG = "fastprefill_scores"
+#: Keyword argument naming the :data:`ScoreFn` that fills the sink.
+SCORER_KWARG = "fastprefill_scorer"
+
+#: ``scorer(query, key, attention_mask, scaling) -> (B, N)``: one score per key, computed beside the
+#: fused attention from the rotated queries ``(B, H_q, T, d)``, keys ``(B, H_kv, N, d)`` and the
+#: boolean mask ``(B, 1, T, N)`` (or ``None``: causal). The scorers themselves (what a score is)
+#: are policies: :mod:`fastprefill.methods.pruning.scorers`.
+ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float | None], torch.Tensor]
+
+
+def _fastprefill_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA attention that can also report the last query's scores over the keys.
+
+    The fused kernel computes the output. When the caller passes ``fastprefill_scores=dict`` and
+    ``fastprefill_scorer=fn`` (a :data:`ScoreFn`), ``fn`` computes one score per key beside it
+    (from the last query rows, not the full matrix), stored as ``sink[layer_idx]`` with shape
+    ``(B, N)`` over the ``N`` keys of this layer.
+
+    Args:
+        query: ``(B, H_q, T, d)`` rotated queries.
+        key, value: ``(B, H_kv, N, d)`` keys and values after the cache update.
+        attention_mask: ``None`` (plain causal) or a boolean ``(B, 1, T, N)`` mask.
+    """
+    sink = kwargs.pop(SCORE_SINK_KWARG, None)
+    scorer: ScoreFn | None = kwargs.pop(SCORER_KWARG, None)
+    if dropout == 0.0 and "position_bias" not in kwargs and _gqa_with_shared_mask(query, key, attention_mask):
+        out = _gqa_masked_sdpa(query, key, value, attention_mask, scaling)
+    elif attention_mask is None and 1 < query.shape[2] < key.shape[2] and dropout == 0.0 and "position_bias" not in kwargs:
+        out = _suffix_causal_sdpa(query, key, value, scaling)
+    else:
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if sink is not None:
+        if scorer is None:
+            raise ValueError(f"{SCORE_SINK_KWARG} needs a {SCORER_KWARG} (what a score is)")
+        sink[module.layer_idx] = scorer(query, key, attention_mask, scaling)
+    return out, None
+
+
+def _gqa_with_shared_mask(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Grouped-query heads and a boolean ``(B, 1, T, N)`` mask shared by all heads."""
+    return (
+        attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
+        and query.shape[1] != key.shape[1]
+    )
+
+
+def _gqa_masked_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Masked attention under GQA without copying K and V per query head.
+
+    transformers repeats K and V to every query head (``repeat_kv``) whenever a mask is given on
+    CPU, a copy of the layer's whole cache at every masked call (LazyLLM's decode steps, with or
+    without revived rows). Instead:
+
+    - on CPU with several query rows, SDPA's ``enable_gqa``: the CPU kernel reads each query
+      head's KV head in place and takes the mask as it is;
+    - otherwise (one query row, or a device whose masked kernels need equal head counts) the
+      ``G`` query heads of a KV group are laid out as ``G * T`` query rows of that group, with the
+      ``(T, N)`` mask repeated ``G`` times (one row: the mask broadcasts as it is).
+
+    Args:
+        query: ``(B, H_q, T, d)``; key, value: ``(B, H_kv, N, d)`` with ``H_q = G * H_kv``;
+        attention_mask: bool ``(B, 1, T, N)``, True = attend.
+
+    Returns:
+        ``(B, T, H_q, d_v)``, the layout transformers' attention functions return.
+    """
+    t = query.shape[2]
+    if t > 1 and query.device.type == "cpu":
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+        )  # (B, H_q, T, d_v)
+        return out.transpose(1, 2).contiguous()
+    return _packed_gqa_sdpa(query, key, value, attention_mask, scaling)
+
+
+def _suffix_causal_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+) -> torch.Tensor:
+    """Causal attention of the last ``T`` of ``N`` positions: a prompt's suffix over a cached prefix.
+
+    transformers builds no mask for an attention function it does not know, so a model's own
+    forward over a cache of ``P = N - T`` exact tokens arrives here with ``attention_mask=None``
+    and ``T < N``: query row ``t`` may attend keys ``0 .. P + t``. A boolean mask for that costs
+    the fused CPU kernel the whole ``T x N`` rectangle, nearly twice a causal prefill's attention
+    when ``P`` is short (a chat template's system prompt), so such a hit would be slower than no
+    hit. While ``2T > N`` the queries are instead padded at the front with ``P`` zero rows,
+    attended with ``is_causal`` (``N^2 / 2`` pairs, the kernel's skipped upper triangle) and the
+    padding's rows dropped; the kept rows are the same computation. Past that, the lower-right
+    mask is the cheaper one.
+
+    Args:
+        query: ``(B, H_q, T, d)``; key, value: ``(B, H_kv, N, d)``, ``H_q`` a multiple of ``H_kv``.
+
+    Returns:
+        ``(B, T, H_q, d_v)``, the layout transformers' attention functions return.
+    """
+    b, h_q, t, d = query.shape
+    n = key.shape[2]
+    p = n - t
+    if 2 * t > n:
+        padded = torch.cat([query.new_zeros(b, h_q, p, d), query], dim=2)  # (B, H_q, N, d)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            padded, key, value, is_causal=True, scale=scaling, enable_gqa=h_q != key.shape[1]
+        )[:, :, p:]  # (B, H_q, T, d_v)
+        return out.transpose(1, 2).contiguous()
+    positions = torch.arange(n, device=query.device)
+    mask = causal_mask(positions[p:], positions)  # (1, 1, T, N)
+    if h_q != key.shape[1]:
+        return _gqa_masked_sdpa(query, key, value, mask, scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def _packed_gqa_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """The packed layout of :func:`_gqa_masked_sdpa`: query head ``h = g_kv * G + j`` row ``t`` -> row ``j * T + t``.
+
+    Shapes as in :func:`_gqa_masked_sdpa`.
+    """
+    b, h_q, t, d = query.shape
+    h_kv = key.shape[1]
+    g = h_q // h_kv
+    packed = query.reshape(b, h_kv, g * t, d)  # (B, H_kv, G*T, d)
+    mask = attention_mask
+    if t > 1:
+        mask = mask[:, :, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, -1)  # (B, 1, G*T, N)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        packed, key, value, attn_mask=mask, scale=scaling
+    )  # (B, H_kv, G*T, d_v)
+    return out.reshape(b, h_q, t, -1).transpose(1, 2).contiguous()
+
+
+_registered = False
+
+
+def _ensure_registered() -> None:
+    """Register the attention function once, on first use (never at import time)."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTENTION_NAME, _fastprefill_sdpa)
+        _registered = True
+
+
+@contextlib.contextmanager
+def fastprefill_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Select the fastprefill attention function on ``model``, restoring the old one after.
+
+    Inside, the model's own forward over a cache of exact tokens (no mask given) runs its suffix
+    with :func:`_suffix_causal_sdpa`; plain full prefill uses it for a cached prefix.
+    """
+    _ensure_registered()
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    previous = {key: cfg._attn_implementation for key, cfg in configs.items()}
+    try:
+        for cfg in configs.values():
+            cfg._attn_implementation = ATTENTION_NAME
+        yield
+    finally:
+        for key, cfg in configs.items():
+            cfg._attn_implementation = previous[key]
+
+
+def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """Boolean causal mask by *original* positions.
+
+    Args:
+        query_positions: ``(T,)`` int64 positions of the query rows.
+        key_positions: ``(N,)`` int64 positions of the keys.
+
+    Returns:
+        ``(1, 1, T, N)`` bool, True where ``key_position <= query_position``.
+    """
+    return (key_positions[None, :] <= query_positions[:, None])[None, None]

@@ -1,0 +1,143 @@
+"""A request's prompt turned into validated ids: the one validator of fastprefill.
+
+:func:`prepare_prompt` is the only place a request is validated (text or ids, bytes that must be
+UTF-8, emptiness, the context length, the id range, the method's support for the model and its
+own per-prompt limits). :func:`fastprefill.engine.stream`, the distributed pool's workers and
+the server all call it, so every entry point refuses the same inputs with the same message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fastprefill.errors import ConfigError, PromptError, is_int
+from fastprefill.methods.base import Method
+from fastprefill.methods.full import FullPrefill
+from fastprefill.models.adapters import check_causal_lm
+
+__all__ = ["PromptInput", "context_length", "encode_prompt", "prepare_prompt"]
+
+#: What a prompt may be: text (or UTF-8 bytes), or token ids as a list or a ``(T,)`` / ``(1, T)`` tensor.
+PromptInput = str | bytes | Sequence[int] | torch.Tensor
+
+
+def context_length(model: PreTrainedModel) -> int:
+    """The model's maximum context (``max_position_embeddings``), or a very large number."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(cfg, "max_position_embeddings", None) or (1 << 30))
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt: PromptInput,
+    chat: bool = False,
+) -> torch.Tensor:
+    """Turn a prompt into ``(1, T)`` int64 ids on the CPU (no model checks: see :func:`prepare_prompt`).
+
+    Args:
+        tokenizer: used for text prompts.
+        prompt: text (``bytes`` must be UTF-8), a sequence of ids, or a ``(T,)``/``(1, T)`` tensor of ids.
+        chat: wrap text in the tokenizer's chat template as one user message (if it has one).
+
+    Raises:
+        PromptError: an empty prompt, bytes that are not UTF-8, text with NUL characters, ids
+            that are not integers, or a prompt of another type.
+        ConfigError: a text prompt without a tokenizer.
+    """
+    if isinstance(prompt, (bytes, bytearray)):
+        try:
+            prompt = bytes(prompt).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PromptError(
+                f"the prompt is not valid UTF-8 text (byte {exc.start}: {exc.reason}); give text, not binary data"
+            ) from None
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise PromptError("the prompt is empty; give some text to answer")
+        if "\x00" in prompt:
+            raise PromptError("the prompt contains NUL characters; give text, not binary data")
+        if tokenizer is None:
+            raise ConfigError("a tokenizer is needed for a text prompt")
+        if chat and getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+        tensor = torch.tensor([ids], dtype=torch.long)
+    elif isinstance(prompt, torch.Tensor):
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise PromptError(f"prompt ids must be an integer tensor, got dtype {prompt.dtype}")
+        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+            raise PromptError(f"prompt ids must have shape (T,) or (1, T), got {tuple(prompt.shape)}")
+        tensor = prompt.detach().reshape(1, -1).to("cpu", torch.long)
+    elif isinstance(prompt, Sequence):
+        items = list(prompt)
+        if not all(is_int(x) for x in items):
+            raise PromptError("prompt ids must be integers; give a list of token ids or a string")
+        tensor = torch.tensor([items], dtype=torch.long).reshape(1, -1)
+    else:
+        raise PromptError(f"the prompt must be text or token ids, got {type(prompt).__name__}")
+    if tensor.shape[1] == 0:
+        raise PromptError("the prompt is empty (0 tokens); give some text to answer")
+    return tensor
+
+
+def prepare_prompt(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt: PromptInput,
+    method: Method | None = None,
+    *,
+    max_new_tokens: int = 64,
+    chat: bool = False,
+) -> torch.Tensor:
+    """Validate a request and return its ``(1, T)`` int64 ids on the model's device.
+
+    The only validator of fastprefill: everything a request can get wrong is refused here,
+    before any work or communication starts.
+
+    Args:
+        model: a decoder-only causal LM.
+        tokenizer: its tokenizer (needed for text).
+        prompt: see :data:`PromptInput`.
+        method: the method that will run (``None``: full prefill); the one it resolves to for
+            this prompt (``Method.resolve``) must support the model's family
+            (``Method.supports``) and accept the prompt length (``Method.check_prompt``).
+        max_new_tokens: tokens to generate, the first included (>= 1).
+        chat: wrap text in the chat template.
+
+    Raises:
+        PromptError: see :func:`encode_prompt`; prompt + ``max_new_tokens`` over the model's
+            context; ids outside the vocabulary.
+        ConfigError: ``max_new_tokens`` not an integer >= 1, ``method`` not a Method, or a
+            method setting that does not fit this prompt.
+        UnsupportedModelError: not a causal LM, or a family the method does not support.
+    """
+    check_causal_lm(model)
+    if not is_int(max_new_tokens, 1):
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    method = method if method is not None else FullPrefill()
+    if not isinstance(method, Method):
+        raise ConfigError(f"method must be a fastprefill Method or None, got {type(method).__name__}")
+    method.check_model(model)
+    input_ids = encode_prompt(tokenizer, prompt, chat=chat)
+    n_prompt = int(input_ids.shape[1])
+    chosen = method.resolve(model, n_prompt)
+    if chosen is not method:
+        chosen.check_model(model)
+    limit = context_length(model)
+    if n_prompt + max_new_tokens > limit:
+        raise PromptError(
+            f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"context of {limit} tokens; shorten the prompt or lower max_new_tokens"
+        )
+    vocab = model.get_input_embeddings().num_embeddings
+    if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
+        raise PromptError(f"prompt ids must lie in [0, {vocab}); got {int(input_ids.min())}..{int(input_ids.max())}")
+    chosen.check_prompt(model, n_prompt)
+    return input_ids.to(model.device)
