@@ -92,7 +92,9 @@ def test_all_layers_exact_on_smollm2(smollm2):
     model, tok = smollm2
     ids = torch.tensor([tok("The capital of France is Paris. The capital of Italy is")["input_ids"]])
     got = make_method("kvp-prefix:layer=30").prefill(model, ids)
-    torch.testing.assert_close(got.logits, FullPrefill().prefill(model, ids).logits, atol=1e-5, rtol=0)
+    # 1e-4 as every float32 exactness test: compiled blocks may pick another kernel variant for
+    # another input layout (observed: 2e-5 after other tests had compiled other shapes)
+    torch.testing.assert_close(got.logits, FullPrefill().prefill(model, ids).logits, atol=1e-4, rtol=0)
 
 
 @pytest.mark.integration
