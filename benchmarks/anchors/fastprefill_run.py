@@ -35,6 +35,12 @@ class FastprefillSystem(System):
         self.model, self.tok = load(self.args.model_dir, dtype=self.args.dtype, progress=False)
         self.cache = None
 
+    @property
+    def dtype(self) -> str:
+        """The dtype the model runs in (``--dtype auto`` resolved), once it is loaded."""
+        model = getattr(self, "model", None)
+        return str(model.dtype).removeprefix("torch.") if model is not None else str(self.args.dtype)
+
     def versions(self) -> dict[str, str]:
         out = {}
         for dist in ("fastprefill", "torch", "transformers"):

@@ -127,7 +127,7 @@ setup_llamacpp() {
     local py="$VENVS/llamacpp/bin/python"
     # Compiles llama.cpp (~20 minutes on 2 cores). GGML_NATIVE: -march=native (AVX-512, VNNI,
     # BF16) but without AMX: llama.cpp's AMX matmul (ggml_backend_amx_mul_mat) segfaults on this
-    # machine's first prefill (a known, unfixed, machine-dependent bug: ggml-org/llama.cpp#20824),
+    # machine's first prefill (a known, unfixed, machine-dependent bug: https://github.com/ggml-org/llama.cpp/issues/20824),
     # so -mno-amx-* leaves it out; the AVX-512 repacked Q4 kernels (REPACK) stay.
     CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" \
       CFLAGS="${CFLAGS:-$NO_AMX}" CXXFLAGS="${CXXFLAGS:-$NO_AMX}" \

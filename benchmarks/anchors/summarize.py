@@ -60,7 +60,8 @@ def table(headers: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
     for r in runs:
         if r["system"] == REFERENCE:
             reference_token.setdefault((r["model"], r["prompt_id"], r["kind"]), r["first_token"])
-    version = {(h["system"], h["model"]): (h.get("version", "?"), h.get("dtype", "")) for h in headers}
+    version = {(h["system"], h["model"]): (h.get("version", "?"), h.get("config", {}).get("model_dtype") or h.get("dtype", ""))
+               for h in headers}  # fastprefill's config names the dtype "auto" resolved to
 
     lines = [
         ("| model | length | system | version | dtype | n | prompt tok | cold ms | cold own ms | hit ms | hit own ms "
