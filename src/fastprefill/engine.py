@@ -1,31 +1,37 @@
-"""Generation engine: prefill through a method, greedy decoding, honest timings.
+"""Generation engine: prefill through a method, decoding (greedy unless sampling is asked for), honest timings.
 
 - Every prompt is validated first by :func:`fastprefill.prompt.prepare_prompt`, the one
   validator (the distributed pool's workers and the server call it too).
 - :class:`TimingWindow` is the only clock: on CUDA it synchronises the device before each read.
   TTFT runs from the start of prefill (the prompt ids already on the device) through the first
-  token id (the argmax of the prefill logits); everything the method does for the first token
+  token id (picked from the prefill logits); everything the method does for the first token
   is inside that window.
+- Each token is picked by one call, :meth:`fastprefill.sampling.Choice.pick` on the step's
+  ``(V,)`` logits row (``argmax`` when no sampling is asked for); ``n`` answers share one prefill,
+  each decoding over its own copy of the prefill's cache.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fastprefill.cache import fork_cache
+from fastprefill.errors import ConfigError
 from fastprefill.host import dtype_name
 from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
 from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
 from fastprefill.prompt import PromptInput, prepare_prompt
-from fastprefill.text import IncrementalDecoder
+from fastprefill.sampling import Choice, SamplingParams, TokenLogprob, prompt_logprobs
 
 __all__ = [
+    "Answer",
     "GenerationResult",
     "StreamEvent",
     "TimedPrefill",
@@ -106,24 +112,49 @@ class Timing:
 
 @dataclass
 class StreamEvent:
-    """One generated token. ``timing`` and ``first_logits`` are set on the last event only."""
+    """One generated token of answer ``choice`` (its ``index``-th). ``timing`` and
+    ``first_logits`` are set on the last event of the generation only, ``finish_reason``
+    (``"stop"`` or ``"length"``) on the last event of each answer, ``logprob`` when the sampling
+    parameters ask for log-probabilities, ``prompt_logprobs`` on the very first event when they
+    ask for the prompt's (see :func:`fastprefill.sampling.prompt_logprobs`)."""
 
     token_id: int
     text: str
     index: int
     timing: Timing | None = None
     first_logits: torch.Tensor | None = None
+    choice: int = 0
+    logprob: TokenLogprob | None = None
+    finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class Answer:
+    """One of a generation's ``n`` answers: its text (cut before a stop string), token ids,
+    why it ended (``"stop"``: end-of-sequence token, stop string or ``stop`` predicate;
+    ``"length"``: the token budget) and each token's log-probability if asked for."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class GenerationResult:
     """The generated text, its token ids, the :class:`Timing` and ``first_logits``: the prefill's
-    ``(V,)`` float32 logits for the first token, a copy on the CPU (taken outside the timing window)."""
+    ``(V,)`` float32 logits for the first token, a copy on the CPU (taken outside the timing window).
+
+    ``text`` and ``token_ids`` are the first answer's; ``answers`` holds all ``n``, and
+    ``prompt_logprobs`` the prompt's log-probabilities when the sampling parameters ask for them."""
 
     text: str
     token_ids: list[int]
     timing: Timing
     first_logits: torch.Tensor | None = None
+    answers: list[Answer] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class TimingWindow:
@@ -169,7 +200,7 @@ class TimedPrefill:
 
     Attributes:
         output: the method's :class:`~fastprefill.methods.base.PrefillOutput`.
-        first_token: the argmax of its logits.
+        first_token: the token picked from its logits (their argmax unless a ``pick`` was given).
         ttft_s: seconds of the window: prefix lookup, prefill and argmax.
         cached_tokens: prompt tokens taken from the prefix cache.
         lookup_s: of ``ttft_s``, the seconds of the prefix-cache lookup (0 without one).
@@ -183,12 +214,14 @@ class TimedPrefill:
 
 
 def timed_prefill(
-    model: PreTrainedModel, input_ids: torch.Tensor, method: Method, prefix_cache: PrefixCache | None = None
+    model: PreTrainedModel, input_ids: torch.Tensor, method: Method, prefix_cache: PrefixCache | None = None,
+    pick: Callable[[torch.Tensor], int] | None = None,
 ) -> TimedPrefill:
     """Prefill ``(1, T)`` prepared ids with ``method`` inside the engine's timing window.
 
     With a ``prefix_cache`` and a method that :attr:`~fastprefill.methods.base.Method.takes_prefix`,
     the longest cached prefix is looked up (inside the window) and only the rest is prefilled.
+    ``pick`` turns the ``(V,)`` logits into the first token (``None``: their argmax), inside the window.
     """
     hit, lookup_s = None, 0.0
     with torch.inference_mode(), TimingWindow(model.device) as window:
@@ -198,7 +231,7 @@ def timed_prefill(
             lookup_s = lookup.seconds
         out = method.prefill(model, input_ids, hit.cache) if hit is not None and hit.tokens else (
             method.prefill(model, input_ids))
-        token = int(torch.argmax(out.logits))
+        token = pick(out.logits) if pick is not None else int(torch.argmax(out.logits))
     return TimedPrefill(out, token, window.seconds, hit.tokens if hit is not None else 0, lookup_s)
 
 
@@ -206,6 +239,44 @@ def decoder_for(model: PreTrainedModel, out: PrefillOutput) -> Decoder:
     """The decode step the engine uses after ``out``: the method's own :class:`Decoder`, else
     :class:`ModelDecoder` (the model's forward over ``out.cache``)."""
     return out.decoder if out.decoder is not None else ModelDecoder(model, out)
+
+
+def _decoders(model: PreTrainedModel, out: PrefillOutput, n: int) -> list[Decoder]:
+    """One decode step per answer: :func:`decoder_for` ``out`` for the first, and for each of the
+    ``n - 1`` others the model's forward over its own copy of the prefill's cache (made before
+    any step appends to it).
+
+    Raises:
+        ConfigError: ``n > 1`` after a method that decodes with its own step (LazyLLM's revival).
+    """
+    if n > 1 and out.decoder is not None:
+        raise ConfigError(f"n={n}: several answers from one prefill need a method that decodes with the model's "
+                          "forward; this one decodes with its own step (LazyLLM: give revival=none)")
+    forks = [ModelDecoder(model, replace(out, cache=fork_cache(out.cache))) for _ in range(n - 1)]
+    return [decoder_for(model, out), *forks]
+
+
+def _store(model: PreTrainedModel, prefix_cache: PrefixCache | None, timed: TimedPrefill, input_ids: torch.Tensor,
+           generated: list[int]) -> tuple[int, float]:
+    """Store the exact K/V of the prompt (and of the first answer's fed tokens when the whole
+    prompt was exact) into ``prefix_cache``; ``(tokens stored, seconds)``."""
+    out = timed.output
+    if prefix_cache is None or out.exact_tokens <= timed.cached_tokens:
+        return 0, 0.0
+    n_prompt = int(input_ids.shape[1])
+    # the generated tokens fed through the model are exact too when the whole prompt was
+    with TimingWindow(model.device) as window:
+        fed = generated[:-1] if out.exact_tokens == n_prompt and out.decoder is None else []
+        stored = prefix_cache.store(model, input_ids[0].tolist() + fed, out.cache, out.exact_tokens + len(fed))
+    return stored, window.seconds
+
+
+def _prefix_state(prefix_cache: PrefixCache | None, method: Method, cached_tokens: int) -> str:
+    if prefix_cache is None:
+        return "off"
+    if not method.takes_prefix:
+        return f"not used: {method.name} takes no cached prefix"
+    return "hit" if cached_tokens else "miss"
 
 
 def stream(
@@ -219,73 +290,77 @@ def stream(
     stop_at_eos: bool = True,
     stop: Callable[[str], bool] | None = None,
     prefix_cache: PrefixCache | None = None,
+    sampling: SamplingParams | None = None,
 ) -> Iterator[StreamEvent]:
-    """Greedy generation as an iterator of :class:`StreamEvent` (one per token).
+    """Generation as an iterator of :class:`StreamEvent` (one per token).
 
-    Each event's ``text`` is the text new since the last event, whole characters only (a
-    character split over tokens comes with the token that completes it, see
-    :class:`~fastprefill.text.IncrementalDecoder`, which decodes a short window per token); the
-    texts add up to :func:`generate`'s. The last event carries the :class:`Timing`. See
-    :func:`generate` for the arguments (``stop`` is called with the text of the events so far).
+    Each event's ``text`` is the text new since the last event of its answer, whole characters
+    only (a character split over tokens comes with the token that completes it, see
+    :class:`~fastprefill.text.IncrementalDecoder`, which decodes a short window per token) and
+    never a part of a stop string (:class:`~fastprefill.text.StopStrings`); an answer's texts add
+    up to :func:`generate`'s. With ``n`` answers their events alternate, one token of each in
+    turn. The last event carries the :class:`Timing`. See :func:`generate` for the arguments
+    (``stop`` is called with the text of the answer's events so far).
     """
+    params = sampling if sampling is not None else SamplingParams()
+    budget = params.max_tokens if params.max_tokens is not None else max_new_tokens
     method = method if method is not None else FullPrefill()
-    input_ids = prepare_prompt(model, tokenizer, prompt, method, max_new_tokens=max_new_tokens, chat=chat)
+    input_ids = prepare_prompt(model, tokenizer, prompt, method, max_new_tokens=budget, chat=chat)
+    params.check_vocab(model.get_input_embeddings().num_embeddings)
     n_prompt = int(input_ids.shape[1])
     method = method.resolve(model, n_prompt)
     device = model.device
-    eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
+    eos = _eos_ids(model, tokenizer) if stop_at_eos and not params.ignore_eos else set()
+    choices = [Choice(params, i, input_ids, eos, budget, tokenizer, stop) for i in range(params.n)]
 
-    timed = timed_prefill(model, input_ids, method, prefix_cache)
-    out, token = timed.output, timed.first_token
+    timed = timed_prefill(model, input_ids, method, prefix_cache, pick=choices[0].pick)
+    out = timed.output
     first_logits = out.logits.detach().reshape(-1).to("cpu", torch.float32, copy=True)  # (V,)
-    decoder = decoder_for(model, out)
-    generated = [token]
+    prompt_lp = prompt_logprobs(model, input_ids, params.prompt_logprobs) if params.prompt_logprobs is not None else None
     decode_time = 0.0
-    pending = IncrementalDecoder(tokenizer) if tokenizer is not None else None  # whole characters only
-    text = ""  # the deltas so far
     with torch.inference_mode():
-        while True:
-            delta = pending.push(token) if pending is not None else ""
-            text += delta
-            done = token in eos or len(generated) >= max_new_tokens or (stop is not None and stop(text))
-            if done:
-                break
-            yield StreamEvent(token, delta, len(generated) - 1)
-            with TimingWindow(device) as window:
-                logits = decoder.step(token)
-                token = int(torch.argmax(logits))
-            decode_time += window.seconds
-            generated.append(token)
+        decoders = _decoders(model, out, params.n)
+        tokens = [timed.first_token] + [c.pick(out.logits) for c in choices[1:]]  # every answer's first token
+        live = list(range(params.n))
+        while live:
+            for i in tuple(live):
+                choice = choices[i]
+                event = StreamEvent(tokens[i], choice.push(tokens[i]), len(choice.ids) - 1, choice=i,
+                                    logprob=choice.logprobs[-1] if choice.logprobs else None,
+                                    finish_reason=choice.finish_reason,
+                                    prompt_logprobs=prompt_lp if i == 0 and len(choice.ids) == 1 else None)
+                if choice.finish_reason is not None:
+                    live.remove(i)
+                    if not live:  # the generation's last event: with its timing
+                        break
+                    yield event
+                    continue
+                yield event
+                with TimingWindow(device) as window:
+                    tokens[i] = choice.pick(decoders[i].step(tokens[i]))  # (V,) logits -> the next token
+                decode_time += window.seconds
 
-        stored, store_s = 0, 0.0
-        if prefix_cache is not None and out.exact_tokens > timed.cached_tokens:
-            # the generated tokens fed through the model are exact too when the whole prompt was
-            with TimingWindow(device) as window:
-                fed = generated[:-1] if out.exact_tokens == n_prompt and out.decoder is None else []
-                ids = input_ids[0].tolist() + fed
-                stored = prefix_cache.store(model, ids, out.cache, out.exact_tokens + len(fed))
-            store_s = window.seconds
-        steps = len(generated) - 1
-        timing = Timing(
+        stored, store_s = _store(model, prefix_cache, timed, input_ids, choices[0].ids)
+        generated = sum(len(c.ids) for c in choices)
+        steps = generated - params.n
+        event.timing = Timing(
             method=method.describe(),
             prompt_tokens=n_prompt,
-            new_tokens=len(generated),
+            new_tokens=generated,
             ttft_s=timed.ttft_s,
             decode_s_per_token=decode_time / steps if steps else None,
             total_s=timed.ttft_s + decode_time,
             stats=out.stats,
-            decode_extra=dict(decoder.stats()),
+            decode_extra=dict(decoders[0].stats()),
             cached_tokens=timed.cached_tokens,
-            prefix_cache=("off" if prefix_cache is None else
-                          f"not used: {method.name} takes no cached prefix" if not method.takes_prefix else
-                          "hit" if timed.cached_tokens else "miss"),
+            prefix_cache=_prefix_state(prefix_cache, method, timed.cached_tokens),
             stored_tokens=stored,
             prefix_lookup_s=timed.lookup_s,
             prefix_store_s=store_s,
             dtype=dtype_name(model.dtype),
         )
-        tail = pending.flush() if pending is not None else ""
-        yield StreamEvent(token, delta + tail, len(generated) - 1, timing, first_logits)
+        event.first_logits = first_logits
+        yield event
 
 
 def generate(
@@ -299,18 +374,21 @@ def generate(
     stop_at_eos: bool = True,
     stop: Callable[[str], bool] | None = None,
     prefix_cache: PrefixCache | None = None,
+    sampling: SamplingParams | None = None,
 ) -> GenerationResult:
-    """Generate greedily from ``prompt`` with ``method`` (full prefill when ``None``).
+    """Generate from ``prompt`` with ``method`` (full prefill when ``None``), greedily unless
+    ``sampling`` says otherwise.
 
     Args:
         model: a decoder-only causal LM (``AutoModelForCausalLM``), in eval mode.
         tokenizer: its tokenizer (needed for text prompts and for the output text).
         prompt: text (``bytes`` must be UTF-8), or token ids as a list or a ``(T,)`` / ``(1, T)`` tensor.
         method: a :class:`~fastprefill.methods.base.Method`; ``None`` is full prefill.
-        max_new_tokens: at most this many tokens, the first one included (>= 1).
+        max_new_tokens: at most this many tokens, the first one included (>= 1); a
+            ``sampling.max_tokens`` takes its place.
         chat: wrap a text prompt in the tokenizer's chat template.
         stop_at_eos: stop after the model's end-of-sequence token (which is kept in the ids
-            and dropped from the text).
+            and dropped from the text); ``sampling.ignore_eos`` turns it off too.
         stop: called with the text generated so far after every token; generation ends (that
             token kept) once it returns True. Tasks use it to stop when the rest of the
             answer cannot change the score (e.g. HumanEval after the closing code fence).
@@ -318,20 +396,36 @@ def generate(
             prefix of the prompt is reused (for a method that takes one: full prefill, LazyLLM,
             kvp-prefix; the others run the whole prompt), and the exact K/V this generation
             computed is stored. ``Timing.cached_tokens`` says how many prompt tokens were reused.
+        sampling: :class:`~fastprefill.sampling.SamplingParams` (``None``: one greedy answer):
+            temperature, top-p/k, min-p, seed, penalties, stop strings (cut from the text),
+            ``min_tokens``, log-probabilities, ``n`` answers from one prefill.
 
     Returns:
-        The text, the generated ids, the :class:`Timing` and the first token's logits.
+        The text, the generated ids, the :class:`Timing` and the first token's logits; every
+        answer in ``answers``.
 
     Raises:
-        PromptError, ConfigError, UnsupportedModelError: as :func:`prepare_prompt` says.
+        PromptError, ConfigError, UnsupportedModelError: as :func:`prepare_prompt` says;
+            ConfigError for a ``logit_bias`` id outside the vocabulary, or ``n > 1`` with a
+            method that decodes with its own step.
     """
-    ids: list[int] = []
+    params = sampling if sampling is not None else SamplingParams()
+    events: list[list[StreamEvent]] = [[] for _ in range(params.n)]
     last: StreamEvent | None = None
     for last in stream(
         model, tokenizer, prompt, method, max_new_tokens, chat=chat, stop_at_eos=stop_at_eos, stop=stop,
-        prefix_cache=prefix_cache,
+        prefix_cache=prefix_cache, sampling=params,
     ):
-        ids.append(last.token_id)
+        events[last.choice].append(last)
     assert last is not None and last.timing is not None
-    text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
-    return GenerationResult(text=text, token_ids=ids, timing=last.timing, first_logits=last.first_logits)
+    answers = []
+    for evs in events:
+        ids = [e.token_id for e in evs]
+        # with stop strings the answer is what the stream sent (cut before the stop string)
+        text = "".join(e.text for e in evs) if params.stop else (
+            tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else "")
+        answers.append(Answer(text, ids, evs[-1].finish_reason or "length",
+                              [e.logprob for e in evs if e.logprob is not None] if params.logprobs is not None else None))
+    return GenerationResult(text=answers[0].text, token_ids=answers[0].token_ids, timing=last.timing,
+                            first_logits=last.first_logits, answers=answers,
+                            prompt_logprobs=events[0][0].prompt_logprobs)
