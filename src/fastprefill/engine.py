@@ -37,6 +37,7 @@ __all__ = [
     "TimedPrefill",
     "Timing",
     "TimingWindow",
+    "collect",
     "decoder_for",
     "generate",
     "stream",
@@ -271,12 +272,17 @@ def _store(model: PreTrainedModel, prefix_cache: PrefixCache | None, timed: Time
     return stored, window.seconds
 
 
-def _prefix_state(prefix_cache: PrefixCache | None, method: Method, cached_tokens: int) -> str:
-    if prefix_cache is None:
-        return "off"
-    if not method.takes_prefix:
-        return f"not used: {method.name} takes no cached prefix"
-    return "hit" if cached_tokens else "miss"
+def _timing(model: PreTrainedModel, method: Method, timed: TimedPrefill, n_prompt: int, generated: int, steps: int,
+            decode_time: float, decoder: Decoder, prefix_cache: PrefixCache | None, store: tuple[int, float]) -> Timing:
+    """The :class:`Timing` of a generation: ``generated`` tokens of which ``steps`` were decode steps."""
+    cached = timed.cached_tokens
+    state = ("off" if prefix_cache is None else f"not used: {method.name} takes no cached prefix"
+             if not method.takes_prefix else "hit" if cached else "miss")
+    return Timing(method=method.describe(), prompt_tokens=n_prompt, new_tokens=generated, ttft_s=timed.ttft_s,
+                  decode_s_per_token=decode_time / steps if steps else None, total_s=timed.ttft_s + decode_time,
+                  stats=timed.output.stats, decode_extra=dict(decoder.stats()), cached_tokens=cached,
+                  prefix_cache=state, stored_tokens=store[0], prefix_lookup_s=timed.lookup_s, prefix_store_s=store[1],
+                  dtype=dtype_name(model.dtype))
 
 
 def stream(
@@ -340,27 +346,27 @@ def stream(
                     tokens[i] = choice.pick(decoders[i].step(tokens[i]))  # (V,) logits -> the next token
                 decode_time += window.seconds
 
-        stored, store_s = _store(model, prefix_cache, timed, input_ids, choices[0].ids)
+        store = _store(model, prefix_cache, timed, input_ids, choices[0].ids)
         generated = sum(len(c.ids) for c in choices)
-        steps = generated - params.n
-        event.timing = Timing(
-            method=method.describe(),
-            prompt_tokens=n_prompt,
-            new_tokens=generated,
-            ttft_s=timed.ttft_s,
-            decode_s_per_token=decode_time / steps if steps else None,
-            total_s=timed.ttft_s + decode_time,
-            stats=out.stats,
-            decode_extra=dict(decoders[0].stats()),
-            cached_tokens=timed.cached_tokens,
-            prefix_cache=_prefix_state(prefix_cache, method, timed.cached_tokens),
-            stored_tokens=stored,
-            prefix_lookup_s=timed.lookup_s,
-            prefix_store_s=store_s,
-            dtype=dtype_name(model.dtype),
-        )
+        event.timing = _timing(model, method, timed, n_prompt, generated, generated - params.n, decode_time,
+                               decoders[0], prefix_cache, store)
         event.first_logits = first_logits
         yield event
+
+
+def collect(events: Sequence[Sequence[StreamEvent]], tokenizer: PreTrainedTokenizerBase | None,
+            params: SamplingParams) -> list[Answer]:
+    """The :class:`Answer` of each answer's events (``events[i]``: answer ``i``'s, in order). The
+    text is the decode of its ids, or, with stop strings, what its events streamed (the same
+    text, cut before the stop string)."""
+    answers = []
+    for evs in events:
+        ids = [e.token_id for e in evs]
+        text = "".join(e.text for e in evs) if params.stop else (
+            tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else "")
+        logprobs = [e.logprob for e in evs if e.logprob is not None] if params.logprobs is not None else None
+        answers.append(Answer(text, ids, evs[-1].finish_reason or "length" if evs else "length", logprobs))
+    return answers
 
 
 def generate(
@@ -418,14 +424,7 @@ def generate(
     ):
         events[last.choice].append(last)
     assert last is not None and last.timing is not None
-    answers = []
-    for evs in events:
-        ids = [e.token_id for e in evs]
-        # with stop strings the answer is what the stream sent (cut before the stop string)
-        text = "".join(e.text for e in evs) if params.stop else (
-            tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else "")
-        answers.append(Answer(text, ids, evs[-1].finish_reason or "length",
-                              [e.logprob for e in evs if e.logprob is not None] if params.logprobs is not None else None))
+    answers = collect(events, tokenizer, params)
     return GenerationResult(text=answers[0].text, token_ids=answers[0].token_ids, timing=last.timing,
                             first_logits=last.first_logits, answers=answers,
                             prompt_logprobs=events[0][0].prompt_logprobs)

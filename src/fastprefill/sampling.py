@@ -195,9 +195,11 @@ class PresenceFrequencyPenalty(LogitsProcessor):
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
-def build_processors(params: SamplingParams, prompt_len: int, eos_ids: Iterable[int]) -> LogitsProcessorList | None:
+def build_processors(params: SamplingParams, prompt_len: int, eos_ids: Iterable[int],
+                     device: torch.device | str = "cpu") -> LogitsProcessorList | None:
     """The processors ``params`` asks for, in transformers' ``generate`` order (``None``: none,
-    plain greedy). ``eos_ids``: the tokens ``min_tokens`` holds back (empty: no end token)."""
+    plain greedy). ``eos_ids``: the tokens ``min_tokens`` holds back (empty: no end token);
+    ``device``: where the logits will be."""
     p, procs = params, LogitsProcessorList()
     if p.logit_bias:
         procs.append(SequenceBiasLogitsProcessor([[[tid], float(bias)] for tid, bias in p.logit_bias]))
@@ -207,7 +209,7 @@ def build_processors(params: SamplingParams, prompt_len: int, eos_ids: Iterable[
         procs.append(PresenceFrequencyPenalty(p.presence_penalty, p.frequency_penalty, prompt_len))
     eos = sorted(set(eos_ids))
     if p.min_tokens and eos:
-        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, p.min_tokens, torch.tensor(eos)))
+        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, p.min_tokens, eos, device=str(device)))
     if not p.greedy:
         if p.temperature != 1:
             procs.append(TemperatureLogitsWarper(float(p.temperature)))
@@ -262,7 +264,7 @@ class Sampler:
         self.params = params
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
         self.prompt_len = int(ids.numel())
-        self.processors = build_processors(params, self.prompt_len, eos_ids)
+        self.processors = build_processors(params, self.prompt_len, eos_ids, ids.device)
         self._ids = ids  # (capacity,) on the prompt's device: the first `length` are the history
         self.length = self.prompt_len
         self.generator: torch.Generator | None = None

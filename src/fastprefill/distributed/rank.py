@@ -15,7 +15,9 @@ connection: a pipe for a local worker, an authenticated socket for a torchrun ra
 - ``("run", Request)`` -> ``("first", token_id)`` (last rank, as soon as it has it), then
   ``("done", payload)``; or ``("invalid", (message, error))`` when validation refused the
   request. With ``Request.stream`` the last rank sends ``("token", (token_id, text, index,
-  timing))`` for every token instead of ``"first"`` (``timing`` on the last one only), and stops
+  timing, choice, logprob, finish_reason, prompt_logprobs))`` (a
+  :class:`~fastprefill.engine.StreamEvent`'s fields) for every token instead of ``"first"``
+  (``timing`` on the last one only), and stops
   at the next token when ``("cancel", None)`` arrives (a stray one, after the run, is ignored);
 - ``("tokenize", {"prompt", "chat"})`` -> ``("tokens", ids)`` (sent to the last rank only);
 - ``("stop", None)`` -> the loop returns.
