@@ -31,6 +31,8 @@ from fastprefill.engine import Timing, stream
 from fastprefill.errors import FastprefillError
 from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.prefix_cache import PrefixCache
+from fastprefill.sampling import SamplingParams
+from fastprefill.serve.answers import Collector, Finished, Token
 from fastprefill.serve.config import served_name
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError
@@ -38,73 +40,14 @@ from fastprefill.serve.protocol import APIError
 if TYPE_CHECKING:
     from fastprefill.serve.ranks import ServedPool
 
-__all__ = ["Failed", "Finished", "Job", "StopText", "Token", "Worker", "internal_error", "ranks_down",
-           "timeout_error"]
+__all__ = ["Failed", "Job", "Worker", "internal_error", "ranks_down", "timeout_error"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Token:
-    """Text to stream (already cut before any stop string)."""
-
-    text: str
-
-
-@dataclass
-class Finished:
-    """The whole answer: the text exactly as :func:`fastprefill.engine.generate` decodes it
-    (cut at the first stop string), tokens generated, and the engine's timing."""
-
-    text: str
-    completion_tokens: int
-    finish_reason: str
-    timing: Timing
-    queue_wait_s: float
-
-
-@dataclass
 class Failed:
     error: APIError
-
-
-class StopText:
-    """Cuts generated text before the first stop string; while streaming, holds back a tail
-    that may be the start of one."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.text = ""
-        self.sent = 0
-        self.hit = False
-
-    def matched(self, text: str) -> bool:
-        """Whether ``text`` contains a stop string (the engine's ``stop`` predicate)."""
-        return any(s in text for s in self.stops)
-
-    def cut(self, text: str) -> str:
-        """``text`` up to the first stop string."""
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return text[: min(found)] if found else text
-
-    def feed(self, delta: str) -> str:
-        """Add a streamed delta; return the text now safe to send."""
-        self.text += delta
-        end = len(self.cut(self.text))
-        if end < len(self.text):
-            self.hit = True
-        else:
-            held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-            end -= held
-        out = self.text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return out
-
-    def flush(self) -> str:
-        """At the end of a generation that hit no stop string: the held-back tail."""
-        out = "" if self.hit else self.text[self.sent:]
-        self.sent = len(self.text)
-        return out
 
 
 @dataclass(eq=False)
@@ -114,9 +57,8 @@ class Job:
     Attributes:
         input_ids: ``(1, T)`` ids from :func:`~fastprefill.prompt.prepare_prompt`.
         method: the prefill method; ``label`` its metrics label (:func:`~fastprefill.serve.config.metric_label`).
-        max_tokens: tokens to generate at most (the first included).
-        stops: stop strings (cut from the answer, not included).
-        ignore_eos: generate ``max_tokens`` tokens even past the end-of-sequence token.
+        max_tokens: tokens to generate at most per answer (the first included).
+        sampling: how the answers are decoded (stop strings, ``ignore_eos``, ``n``, log-probabilities...).
         streaming: send :class:`Token` events as tokens come.
         arrived: ``time.monotonic()`` when the request arrived.
         deadline: ``time.monotonic()`` after which the job times out (queue wait included).
@@ -126,8 +68,7 @@ class Job:
     method: Method
     label: str
     max_tokens: int
-    stops: tuple[str, ...]
-    ignore_eos: bool
+    sampling: SamplingParams
     streaming: bool
     arrived: float
     deadline: float
@@ -272,25 +213,22 @@ class Worker:
         if started > job.deadline:
             job.fail(timeout_error(job.deadline - job.arrived))
             return
-        stop = StopText(job.stops)
-        ids: list[int] = []
+        collected = Collector(job.sampling)  # the answers, cut before stop strings by the engine
         timing: Timing | None = None
         multi_rank = isinstance(job.method, DistributedMethod)
         if multi_rank:
             assert self.ranks is not None  # the method table offers no multi-rank method without a pool
-            events = self.ranks.stream(job.input_ids, job.method, job.max_tokens, stop_at_eos=not job.ignore_eos,
-                                       stops=job.stops)
+            events = self.ranks.stream(job.input_ids, job.method, job.max_tokens, sampling=job.sampling)
         else:
             events = stream(self.model, self.tokenizer, job.input_ids, job.method, job.max_tokens,
-                            stop_at_eos=not job.ignore_eos, stop=stop.matched if job.stops else None,
+                            sampling=job.sampling,
                             prefix_cache=self.prefix_cache)  # stores only once the generation is complete
         try:
             for event in events:
-                ids.append(event.token_id)
                 timing = event.timing
-                delta = stop.feed(event.text)
-                if job.streaming and (delta or len(ids) == 1):  # the first token always: it marks TTFT
-                    job.post(Token(delta))
+                token = collected.add(event)
+                if job.streaming and token is not None:
+                    job.post(token)
                 if timing is None and job.cancelled:
                     break
                 if timing is None and time.monotonic() > job.deadline:
@@ -298,16 +236,13 @@ class Worker:
                     break
         finally:
             events.close()
-            m.completion_tokens.labels(label).inc(len(ids))
+            m.completion_tokens.labels(label).inc(collected.count)
         if timing is None:  # stopped early: by a timeout (resolved above) or a disconnect
             job.settle("cancelled")
             return
         timing.method = served_name(job.method.resolve(self.model, timing.prompt_tokens))  # LazyLLM: with its revival
         if multi_rank and self.prefix_cache is not None:  # the ranks ran the whole prompt, with no cache
             timing.prefix_cache = f"not used: {job.method.name} takes no cached prefix"
-        tail = stop.flush()
-        if job.streaming and tail:
-            job.post(Token(tail))
         m.ttft.labels(label).observe(timing.ttft_s)
         if timing.decode_s_per_token is not None:
             m.decode.labels(label).observe(timing.decode_s_per_token)
@@ -319,9 +254,7 @@ class Worker:
         m.cached_prompt_tokens.labels(label).inc(timing.cached_tokens)
         m.computed_prompt_tokens.labels(label).inc(timing.prompt_tokens - timing.cached_tokens)
         if job.settle("ok"):
-            text = stop.cut(self.tokenizer.decode(ids, skip_special_tokens=True))
-            reason = "stop" if stop.hit or len(ids) < job.max_tokens else "length"
-            job.post(Finished(text, len(ids), reason, timing, queue_wait))
+            job.post(collected.finished(self.tokenizer, timing, queue_wait))
 
 
 def internal_error(exc: BaseException) -> APIError:
