@@ -19,6 +19,7 @@ seconds and then ends it with an error event, and exits once the answers are out
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -130,6 +131,7 @@ class Server:
         self.prefix_cache = self._open_prefix_cache()
         self.worker = Worker(model, tokenizer, self.metrics, config.queue_size, self.prefix_cache, ranks)
         self.prompts = PromptChecker(model, tokenizer)  # validates prompts beside the worker's generation
+        self.wire_tokenizer = copy.deepcopy(tokenizer)  # the event loop's own (token texts, echo): not thread-safe
         self.created = int(time.time())
         self.draining = False
         self.active = 0  # completion requests being answered (a stream until its last event)
@@ -275,8 +277,8 @@ class Server:
         echo = None
         if isinstance(req, CompletionRequest) and req.echo:  # the prompt as sent (text), or its ids decoded
             prompt = req.single_prompt()
-            echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt), ids[0].tolist())
-        out = Responder(ResponseIds(chat, self.config.model_name), self.tokenizer, echo)
+            echo = (prompt if isinstance(prompt, str) else self.wire_tokenizer.decode(prompt), ids[0].tolist())
+        out = Responder(ResponseIds(chat, self.config.model_name), self.wire_tokenizer, echo)
         if req.stream:
             return _JobStream(job, self._stream(job, out, req.stream_options), self._ended)
         while True:
