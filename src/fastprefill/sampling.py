@@ -197,8 +197,8 @@ class PresenceFrequencyPenalty(LogitsProcessor):
 
 def build_processors(params: SamplingParams, prompt_len: int, eos_ids: Iterable[int],
                      device: torch.device | str = "cpu") -> LogitsProcessorList | None:
-    """The processors ``params`` asks for, in transformers' ``generate`` order (``None``: none,
-    plain greedy). ``eos_ids``: the tokens ``min_tokens`` holds back (empty: no end token);
+    """The processors ``params`` asks for, in transformers' ``generate`` order (``None``: none:
+    plain greedy, or sampling at temperature 1 from the raw distribution). ``eos_ids``: the tokens ``min_tokens`` holds back (empty: no end token);
     ``device``: where the logits will be."""
     p, procs = params, LogitsProcessorList()
     if p.logit_bias:
@@ -285,16 +285,18 @@ class Sampler:
         """The next token from ``logits``, the ``(V,)`` (or ``(1, V)``) row of the model's logits
         for it, and its :class:`TokenLogprob` if ``params.logprobs`` asks for one.
 
-        Greedy with no processor: ``argmax(logits)``. Otherwise the processors run over
+        Greedy with no processor: ``argmax(logits)``. Otherwise the processors (if any) run over
         ``(1, V)`` float32 scores, then ``argmax`` (greedy) or one ``torch.multinomial`` draw
-        from their softmax with this sampler's generator. The token joins the history.
+        from their softmax with this sampler's generator (also with no processor: temperature 1
+        and nothing else samples from the model's own distribution). The token joins the history.
         """
         row = logits.reshape(-1)  # (V,)
-        if self.processors is None:
+        if self.params.greedy and self.processors is None:
             token = int(torch.argmax(row))
         else:
-            history = self.history.to(row.device)
-            scores = self.processors(history, row.float().reshape(1, -1).clone())  # (1, V)
+            scores = row.float().reshape(1, -1).clone()  # (1, V)
+            if self.processors is not None:
+                scores = self.processors(self.history.to(row.device), scores)
             if self.params.greedy:
                 token = int(torch.argmax(scores))
             else:

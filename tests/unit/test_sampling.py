@@ -57,6 +57,11 @@ def test_greedy_is_argmax_and_a_seed_fixes_the_draw():
     torch.manual_seed(3)
     want = int(torch.multinomial(torch.softmax(logits.reshape(1, -1) / 0.7, -1), 1))
     assert Sampler(SamplingParams(temperature=0.7, seed=3), [1]).pick(logits)[0] == want
+    # temperature 1 and nothing else runs no processor, and still draws from the model's distribution
+    plain = Sampler(SamplingParams(temperature=1.0, seed=3), [1])
+    torch.manual_seed(3)
+    assert plain.processors is None and plain.pick(logits)[0] == int(torch.multinomial(torch.softmax(logits, -1), 1))
+    assert len({Sampler(SamplingParams(temperature=1.0, seed=s), [1]).pick(logits)[0] for s in range(40)}) > 5
 
 
 def test_top_k_top_p_min_p_keep_only_the_allowed_tokens():
@@ -145,17 +150,20 @@ def test_greedy_engine_is_transformers_greedy_generate(tiny_model, make_ids):
     assert res.token_ids == hf[0, 24:].tolist()
 
 
-def test_seeded_sampling_is_transformers_sampling_and_reproducible(tiny_model, make_ids):
+@pytest.mark.parametrize("kw", [{"temperature": 0.9, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.2},
+                                {"temperature": 1.0, "top_k": 0}], ids=["processed", "plain"])
+def test_seeded_sampling_is_transformers_sampling_and_reproducible(tiny_model, make_ids, kw):
     """The same processors in the same order, and the same draw: ``generate(do_sample=True)``
-    after ``torch.manual_seed(seed)``."""
+    after ``torch.manual_seed(seed)`` (``top_k=0``: off in both, not transformers' default 50)."""
     ids = make_ids(24, 5)
-    kw = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.2}
     params = SamplingParams(seed=11, min_tokens=8, **kw)
     res = generate(tiny_model, None, ids, FullPrefill(), 8, sampling=params)
     torch.manual_seed(11)
     hf = tiny_model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=True, **kw)
     assert res.token_ids == hf[0, 24:].tolist()
     assert generate(tiny_model, None, ids, FullPrefill(), 8, sampling=params).token_ids == res.token_ids
+    other = generate(tiny_model, None, ids, FullPrefill(), 8, sampling=SamplingParams(seed=12, min_tokens=8, **kw))
+    assert other.token_ids != res.token_ids  # the seed decides the draw
 
 
 def test_n_answers_share_one_prefill(tiny_llama, make_ids, monkeypatch):
@@ -173,6 +181,8 @@ def test_n_answers_share_one_prefill(tiny_llama, make_ids, monkeypatch):
         alone = generate(tiny_llama, None, ids, method, 6, stop_at_eos=False,
                          sampling=SamplingParams(temperature=1.0, seed=4 + i))
         assert answer.token_ids == alone.token_ids and len(answer.logprobs) == 6
+    assert len({tuple(a.token_ids) for a in res.answers}) == 3  # temperature 1 samples: the answers differ
     events = list(stream(tiny_llama, None, ids, method, 2, stop_at_eos=False, sampling=SamplingParams(n=2)))
     assert [(e.choice, e.index) for e in events] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert [e.finish_reason for e in events] == [None, None, "length", "length"] and events[-1].timing is not None
+
