@@ -37,6 +37,7 @@ __all__ = [
     "TimedPrefill",
     "Timing",
     "TimingWindow",
+    "check_answers",
     "collect",
     "decoder_for",
     "generate",
@@ -242,17 +243,24 @@ def decoder_for(model: PreTrainedModel, out: PrefillOutput) -> Decoder:
     return out.decoder if out.decoder is not None else ModelDecoder(model, out)
 
 
+def check_answers(model: PreTrainedModel, method: Method, n: int) -> None:
+    """Refuse ``n > 1`` answers with a ``method`` (as resolved for the prompt) that decodes with
+    its own step (:meth:`~fastprefill.methods.base.Method.own_decoder`: LazyLLM's revival), whose
+    state a copy of the cache does not carry.
+
+    Raises:
+        ConfigError: naming ``n`` and the way out.
+    """
+    if n > 1 and method.own_decoder(model):
+        raise ConfigError(f"n={n}: several answers from one prefill need a method that decodes with the model's "
+                          f"forward; {method.describe()} decodes with its own step (LazyLLM: give revival=none)")
+
+
 def _decoders(model: PreTrainedModel, out: PrefillOutput, n: int) -> list[Decoder]:
     """One decode step per answer: :func:`decoder_for` ``out`` for the first, and for each of the
     ``n - 1`` others the model's forward over its own copy of the prefill's cache (made before
-    any step appends to it).
-
-    Raises:
-        ConfigError: ``n > 1`` after a method that decodes with its own step (LazyLLM's revival).
-    """
-    if n > 1 and out.decoder is not None:
-        raise ConfigError(f"n={n}: several answers from one prefill need a method that decodes with the model's "
-                          "forward; this one decodes with its own step (LazyLLM: give revival=none)")
+    any step appends to it). :func:`check_answers` has refused ``n > 1`` with a method's own step."""
+    assert n == 1 or out.decoder is None, "n > 1 with a method's own decode step (check_answers)"
     forks = [ModelDecoder(model, replace(out, cache=fork_cache(out.cache))) for _ in range(n - 1)]
     return [decoder_for(model, out), *forks]
 
@@ -315,6 +323,7 @@ def stream(
     params.check_vocab(model.get_input_embeddings().num_embeddings)
     n_prompt = int(input_ids.shape[1])
     method = method.resolve(model, n_prompt)
+    check_answers(model, method, params.n)
     device = model.device
     eos = _eos_ids(model, tokenizer) if stop_at_eos and not params.ignore_eos else set()
     choices = [Choice(params, i, input_ids, eos, budget, tokenizer, stop) for i in range(params.n)]

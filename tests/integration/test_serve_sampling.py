@@ -106,6 +106,20 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client, smollm2):
 
 
 @pytest.mark.integration
+def test_n_answers_with_a_method_that_decodes_itself_are_refused_before_any_work(client, served):
+    ttfts = metric_value(served, "fastprefill_ttft_seconds_count")
+    revival = {"fastprefill": {"method": "lazyllm:preset=default,revival=all"}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="n=2: several answers") as info:
+            client.chat.completions.create(model=MODEL, messages=user_messages(PROMPT), max_tokens=3, n=2,
+                                           stream=stream, extra_body=revival)
+        assert info.value.status_code == 400
+    assert metric_value(served, "fastprefill_ttft_seconds_count") == ttfts  # no prefill ran
+    one = client.chat.completions.create(model=MODEL, messages=user_messages(PROMPT), max_tokens=3, extra_body=revival)
+    assert "revival=all" in one.usage.fastprefill["method"]
+
+
+@pytest.mark.integration
 def test_load_generator_extensions_are_honoured(client, served):
     """guidellm's defaults: ``ignore_eos``, ``min_tokens`` and continuous usage in a stream."""
     chunks = list(client.completions.create(

@@ -11,6 +11,8 @@ import torch
 from fastprefill.engine import generate, stream
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.methods.registry import make_method
 from fastprefill.sampling import Choice, Sampler, SamplingParams
 from fastprefill.text import StopStrings
 
@@ -186,3 +188,27 @@ def test_n_answers_share_one_prefill(tiny_llama, make_ids, monkeypatch):
     assert [(e.choice, e.index) for e in events] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert [e.finish_reason for e in events] == [None, None, "length", "length"] and events[-1].timing is not None
 
+
+@pytest.mark.parametrize("spec", ["full", "lazyllm:preset=default,revival=none", "random:keep=0.5"])
+def test_each_of_n_answers_is_the_one_answer_request_with_its_seed(tiny_llama, make_ids, spec):
+    """Over every kind of cache a method leaves (whole, ragged, pruned), the forked copies decode
+    independently: answer ``i`` is what a request with ``seed + i`` alone gives."""
+    ids = make_ids(40, 6)
+    res = generate(tiny_llama, None, ids, make_method(spec), 6, sampling=SamplingParams(temperature=1.0, seed=21, n=3))
+    alone = [generate(tiny_llama, None, ids, make_method(spec), 6,
+                      sampling=SamplingParams(temperature=1.0, seed=21 + i)).token_ids for i in range(3)]
+    assert [a.token_ids for a in res.answers] == alone
+    assert len({tuple(a) for a in alone}) > 1  # the seeds differ, and so do the answers
+
+
+def test_n_answers_are_refused_before_the_prefill_of_a_method_that_decodes_itself(tiny_llama, make_ids,
+                                                                                  monkeypatch):
+    ids = make_ids(40, 7)
+    revival = make_method("lazyllm:preset=default,revival=all")
+    assert revival.prefill(tiny_llama, ids).decoder is not None and revival.own_decoder(tiny_llama)
+    plain = make_method("lazyllm:preset=default,revival=none")
+    assert plain.prefill(tiny_llama, ids).decoder is None and not plain.own_decoder(tiny_llama)
+    assert not FullPrefill().own_decoder(tiny_llama)
+    monkeypatch.setattr(LazyLLM, "run", lambda *a, **k: pytest.fail("the prefill ran"))
+    with pytest.raises(ConfigError, match="n=2: several answers"):
+        generate(tiny_llama, None, ids, revival, 3, sampling=SamplingParams(n=2))

@@ -5,7 +5,8 @@ hold (:func:`fastprefill.serve.limits.prompt_char_limit`: no tokenization needed
 :func:`fastprefill.prompt.prepare_prompt` on one of :data:`CHECK_THREADS` threads, each call
 with a tokenizer copy of its own (a fast tokenizer is not safe to share between threads), so
 neither the worker's generation nor other requests wait for a long tokenization. A conversation
-of several messages is rendered with the model's chat template here.
+of several messages is rendered with the model's chat template here, and ``n > 1`` answers are
+refused for a method that decodes with its own step (:func:`fastprefill.engine.check_answers`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastprefill.errors import FastprefillError
+from fastprefill.engine import check_answers
+from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.methods.base import Method
 from fastprefill.prompt import PromptInput, context_length, prepare_prompt
 from fastprefill.serve.limits import prompt_char_limit
@@ -89,7 +91,9 @@ class PromptChecker:
         on a checker thread.
 
         Raises:
-            APIError: 400 for a prompt the model cannot take.
+            APIError: 400 for a prompt the model cannot take, or for ``n > 1`` answers with the
+                method this prompt resolves to when it decodes with its own step
+                (:func:`~fastprefill.engine.check_answers`).
         """
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._on_thread, req, method,
                                                                 max_tokens)
@@ -97,9 +101,14 @@ class PromptChecker:
     def _on_thread(self, req: ChatRequest | CompletionRequest, method: Method, max_tokens: int) -> torch.Tensor:
         tok = self._tokenizers.get()
         try:
-            return self._prompt_ids(tok, req, method, max_tokens)
+            ids = self._prompt_ids(tok, req, method, max_tokens)
         finally:
             self._tokenizers.put(tok)
+        try:
+            check_answers(self.model, method.resolve(self.model, int(ids.shape[1])), req.n or 1)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="n") from None
+        return ids
 
     def _prompt_ids(self, tok: PreTrainedTokenizerBase, req: ChatRequest | CompletionRequest, method: Method,
                     max_tokens: int) -> torch.Tensor:
