@@ -106,6 +106,25 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client, smollm2):
 
 
 @pytest.mark.integration
+def test_streamed_echo_logprobs_add_up_to_the_whole_answers(client, smollm2):
+    """A stream's ``logprobs`` lists, joined, are the non-streamed ones: the prompt's first, then
+    each token's, with ``text_offset`` counting on from the echoed prompt."""
+    model_ids = smollm2[1]("The capital of France is")["input_ids"]
+    body = {"model": MODEL, "prompt": [model_ids], "echo": True, "logprobs": 2, "max_tokens": 4, "temperature": 0}
+    whole = client.completions.create(**body).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    joined: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in chunks:
+        for key in joined:
+            joined[key] += getattr(c.logprobs, key) if c.logprobs else []
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(model_ids) + 4 and joined["tokens"] == lp.tokens
+    assert joined["text_offset"] == lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert joined["token_logprobs"][0] is None and joined["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:])
+    assert "".join(c.text for c in chunks) == whole.text
+
+
+@pytest.mark.integration
 def test_n_answers_with_a_method_that_decodes_itself_are_refused_before_any_work(client, served):
     ttfts = metric_value(served, "fastprefill_ttft_seconds_count")
     revival = {"fastprefill": {"method": "lazyllm:preset=default,revival=all"}}

@@ -101,6 +101,7 @@ class Responder:
         self.tokenizer = tokenizer
         self.echo = echo
         self._started: set[int] = set()
+        self._offsets: dict[int, int] = {}  # answer -> text_offset of its next token (streamed completions)
         self._prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def _token(self, token_id: int) -> str:
@@ -165,8 +166,12 @@ class Responder:
         text = token.text
         if not self.ids.chat and first and self.echo is not None:
             text = self.echo[0] + text
-        logprobs = self._logprobs([e.token_id for e in token.logprobs], token.logprobs, first, prompt,
-                                  0) if token.logprobs else None
+        logprobs = None
+        if token.logprobs:
+            offset = self._offsets.get(token.choice, len(self.echo[0]) if self.echo is not None else 0)
+            logprobs = self._logprobs([e.token_id for e in token.logprobs], token.logprobs, first, prompt, offset)
+            if not self.ids.chat:  # the next token's text starts after this one's
+                self._offsets[token.choice] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         if self.ids.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": token.choice, "delta": delta, "logprobs": logprobs, "finish_reason": None}
