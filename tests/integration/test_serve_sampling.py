@@ -139,14 +139,23 @@ def test_n_answers_with_a_method_that_decodes_itself_are_refused_before_any_work
 
 
 @pytest.mark.integration
-def test_load_generator_extensions_are_honoured(client, served):
-    """guidellm's defaults: ``ignore_eos``, ``min_tokens`` and continuous usage in a stream."""
+def test_load_generator_extensions_are_honoured(client, smollm2):
+    """guidellm's defaults: ``ignore_eos``, ``min_tokens`` and continuous usage in a stream, on
+    prompts whose greedy answers end on their own well before ``max_tokens``."""
+    model, tok = smollm2
+    ended = generate(model, tok, "Say OK.", FullPrefill(), 24)
+    assert ended.answers[0].finish_reason == "stop" and len(ended.token_ids) < 24
     chunks = list(client.completions.create(
-        model=MODEL, prompt="Hi", max_tokens=8, stream=True,
-        extra_body={"ignore_eos": True, "min_tokens": 8, "stream_options": {"include_usage": True,
-                                                                             "continuous_usage_stats": True}}))
+        model=MODEL, prompt="Say OK.", max_tokens=24, stream=True,
+        extra_body={"ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
     with_text = [c for c in chunks if c.choices]
     assert all(c.usage is not None for c in with_text)
-    assert [c.usage.completion_tokens for c in with_text if c.choices[0].text] == sorted(
-        c.usage.completion_tokens for c in with_text if c.choices[0].text)
-    assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+    counts = [c.usage.completion_tokens for c in with_text]
+    assert counts == sorted(counts) and chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in with_text if c.choices[0].finish_reason] == ["length"]
+    assert "".join(c.choices[0].text for c in with_text).startswith(ended.text)
+    assert len(generate(model, tok, "Hi", FullPrefill(), 24, chat=True).token_ids) < 12
+    ref = generate(model, tok, "Hi", FullPrefill(), 24, chat=True, sampling=SamplingParams(min_tokens=12))
+    r = client.chat.completions.create(model=MODEL, messages=user_messages("Hi"), max_tokens=24,
+                                       extra_body={"min_tokens": 12})
+    assert r.choices[0].message.content == ref.text and r.usage.completion_tokens == len(ref.token_ids) > 12

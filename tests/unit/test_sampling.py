@@ -141,6 +141,10 @@ def test_choice_ends_on_a_stop_string_spread_over_tokens_with_the_text_cut():
             break
     assert texts == ["a", "b", "", ""] and c.finish_reason == "stop" and c.ids == [0, 1, 2, 3]
     assert c.text("abcd") == "ab"
+    # before min_tokens a stop string does not end the answer: "b" of the first two tokens is kept
+    held = Choice(SamplingParams(stop=("b",), min_tokens=2), 0, [0], eos_ids=[], budget=10, tokenizer=_Chars())
+    assert [held.push(held.pick(one_hot[i])) for i in (0, 1, 2, 1)] == ["a", "b", "c", ""]
+    assert held.finish_reason == "stop" and held.text("abcb") == "abc"
     short = Choice(SamplingParams(), 0, [0], eos_ids=[], budget=2, tokenizer=_Chars())
     assert [short.push(short.pick(one_hot[i])) for i in (0, 1)] == ["a", "b"] and short.finish_reason == "length"
 
