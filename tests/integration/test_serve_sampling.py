@@ -45,6 +45,15 @@ def test_seeded_chat_is_reproducible_and_the_engines(client, smollm2):
 
 
 @pytest.mark.integration
+def test_logit_bias_reaches_the_sampler(client, smollm2):
+    tok = smollm2[1]
+    sea = tok(" sea")["input_ids"][-1]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).choices[0].text
+    biased = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, logit_bias={str(sea): 100})
+    assert plain != tok.decode([sea] * 3) and biased.choices[0].text == tok.decode([sea] * 3)
+
+
+@pytest.mark.integration
 def test_n_answers_count_the_prompt_once(client, served, smollm2):
     model, tok = smollm2
     ttfts = metric_value(served, "fastprefill_ttft_seconds_count")
