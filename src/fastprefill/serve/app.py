@@ -221,7 +221,8 @@ class Server:
     def warm_up(self) -> None:
         """One short generation per method built at start (first calls are slow; a method that
         cannot run on this model fails here, not on the first request)."""
-        self.backends.warm_up([method for _, method in self.methods.built.values()], self.prompts.vocab_size)
+        self.backends.warm_up([method for _, method in self.methods.built.values()], self.prompts.vocab_size,
+                              batched=self.scheduler.policy.max_running > 1)
 
     # --- requests ------------------------------------------------------------------------------
     async def complete(self, request: Request, chat: bool) -> Response:

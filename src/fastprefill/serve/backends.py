@@ -19,10 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fastprefill.batch import DecodeBatch
 from fastprefill.engine import Generation, StreamEvent, generate
 from fastprefill.methods.base import DistributedMethod, Method
+from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
 from fastprefill.serve.protocol import APIError
 from fastprefill.serve.ranks import ServedPool
@@ -120,6 +123,19 @@ class LocalBackend:
 
     def warm_up(self, method: Method, vocab_size: int) -> None:
         generate(self.model, self.tokenizer, _warm_ids(vocab_size), method, max_new_tokens=2)
+
+    def warm_up_batch(self, vocab_size: int) -> None:
+        """Two streams of different lengths decoded in one batch for a few steps (the first
+        batched forwards are slow where the model's blocks are compiled: a new batch size)."""
+        ids = torch.tensor([_warm_ids(vocab_size)])
+        gens = [Generation(self.model, self.tokenizer, ids[:, :n], FullPrefill(), 4, stop_at_eos=False)
+                for n in (64, 40)]
+        for gen in gens:
+            gen.prefill(None)
+            gen.first_event()
+        batch = DecodeBatch(self.model)
+        while live := [g for g in gens if not g.finished]:
+            batch.step(live)
 
 
 class RankGeneration:
@@ -224,8 +240,11 @@ class Backends:
         self.ranks.check()
         return self.ranks
 
-    def warm_up(self, methods: list[Method], vocab_size: int) -> None:
-        """One short generation per method, on its backend."""
+    def warm_up(self, methods: list[Method], vocab_size: int, batched: bool = False) -> None:
+        """One short generation per method, on its backend (and, when ``batched``, a short
+        batched decode on the server's model)."""
         for method in methods:
             self.for_method(method).warm_up(method, vocab_size)
+        if batched:
+            self.local.warm_up_batch(vocab_size)
 
