@@ -241,28 +241,29 @@ class Scheduler:
             job.fail(timeout_error(job.deadline - job.arrived))
             return
         stop = StopText(job.stops)
-        run = self._guard([], lambda: Running(job, job.backend.begin(job, stop.matched if job.stops else None), stop))
-        if run is None:
-            job.fail(internal_error(RuntimeError("no work")))
-            return
-        if self._guard([run], run.work.lookup) is not None:
+        run = self._guard([], lambda: Running(job, job.backend.begin(job, stop.matched if job.stops else None), stop),
+                          job)
+        if run is not None and self._guard([run], run.work.lookup) is not None:
             self.running.append(run)
 
-    def _guard(self, runs: list[Running], call: Callable[[], object]) -> object | None:
-        """``call()``; on an exception, fail ``runs`` with its error (a request's fault: 400; a
-        rank pool down: 503; anything else: 500) and drop them. Returns None on failure."""
+    def _guard(self, runs: list[Running], call: Callable[[], object], job: Job | None = None) -> object | None:
+        """``call()``; on an exception, fail ``runs`` (or ``job``, not yet running) with its
+        error (a request's fault: 400; a rank pool down: 503; anything else: 500) and drop them.
+        Returns None on failure."""
+        jobs = [r.job for r in runs] + ([job] if job is not None else [])
         try:
             return call()
         except RankPoolError as exc:
             log.error("rank pool: %s", exc)
-            error = ranks_down(str(exc), fatal=any(r.job.backend.fatal for r in runs))
+            error = ranks_down(str(exc), fatal=any(j.backend.fatal for j in jobs))
         except FastprefillError as exc:
             error = APIError(400, str(exc))
         except Exception as exc:  # a failed request must not stop the scheduler
             log.exception("generation failed")
             error = internal_error(exc)
+        for failed in jobs:
+            failed.fail(error)
         for run in runs:
-            run.job.fail(error)
             self._drop(run)
         return None
 
