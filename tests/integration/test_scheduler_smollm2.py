@@ -23,7 +23,7 @@ from tests.integration.serving import MODEL, is_idle, metric_value, openai_clien
 
 pytestmark = pytest.mark.integration
 
-DOC = " ".join(f"Station {i} lies {3 * i + 7} km north of the river and opened in {1900 + 4 * i}." for i in range(30))
+DOC = " ".join(f"Station {i} lies {3 * i + 7} km north of the river and opened in {1900 + 4 * i}." for i in range(12))
 
 
 def _ids(smollm2, text: str):
@@ -38,8 +38,8 @@ def _run(gen: Generation, chunk: int | None) -> tuple[list[int], int]:
     return tokens, gen.out.stats.extra.get("prefill_chunks", 1)
 
 
-@pytest.mark.parametrize("chunk", [40, 128])
-def test_chunked_prefill_equals_unchunked_with_and_without_a_prefix_hit(smollm2, chunk):
+def test_chunked_prefill_equals_unchunked_with_and_without_a_prefix_hit(smollm2):
+    chunk = 40  # blocks of 16: the hit ends on a block, the chunks do not
     model, tok = smollm2
     first = _ids(smollm2, DOC + "\nWhich station opened in 1940?")
     second = _ids(smollm2, DOC + "\nHow far north is station 5?")
@@ -47,19 +47,19 @@ def test_chunked_prefill_equals_unchunked_with_and_without_a_prefix_hit(smollm2,
     n = int(second.shape[1])
     tokens, units = _run(Generation(model, tok, second, FullPrefill(), 12), chunk)
     assert tokens == want and units == math.ceil(n / chunk)
-    cache = PrefixCache(256 << 20)  # blocks of 16: the hit ends on a block, the chunks of 40 do not
+    cache = PrefixCache(256 << 20)
     generate(model, tok, first, FullPrefill(), 2, prefix_cache=cache)
     gen = Generation(model, tok, second, FullPrefill(), 12, prefix_cache=cache)
     left = gen.lookup()
-    assert 0 < left < n - 200
+    assert 0 < left < n - 100
     tokens, units = _run(gen, chunk)
     assert tokens == want and units == math.ceil(left / chunk)
 
 
 def test_batched_decode_equals_each_stream_alone(smollm2):
     model, tok = smollm2
-    prompts = [("Say hello.", 9), ("Tell me a long story about a dragon.", 16), (DOC + "\nSummarise.", 12),
-               ("What is 2 + 2?", 5)]
+    prompts = [("Say hello.", 7), ("Tell me a long story about a dragon.", 10), (DOC + "\nSummarise.", 8),
+               ("What is 2 + 2?", 4)]
     want = [generate(model, tok, p, FullPrefill(), n, chat=True, stop_at_eos=False).token_ids for p, n in prompts]
     gens = [Generation(model, tok, _ids(smollm2, p), FullPrefill(), n, stop_at_eos=False) for p, n in prompts]
     batch = DecodeBatch(model)
@@ -74,11 +74,11 @@ def test_batched_decode_equals_each_stream_alone(smollm2):
 
 
 def test_a_short_request_is_answered_during_a_long_prefill(smollm2):
-    """A ~3k-token prompt prefilled in chunks of 64 and, once its prefill has begun, a one-line
+    """A ~1.2k-token prompt prefilled in chunks of 64 and, once its prefill has begun, a one-line
     question: the question's whole answer comes before the long prompt's first token; both
     answers equal the engine's, and the chunks are counted."""
     model, tok = smollm2
-    long_prompt = "\n".join([DOC] * 3) + "\nWhich station opened in 1940?"
+    long_prompt = "\n".join([DOC] * 4) + "\nWhich station opened in 1940?"
     config = ServeConfig(MODEL, prefill_chunk=64, prefix_cache_mb=0, timeout_s=600)
     want_long = generate(model, tok, long_prompt, FullPrefill(), 4, chat=True).text
     want_short = generate(model, tok, "Say hello.", FullPrefill(), 3, chat=True).text
