@@ -602,7 +602,7 @@ def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, 
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(prompts_module, "prepare_prompt", counted)
+    monkeypatch.setattr(prompts_module, "prepare_request", counted)
     over = "a" * (limit + 1)
     for send in (lambda: client.completions.create(model=MODEL, prompt=over, max_tokens=1),
                  lambda: client.chat.completions.create(model=MODEL, messages=user_messages(over), max_tokens=1),
