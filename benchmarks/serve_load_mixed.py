@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in args.schedulers:
         rows += run_scheduler(s, args.model, doc, plan, args)
     header = {**environment(args.threads, resolve_dtype(args.dtype)), "model": args.model,
-              **{k: v for k, v in vars(args).items() if k not in ("model", "out", "name")}}
+              **{k: v for k, v in vars(args).items() if k not in ("model", "out", "name", "dtype")},
+              "dtype_arg": args.dtype}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = result_name(out, f"serve_mixed_{args.model}", name=args.name)
