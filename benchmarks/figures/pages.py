@@ -58,7 +58,7 @@ EXTRA_COLUMNS: dict[str, Any] = {
 
 #: Cells that name a row (matched as text) rather than measure it.
 KEY_COLUMNS = ("length", "method", "model", "tokens", "prompt", "clients", "l", "maps", "link GB/s",
-               "cache the base reads", "selection", "half", "candidate")
+               "cache the base reads", "selection", "half", "candidate", "system")
 
 _SOURCE = re.compile(r"^<!--\s*from:\s*(?:\.\./)*benchmarks/results/([^\s()]+)\s*(?:\(([^)]*)\))?\s*-->", re.MULTILINE)
 _RESULT_PATH = re.compile(r"benchmarks/results/[\w.*{},+-]+")

@@ -26,7 +26,7 @@ import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
 
 __all__ = ["AuxCache", "LayerCache", "LayerKV", "PositionKVCache", "ReplayCache", "fork_cache", "layer_kv",
-           "wrap_dynamic_cache"]
+           "pad_caches", "unpad_row", "wrap_dynamic_cache"]
 
 
 @runtime_checkable
@@ -195,6 +195,41 @@ def wrap_dynamic_cache(
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
     return cache
+
+
+def pad_caches(config: PretrainedConfig, caches: Sequence[DynamicCache]) -> tuple[DynamicCache, list[int]]:
+    """Stack one-row caches into one batched cache, left-padded: layer ``l`` becomes
+    ``(B, H_kv, N_max, d)``, row ``i``'s ``N_i`` positions at its right end after ``N_max - N_i``
+    zero rows. New tokens are then appended at the right end for every row, so each row's keys
+    stay contiguous. Returns the cache and each row's pad ``N_max - N_i`` (the attention mask
+    must hide a row's first ``pad`` keys).
+
+    Raises:
+        ValueError: a cache whose layer holds nothing.
+    """
+    lengths = [c.get_seq_length() for c in caches]
+    n_max = max(lengths)
+    pads = [n_max - n for n in lengths]
+    kv = []
+    for idx in range(len(caches[0].layers)):
+        rows = [layer_kv(c, idx) for c in caches]
+        k0 = rows[0][0]
+        keys = k0.new_zeros((len(rows), k0.shape[1], n_max, k0.shape[3]))  # (B, H_kv, N_max, d)
+        values = torch.zeros_like(keys)
+        for i, ((k, v), pad) in enumerate(zip(rows, pads, strict=True)):
+            keys[i, :, pad:] = k[0]
+            values[i, :, pad:] = v[0]
+        kv.append((keys, values))
+    return wrap_dynamic_cache(config, kv), pads
+
+
+def unpad_row(batched: DynamicCache, row: int, pad: int, target: DynamicCache) -> None:
+    """Write row ``row`` of a :func:`pad_caches` cache (its keys from index ``pad`` on) into the
+    one-row ``target``, in place (copied: the batched tensors can be freed)."""
+    for idx, layer in enumerate(target.layers):
+        keys, values = layer_kv(batched, idx)
+        layer.keys = keys[row:row + 1, :, pad:].clone()  # (1, H_kv, N, d)
+        layer.values = values[row:row + 1, :, pad:].clone()
 
 
 class AuxCache:

@@ -1,40 +1,41 @@
 """Generation engine: prefill through a method, decoding (greedy unless sampling is asked for), honest timings.
 
-- Every prompt is validated first by :func:`fastprefill.prompt.prepare_prompt`, the one
+- Every prompt is validated first by :func:`fastprefill.prompt.prepare_request`, the one
   validator (the distributed pool's workers and the server call it too).
-- :class:`TimingWindow` is the only clock: on CUDA it synchronises the device before each read.
-  TTFT runs from the start of prefill (the prompt ids already on the device) through the first
-  token id (picked from the prefill logits); everything the method does for the first token
-  is inside that window.
+- :class:`~fastprefill.events.TimingWindow` is the only clock: on CUDA it synchronises the
+  device before each read. TTFT runs from the start of prefill (the prompt ids already on the
+  device) through the first token id (picked from the prefill logits); everything the method
+  does for the first token is inside that window.
 - Each token is picked by one call, :meth:`fastprefill.sampling.Choice.pick` on the step's
-  ``(V,)`` logits row (``argmax`` when no sampling is asked for); ``n`` answers share one prefill,
-  each decoding over its own copy of the prefill's cache.
+  ``(V,)`` logits row (``argmax`` when no sampling is asked for); ``n`` answers share one
+  prefill, each decoding over its own copy of the prefill's cache (a :class:`Branch`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Self
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.cache import fork_cache
 from fastprefill.errors import ConfigError
+from fastprefill.events import Answer, GenerationResult, StreamEvent, Timing, TimingWindow
 from fastprefill.host import dtype_name
 from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
 from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
-from fastprefill.prompt import PromptInput, prepare_prompt
+from fastprefill.prompt import PromptInput, prepare_request
 from fastprefill.sampling import Choice, SamplingParams, TokenLogprob, prompt_logprobs
 
 __all__ = [
     "Answer",
+    "Branch",
+    "Generation",
     "GenerationResult",
     "StreamEvent",
-    "TimedPrefill",
     "Timing",
     "TimingWindow",
     "check_answers",
@@ -42,147 +43,7 @@ __all__ = [
     "decoder_for",
     "generate",
     "stream",
-    "timed_prefill",
 ]
-
-@dataclass
-class Timing:
-    """Timings of one generation and what its prefill computed.
-
-    Attributes:
-        method: the method's :meth:`~fastprefill.methods.base.Method.describe` string.
-        prompt_tokens: prompt length ``T``.
-        new_tokens: tokens generated (the first one included).
-        ttft_s: seconds from the start of prefill through the first token.
-        decode_s_per_token: mean seconds per token after the first (``None`` if only one).
-        total_s: TTFT plus all decoding.
-        stats: the prefill's :class:`~fastprefill.methods.base.ComputeStats` (token-layers,
-            FLOPs, method counters), as the method reported it.
-        decode_extra: counters the method's own decoder gathered (``Decoder.stats``).
-        cached_tokens: prompt tokens whose K/V came from a prefix cache (not computed).
-        prefix_cache: what the prefix cache did: ``"off"`` (none given), ``"hit"``, ``"miss"``,
-            or ``"not used: <method> takes no cached prefix"`` (the whole prompt ran).
-        stored_tokens: tokens this generation added to the prefix cache.
-        prefix_lookup_s: of ``ttft_s``, the seconds spent looking the prompt up in the prefix cache
-            (and assembling the hit's K/V).
-        prefix_store_s: seconds spent storing into the prefix cache (after the last token,
-            outside TTFT and decoding).
-        dtype: the model's dtype (``"bfloat16"``, ``"float32"``, ...): every timing names it.
-    """
-
-    method: str
-    prompt_tokens: int
-    new_tokens: int
-    ttft_s: float
-    decode_s_per_token: float | None
-    total_s: float
-    stats: ComputeStats
-    decode_extra: dict[str, Any] = field(default_factory=dict)
-    cached_tokens: int = 0
-    prefix_cache: str = "off"
-    stored_tokens: int = 0
-    prefix_lookup_s: float = 0.0
-    prefix_store_s: float = 0.0
-    dtype: str = ""
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        """Prefill and decode counters in one dict (decode keys win on a clash)."""
-        return {**self.stats.extra, **self.decode_extra}
-
-    def to_dict(self) -> dict[str, Any]:
-        """A flat, JSON-friendly dict (the keys benchmark records and the pool's replies use): the
-        timings, :meth:`ComputeStats.to_dict`'s keys (with ``extra`` the prefill and decode
-        counters of :attr:`extra`), and the prefix cache's fields."""
-        return {
-            "method": self.method,
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "ttft_s": self.ttft_s,
-            "decode_s_per_token": self.decode_s_per_token,
-            "total_s": self.total_s,
-            **self.stats.to_dict(),
-            "extra": self.extra,
-            "cached_tokens": self.cached_tokens,
-            "prefix_cache": self.prefix_cache,
-            "stored_tokens": self.stored_tokens,
-            "prefix_lookup_s": self.prefix_lookup_s,
-            "prefix_store_s": self.prefix_store_s,
-            "dtype": self.dtype,
-        }
-
-
-@dataclass
-class StreamEvent:
-    """One generated token of answer ``choice`` (its ``index``-th). ``timing`` and
-    ``first_logits`` are set on the last event of the generation only, ``finish_reason``
-    (``"stop"`` or ``"length"``) on the last event of each answer, ``logprob`` when the sampling
-    parameters ask for log-probabilities, ``prompt_logprobs`` on the very first event when they
-    ask for the prompt's (see :func:`fastprefill.sampling.prompt_logprobs`)."""
-
-    token_id: int
-    text: str
-    index: int
-    timing: Timing | None = None
-    first_logits: torch.Tensor | None = None
-    choice: int = 0
-    logprob: TokenLogprob | None = None
-    finish_reason: str | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-@dataclass
-class Answer:
-    """One of a generation's ``n`` answers: its text (cut before a stop string), token ids,
-    why it ended (``"stop"``: end-of-sequence token, stop string or ``stop`` predicate;
-    ``"length"``: the token budget) and each token's log-probability if asked for."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class GenerationResult:
-    """The generated text, its token ids, the :class:`Timing` and ``first_logits``: the prefill's
-    ``(V,)`` float32 logits for the first token, a copy on the CPU (taken outside the timing window).
-
-    ``text`` and ``token_ids`` are the first answer's; ``answers`` holds all ``n``, and
-    ``prompt_logprobs`` the prompt's log-probabilities when the sampling parameters ask for them."""
-
-    text: str
-    token_ids: list[int]
-    timing: Timing
-    first_logits: torch.Tensor | None = None
-    answers: list[Answer] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-class TimingWindow:
-    """The engine's clock: ``with TimingWindow(device) as w: ...`` then ``w.seconds``.
-
-    The device is synchronised before the start and the end reads (CUDA work is asynchronous),
-    so the window holds all the work queued inside it.
-    """
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-        self.seconds = 0.0
-        self._t0 = 0.0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def __enter__(self) -> Self:
-        self._sync()
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._sync()
-        self.seconds = time.perf_counter() - self._t0
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
@@ -196,51 +57,20 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) 
     return ids
 
 
-@dataclass
-class TimedPrefill:
-    """A prefill inside the engine's timing window.
-
-    Attributes:
-        output: the method's :class:`~fastprefill.methods.base.PrefillOutput`.
-        first_token: the token picked from its logits (their argmax unless a ``pick`` was given).
-        ttft_s: seconds of the window: prefix lookup, prefill and argmax.
-        cached_tokens: prompt tokens taken from the prefix cache.
-        lookup_s: of ``ttft_s``, the seconds of the prefix-cache lookup (0 without one).
-    """
-
-    output: PrefillOutput
-    first_token: int
-    ttft_s: float
-    cached_tokens: int = 0
-    lookup_s: float = 0.0
-
-
-def timed_prefill(
-    model: PreTrainedModel, input_ids: torch.Tensor, method: Method, prefix_cache: PrefixCache | None = None,
-    pick: Callable[[torch.Tensor], int] | None = None,
-) -> TimedPrefill:
-    """Prefill ``(1, T)`` prepared ids with ``method`` inside the engine's timing window.
-
-    With a ``prefix_cache`` and a method that :attr:`~fastprefill.methods.base.Method.takes_prefix`,
-    the longest cached prefix is looked up (inside the window) and only the rest is prefilled.
-    ``pick`` turns the ``(V,)`` logits into the first token (``None``: their argmax), inside the window.
-    """
-    hit, lookup_s = None, 0.0
-    with torch.inference_mode(), TimingWindow(model.device) as window:
-        if prefix_cache is not None and method.takes_prefix:
-            with TimingWindow(model.device) as lookup:
-                hit = prefix_cache.lookup(model, input_ids)
-            lookup_s = lookup.seconds
-        out = method.prefill(model, input_ids, hit.cache) if hit is not None and hit.tokens else (
-            method.prefill(model, input_ids))
-        token = pick(out.logits) if pick is not None else int(torch.argmax(out.logits))
-    return TimedPrefill(out, token, window.seconds, hit.tokens if hit is not None else 0, lookup_s)
-
-
 def decoder_for(model: PreTrainedModel, out: PrefillOutput) -> Decoder:
     """The decode step the engine uses after ``out``: the method's own :class:`Decoder`, else
     :class:`ModelDecoder` (the model's forward over ``out.cache``)."""
     return out.decoder if out.decoder is not None else ModelDecoder(model, out)
+
+
+def _chunk_stats(parts: list[ComputeStats]) -> ComputeStats:
+    """One prefill's stats from its chunks': what they computed, added up; the full count is the
+    last chunk's (the whole prompt); ``extra`` counts the chunks."""
+    if len(parts) == 1:
+        return parts[0]
+    return ComputeStats(token_layers=sum(p.token_layers for p in parts),
+                        total_token_layers=parts[-1].total_token_layers,
+                        flops=sum(p.flops for p in parts), extra={**parts[-1].extra, "prefill_chunks": len(parts)})
 
 
 def check_answers(model: PreTrainedModel, method: Method, n: int) -> None:
@@ -256,41 +86,237 @@ def check_answers(model: PreTrainedModel, method: Method, n: int) -> None:
                           f"forward; {method.describe()} decodes with its own step (LazyLLM: give revival=none)")
 
 
-def _decoders(model: PreTrainedModel, out: PrefillOutput, n: int) -> list[Decoder]:
-    """One decode step per answer: :func:`decoder_for` ``out`` for the first, and for each of the
-    ``n - 1`` others the model's forward over its own copy of the prefill's cache (made before
-    any step appends to it). :func:`check_answers` has refused ``n > 1`` with a method's own step."""
-    assert n == 1 or out.decoder is None, "n > 1 with a method's own decode step (check_answers)"
-    forks = [ModelDecoder(model, replace(out, cache=fork_cache(out.cache))) for _ in range(n - 1)]
-    return [decoder_for(model, out), *forks]
+class Branch:
+    """One of a generation's answers while it decodes: its :class:`~fastprefill.sampling.Choice`
+    and its decode step over a cache of its own (answer 0 over the prefill's, the others over
+    copies). A decode batch (:class:`~fastprefill.batch.DecodeBatch`) stacks branches as rows.
+
+    Attributes:
+        gen: the generation it belongs to; ``index`` which of its answers.
+        decoder: its decode step (:class:`~fastprefill.methods.base.ModelDecoder` unless the
+            method has its own); ``ragged``: its cache's layers hold different key sets.
+        on_finish: called when the answer ends (a decode batch writes this row's K/V back).
+    """
+
+    def __init__(self, gen: Generation, index: int, decoder: Decoder, ragged: bool) -> None:
+        self.gen, self.index, self.decoder, self.ragged = gen, index, decoder, ragged
+        self.choice = gen.choices[index]
+        self.on_finish: Callable[[], None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.choice.finish_reason is not None
+
+    @property
+    def last_token(self) -> int:
+        """The token the next decode step feeds."""
+        return self.choice.ids[-1]
+
+    def step(self) -> StreamEvent:
+        """One decode step alone: the next token's event."""
+        with torch.inference_mode(), TimingWindow(self.gen.model.device) as window:
+            self.choice.pick(self.decoder.step(self.last_token))  # (V,) logits -> the next token
+        return self.gen.accept(self, window.seconds)
 
 
-def _store(model: PreTrainedModel, prefix_cache: PrefixCache | None, timed: TimedPrefill, input_ids: torch.Tensor,
-           generated: list[int]) -> tuple[int, float]:
-    """Store the exact K/V of the prompt (and of the first answer's fed tokens when the whole
-    prompt was exact) into ``prefix_cache``; ``(tokens stored, seconds)``."""
-    out = timed.output
-    if prefix_cache is None or out.exact_tokens <= timed.cached_tokens:
-        return 0, 0.0
-    n_prompt = int(input_ids.shape[1])
-    # the generated tokens fed through the model are exact too when the whole prompt was
-    with TimingWindow(model.device) as window:
-        fed = generated[:-1] if out.exact_tokens == n_prompt and out.decoder is None else []
-        stored = prefix_cache.store(model, input_ids[0].tolist() + fed, out.cache, out.exact_tokens + len(fed))
-    return stored, window.seconds
+class Generation:
+    """One generation of validated ids (``n`` answers from one prefill), driven one unit of work
+    at a time.
 
+    :func:`stream` runs it to the end at once (the whole prompt in one prefill); the server's
+    scheduler (:mod:`fastprefill.serve.scheduler`) interleaves many: it calls :meth:`prefill`
+    with a token budget, so a method that allows it (``Method.chunked_prefill``) prefills a long
+    prompt chunk by chunk, each chunk a prefill over the K/V of the ones before (the prefix
+    cache's hit path), and then :meth:`step` (or, for a token a batched decode step picked,
+    :meth:`accept`) once per token of each answer. One path, so a chunked answer is the same
+    computation as an unchunked one, and each answer picks its tokens with its own sampler
+    whether it decodes alone or in a batch.
 
-def _timing(model: PreTrainedModel, method: Method, timed: TimedPrefill, n_prompt: int, generated: int, steps: int,
-            decode_time: float, decoder: Decoder, prefix_cache: PrefixCache | None, store: tuple[int, float]) -> Timing:
-    """The :class:`Timing` of a generation: ``generated`` tokens of which ``steps`` were decode steps."""
-    cached = timed.cached_tokens
-    state = ("off" if prefix_cache is None else f"not used: {method.name} takes no cached prefix"
-             if not method.takes_prefix else "hit" if cached else "miss")
-    return Timing(method=method.describe(), prompt_tokens=n_prompt, new_tokens=generated, ttft_s=timed.ttft_s,
-                  decode_s_per_token=decode_time / steps if steps else None, total_s=timed.ttft_s + decode_time,
-                  stats=timed.output.stats, decode_extra=dict(decoder.stats()), cached_tokens=cached,
-                  prefix_cache=state, stored_tokens=store[0], prefix_lookup_s=timed.lookup_s, prefix_store_s=store[1],
-                  dtype=dtype_name(model.dtype))
+    Args:
+        input_ids: ``(1, T)`` ids from :func:`~fastprefill.prompt.prepare_request`.
+        method: the method that runs this prompt (already :meth:`~Method.resolve` d; for
+            ``n > 1``, checked by :func:`check_answers`).
+        max_new_tokens, stop_at_eos, stop, prefix_cache, sampling: as :func:`generate`'s.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, input_ids: torch.Tensor,
+                 method: Method, max_new_tokens: int, *, stop_at_eos: bool = True,
+                 stop: Callable[[str], bool] | None = None, prefix_cache: PrefixCache | None = None,
+                 sampling: SamplingParams | None = None) -> None:
+        self.model, self.tokenizer, self.input_ids, self.method = model, tokenizer, input_ids, method
+        self.params = params = sampling if sampling is not None else SamplingParams()
+        self.n_prompt = int(input_ids.shape[1])
+        self.max_new_tokens = params.max_tokens if params.max_tokens is not None else max_new_tokens
+        self.prefix_cache = prefix_cache
+        eos = _eos_ids(model, tokenizer) if stop_at_eos and not params.ignore_eos else set()
+        self.choices = [Choice(params, i, input_ids, eos, self.max_new_tokens, tokenizer, stop)
+                        for i in range(params.n)]
+        self.uses_cache = prefix_cache is not None and method.takes_prefix
+        self.cached_tokens = 0
+        self.lookup_s = 0.0
+        self.done_tokens = 0  # prompt tokens whose K/V is computed (or was cached)
+        self.out: PrefillOutput | None = None
+        self.branches: list[Branch] = []
+        self.finished = False
+        self.decode_s = 0.0
+        self._cache: DynamicCache | None = None
+        self._looked_up = False
+        self._parts: list[ComputeStats] = []
+        self._started: float | None = None
+        self.ttft_s = 0.0
+        self.first_logits: torch.Tensor | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    # --- prefill ---------------------------------------------------------------------------
+    def lookup(self) -> int:
+        """Look the prompt up in the prefix cache (once; inside TTFT); returns :attr:`remaining`."""
+        if not self._looked_up:
+            self._looked_up = True
+            if self.uses_cache:
+                assert self.prefix_cache is not None
+                with torch.inference_mode(), TimingWindow(self.model.device) as lookup:
+                    hit = self.prefix_cache.lookup(self.model, self.input_ids)
+                self.lookup_s = lookup.seconds
+                self.cached_tokens = self.done_tokens = hit.tokens
+                self._cache = hit.cache if hit.tokens else None
+        return self.remaining
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to prefill."""
+        return self.n_prompt - self.done_tokens
+
+    @property
+    def chunked(self) -> bool:
+        """Whether :meth:`prefill` may run part of the prompt (``Method.chunked_prefill``)."""
+        return self.method.chunked_prefill
+
+    def prefill(self, budget: int | None = None) -> int:
+        """Run one unit of prefill: the next ``min(budget, remaining)`` prompt tokens over the K/V
+        so far if the method is :attr:`chunked`, else (or with ``budget=None``) the whole rest.
+        Once the last prompt token has run, every answer's first token is known
+        (:meth:`first_events`). Returns the prompt tokens this call computed."""
+        self.lookup()
+        if self._started is None:  # TTFT: the lookup, then every unit of prefill through the first token
+            self._started = time.perf_counter() - self.lookup_s
+        todo = self.remaining if budget is None or not self.chunked else max(1, min(budget, self.remaining))
+        end = self.done_tokens + todo
+        with torch.inference_mode(), TimingWindow(self.model.device):  # synchronised: the clock below is honest
+            ids = self.input_ids[:, :end]
+            out = self.method.prefill(self.model, ids, self._cache) if self._cache is not None else (
+                self.method.prefill(self.model, ids))
+            if end == self.n_prompt:
+                self.choices[0].pick(out.logits)
+        self._parts.append(out.stats)
+        self.done_tokens = end
+        if end < self.n_prompt:
+            self._cache = out.cache  # the K/V so far: the next chunk's prefix
+            return todo
+        self._cache = None
+        self.out = dataclasses.replace(out, stats=_chunk_stats(self._parts))
+        self.ttft_s = time.perf_counter() - self._started
+        self.first_logits = out.logits.detach().reshape(-1).to("cpu", torch.float32, copy=True)  # (V,)
+        with torch.inference_mode():
+            for choice in self.choices[1:]:  # the other answers' first tokens, from the same logits
+                choice.pick(out.logits)
+            self.branches = self._branches(self.out)
+            if (top := self.params.prompt_logprobs) is not None:  # one more forward, outside TTFT
+                self.prompt_logprobs = prompt_logprobs(self.model, self.input_ids, top)
+        return todo
+
+    def _branches(self, out: PrefillOutput) -> list[Branch]:
+        """One :class:`Branch` per answer: the first decodes as :func:`decoder_for` says, each
+        other with the model's forward over its own copy of the prefill's cache (made before any
+        step appends to it)."""
+        n = len(self.choices)
+        assert n == 1 or out.decoder is None, "n > 1 with a method's own decode step (check_answers)"
+        forks = [ModelDecoder(self.model, dataclasses.replace(out, cache=fork_cache(out.cache))) for _ in range(n - 1)]
+        return [Branch(self, i, d, out.ragged) for i, d in enumerate([decoder_for(self.model, out), *forks])]
+
+    @property
+    def prefilled(self) -> bool:
+        """Whether the prefill is done (the first tokens known)."""
+        return self.out is not None
+
+    # --- tokens ----------------------------------------------------------------------------
+    @property
+    def generated(self) -> list[int]:
+        """The first answer's token ids so far."""
+        return self.choices[0].ids
+
+    @property
+    def live(self) -> list[Branch]:
+        """The answers still decoding."""
+        return [b for b in self.branches if not b.finished]
+
+    def first_events(self) -> list[StreamEvent]:
+        """Every answer's first token event (after the last unit of :meth:`prefill`)."""
+        return [self.accept(b, 0.0) for b in self.branches]
+
+    def step(self) -> list[StreamEvent]:
+        """One decode step of every live answer, each alone: their next tokens' events."""
+        assert self.prefilled and not self.finished
+        return [b.step() for b in self.live]
+
+    def accept(self, branch: Branch, seconds: float) -> StreamEvent:
+        """The event of the token ``branch`` has just picked (``seconds``: the decode step's time,
+        0 for the first); the event that ends the last answer carries the :class:`Timing`."""
+        choice = branch.choice
+        self.decode_s += seconds
+        index = len(choice.ids) - 1
+        event = StreamEvent(choice.ids[-1], choice.push(choice.ids[-1]), index, choice=choice.index,
+                            logprob=choice.logprobs[-1] if choice.logprobs else None,
+                            finish_reason=choice.finish_reason,
+                            prompt_logprobs=self.prompt_logprobs if choice.index == 0 and index == 0 else None)
+        if branch.finished:
+            if branch.on_finish is not None:
+                branch.on_finish()
+            if not self.live:
+                self.finished = True
+                event.timing, event.first_logits = self._finish(), self.first_logits
+        return event
+
+    def _finish(self) -> Timing:
+        """Store the exact K/V into the prefix cache (after the last token) and time the whole."""
+        out, n_prompt, first = self.out, self.n_prompt, self.choices[0].ids
+        assert out is not None
+        stored, store_s = 0, 0.0
+        if self.prefix_cache is not None and out.exact_tokens > self.cached_tokens:
+            # the first answer's tokens fed through the model are exact too when the whole prompt was
+            with torch.inference_mode(), TimingWindow(self.model.device) as window:
+                fed = first[:-1] if out.exact_tokens == n_prompt and out.decoder is None else []
+                ids = self.input_ids[0].tolist() + fed
+                stored = self.prefix_cache.store(self.model, ids, out.cache, out.exact_tokens + len(fed))
+            store_s = window.seconds
+        generated = sum(len(c.ids) for c in self.choices)
+        steps = generated - len(self.choices)
+        method = self.method
+        return Timing(
+            method=method.describe(), prompt_tokens=n_prompt, new_tokens=generated, ttft_s=self.ttft_s,
+            decode_s_per_token=self.decode_s / steps if steps else None, total_s=self.ttft_s + self.decode_s,
+            stats=out.stats, decode_extra=dict(self.branches[0].decoder.stats()), cached_tokens=self.cached_tokens,
+            prefix_cache=("off" if self.prefix_cache is None else
+                          f"not used: {method.name} takes no cached prefix" if not method.takes_prefix else
+                          "hit" if self.cached_tokens else "miss"),
+            stored_tokens=stored, prefix_lookup_s=self.lookup_s, prefix_store_s=store_s,
+            dtype=dtype_name(self.model.dtype),
+        )
+
+    def close(self) -> None:
+        """Stop early: drop the K/V (nothing is stored into the prefix cache)."""
+        self._cache, self.out, self.branches = None, None, []
+
+    def run(self, chunk: int | None = None) -> Iterator[StreamEvent]:
+        """The whole generation: the prompt in one prefill (or in units of ``chunk`` tokens,
+        see :meth:`prefill`), then one decode step per token, the answers in turn."""
+        while not self.prefilled:
+            self.prefill(chunk)
+        events = self.first_events()
+        while True:
+            yield from events
+            if self.finished:
+                return
+            events = self.step()
 
 
 def stream(
@@ -314,53 +340,17 @@ def stream(
     never a part of a stop string (:class:`~fastprefill.text.StopStrings`); an answer's texts add
     up to :func:`generate`'s. With ``n`` answers their events alternate, one token of each in
     turn. The last event carries the :class:`Timing`. See :func:`generate` for the arguments
-    (``stop`` is called with the text of the answer's events so far).
+    (``stop`` is called with the text of the answer's events so far). TTFT runs from the
+    prefix-cache lookup (or the prefill) through the first token's pick.
     """
     params = sampling if sampling is not None else SamplingParams()
     budget = params.max_tokens if params.max_tokens is not None else max_new_tokens
     method = method if method is not None else FullPrefill()
-    input_ids = prepare_prompt(model, tokenizer, prompt, method, max_new_tokens=budget, chat=chat)
+    input_ids, method = prepare_request(model, tokenizer, prompt, method, max_new_tokens=budget, chat=chat)
     params.check_vocab(model.get_input_embeddings().num_embeddings)
-    n_prompt = int(input_ids.shape[1])
-    method = method.resolve(model, n_prompt)
     check_answers(model, method, params.n)
-    device = model.device
-    eos = _eos_ids(model, tokenizer) if stop_at_eos and not params.ignore_eos else set()
-    choices = [Choice(params, i, input_ids, eos, budget, tokenizer, stop) for i in range(params.n)]
-
-    timed = timed_prefill(model, input_ids, method, prefix_cache, pick=choices[0].pick)
-    out = timed.output
-    first_logits = out.logits.detach().reshape(-1).to("cpu", torch.float32, copy=True)  # (V,)
-    prompt_lp = prompt_logprobs(model, input_ids, params.prompt_logprobs) if params.prompt_logprobs is not None else None
-    decode_time = 0.0
-    with torch.inference_mode():
-        decoders = _decoders(model, out, params.n)
-        tokens = [timed.first_token] + [c.pick(out.logits) for c in choices[1:]]  # every answer's first token
-        live = list(range(params.n))
-        while live:
-            for i in tuple(live):
-                choice = choices[i]
-                event = StreamEvent(tokens[i], choice.push(tokens[i]), len(choice.ids) - 1, choice=i,
-                                    logprob=choice.logprobs[-1] if choice.logprobs else None,
-                                    finish_reason=choice.finish_reason,
-                                    prompt_logprobs=prompt_lp if i == 0 and len(choice.ids) == 1 else None)
-                if choice.finish_reason is not None:
-                    live.remove(i)
-                    if not live:  # the generation's last event: with its timing
-                        break
-                    yield event
-                    continue
-                yield event
-                with TimingWindow(device) as window:
-                    tokens[i] = choice.pick(decoders[i].step(tokens[i]))  # (V,) logits -> the next token
-                decode_time += window.seconds
-
-        store = _store(model, prefix_cache, timed, input_ids, choices[0].ids)
-        generated = sum(len(c.ids) for c in choices)
-        event.timing = _timing(model, method, timed, n_prompt, generated, generated - params.n, decode_time,
-                               decoders[0], prefix_cache, store)
-        event.first_logits = first_logits
-        yield event
+    yield from Generation(model, tokenizer, input_ids, method, budget, stop_at_eos=stop_at_eos, stop=stop,
+                          prefix_cache=prefix_cache, sampling=params).run()
 
 
 def collect(events: Sequence[Sequence[StreamEvent]], tokenizer: PreTrainedTokenizerBase | None,
@@ -420,7 +410,7 @@ def generate(
         answer in ``answers``.
 
     Raises:
-        PromptError, ConfigError, UnsupportedModelError: as :func:`prepare_prompt` says;
+        PromptError, ConfigError, UnsupportedModelError: as :func:`prepare_request` says;
             ConfigError for a ``logit_bias`` id outside the vocabulary, or ``n > 1`` with a
             method that decodes with its own step.
     """

@@ -18,7 +18,7 @@ from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import check_causal_lm
 
-__all__ = ["PromptInput", "context_length", "encode_prompt", "prepare_prompt"]
+__all__ = ["PromptInput", "context_length", "encode_prompt", "prepare_prompt", "prepare_request"]
 
 #: What a prompt may be: text (or UTF-8 bytes), or token ids as a list or a ``(T,)`` / ``(1, T)`` tensor.
 PromptInput = str | bytes | Sequence[int] | torch.Tensor
@@ -96,7 +96,22 @@ def prepare_prompt(
     max_new_tokens: int = 64,
     chat: bool = False,
 ) -> torch.Tensor:
-    """Validate a request and return its ``(1, T)`` int64 ids on the model's device.
+    """Validate a request and return its ``(1, T)`` int64 ids on the model's device
+    (:func:`prepare_request`'s ids)."""
+    return prepare_request(model, tokenizer, prompt, method, max_new_tokens=max_new_tokens, chat=chat)[0]
+
+
+def prepare_request(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt: PromptInput,
+    method: Method | None = None,
+    *,
+    max_new_tokens: int = 64,
+    chat: bool = False,
+) -> tuple[torch.Tensor, Method]:
+    """Validate a request: its ``(1, T)`` int64 ids on the model's device, and the method that
+    runs them (``method.resolve`` for this prompt: ``auto``'s choice, else ``method`` itself).
 
     The only validator of fastprefill: everything a request can get wrong is refused here,
     before any work or communication starts.
@@ -140,4 +155,4 @@ def prepare_prompt(
     if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
         raise PromptError(f"prompt ids must lie in [0, {vocab}); got {int(input_ids.min())}..{int(input_ids.max())}")
     chosen.check_prompt(model, n_prompt)
-    return input_ids.to(model.device)
+    return input_ids.to(model.device), chosen

@@ -24,14 +24,12 @@ from urllib.parse import urlparse
 import openai
 import pytest
 from fastapi import FastAPI
-from prometheus_client.parser import text_string_to_metric_families
 
 from fastprefill.distributed.runtime import free_port
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import DistributedMethod
 from fastprefill.methods.registry import METHODS, make_method
-from fastprefill.sampling import SamplingParams
 from fastprefill.serve import ServeConfig, background, create_app
 from fastprefill.serve.app import EXIT_GRACE_S
 from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, served_name, serving_method
@@ -199,41 +197,6 @@ def test_a_multi_rank_default_method_is_refused_at_start(tiny_llama):
         with pytest.raises(ConfigError, match="several ranks"):
             MethodTable(tiny_llama, spec, ())
     assert MethodTable(tiny_llama, "gemfilter:keep=0.5,select_layer=1", ()).get(None)[0] == "gemfilter"
-
-
-def test_a_closed_worker_fails_the_waiting_jobs_and_refuses_new_ones():
-    import asyncio
-
-    import torch
-
-    from fastprefill.serve.metrics import ServeMetrics
-    from fastprefill.serve.worker import Failed, Job, Worker
-
-    metrics = ServeMetrics()
-    worker = Worker(None, None, metrics, capacity=2)  # never started: the jobs stay queued
-    loop = asyncio.new_event_loop()
-    try:
-        def job() -> Job:
-            return Job(torch.tensor([[1, 2]]), make_method("full"), "full", 4, SamplingParams(), False, 0.0, 1e9,
-                       metrics, loop)
-
-        waiting = [job(), job()]
-        for j in waiting:
-            worker.submit(j)
-        worker.close(APIError(503, "the server is shutting down", kind="server_error"))
-        loop.run_until_complete(asyncio.sleep(0))  # deliver the posted events
-        for j in waiting:
-            event = j.events.get_nowait()
-            assert isinstance(event, Failed) and event.error.status == 503 and j.cancelled
-        for _ in range(2):  # every later submission, each with an error of its own
-            with pytest.raises(APIError) as info:
-                worker.submit(job())
-            assert info.value.status == 503 and info.value.message == "the server is shutting down"
-    finally:
-        loop.close()
-    samples = {s.labels["outcome"]: s.value for f in text_string_to_metric_families(metrics.render().decode())
-               for s in f.samples if s.name == "fastprefill_requests_total"}
-    assert samples == {"shutting_down": 2.0}
 
 
 ADVERSARIAL = [  # texts that pack many characters into few tokens, or that a normalizer shrinks
@@ -633,14 +596,14 @@ def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, 
 
     limit = served_app.state.server.prompts.max_prompt_chars
     assert limit is not None and limit < 2**20
-    real = prompts_module.prepare_prompt
+    real = prompts_module.prepare_request
     calls: list[int] = []
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(prompts_module, "prepare_prompt", counted)
+    monkeypatch.setattr(prompts_module, "prepare_request", counted)
     over = "a" * (limit + 1)
     for send in (lambda: client.completions.create(model=MODEL, prompt=over, max_tokens=1),
                  lambda: client.chat.completions.create(model=MODEL, messages=user_messages(over), max_tokens=1),
@@ -660,7 +623,7 @@ def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, 
 def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref, monkeypatch):
     import fastprefill.serve.prompts as prompts_module
 
-    real = prompts_module.prepare_prompt
+    real = prompts_module.prepare_request
     slow_started = threading.Event()
 
     def slow_for_long_prompts(model, tok, prompt, *args, **kwargs):
@@ -669,7 +632,7 @@ def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref
             time.sleep(4)
         return real(model, tok, prompt, *args, **kwargs)
 
-    monkeypatch.setattr(prompts_module, "prepare_prompt", slow_for_long_prompts)
+    monkeypatch.setattr(prompts_module, "prepare_request", slow_for_long_prompts)
     long_done = threading.Event()
 
     def long_request() -> None:
@@ -759,7 +722,8 @@ def test_a_client_that_disconnects_stops_its_generation(served, client, ref):
 @pytest.mark.integration
 def test_a_full_queue_answers_429_and_the_queued_request_still_completes(smollm2, ref):
     model, tok = smollm2
-    with background(create_app(model, tok, ServeConfig(MODEL, queue_size=1, timeout_s=600))) as url:
+    # one request runs at a time (max_running=1), so the second waits and the third finds the queue full
+    with background(create_app(model, tok, ServeConfig(MODEL, queue_size=1, timeout_s=600, max_running=1))) as url:
         cl = openai_client(url)
         long = cl.chat.completions.create(model=MODEL, messages=user_messages("Tell me a long story."), max_tokens=400,
                                           stream=True, extra_body={"fastprefill": {"ignore_eos": True}})
@@ -840,7 +804,7 @@ def test_sigterm_drains_the_stream_answers_the_waiting_and_exits_in_time(tmp_pat
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = (tmp_path / "server.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "fastprefill.cli", "serve", "--port", str(port), "--threads", "1",
-                             "--queue", "2", "--drain-timeout", str(drain_s), "--log-level", "warning"],
+                             "--queue", "2", "--max-running", "1", "--drain-timeout", str(drain_s), "--log-level", "warning"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600

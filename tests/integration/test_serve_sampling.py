@@ -168,3 +168,34 @@ def test_load_generator_extensions_are_honoured(client, smollm2):
     r = client.chat.completions.create(model=MODEL, messages=user_messages("Hi"), max_tokens=24,
                                        extra_body={"min_tokens": 12})
     assert r.choices[0].message.content == ref.text and r.usage.completion_tokens == len(ref.token_ids) > 12
+
+
+@pytest.mark.integration
+def test_concurrent_seeded_requests_decode_in_one_batch_and_keep_their_answers(client, served, smollm2):
+    """Three seeded requests (one with n=2) sent at once are admitted together and decode as rows
+    of one batch (the decode-batch histogram sees steps of more than one row); each answer is
+    the engine's alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, tok = smollm2
+    asks = [("Name a colour.", 0.8, 1, 1), ("Write one sentence about the sea.", 1.1, 7, 2), ("Count to five.", 0.6, 3, 1)]
+
+    def shared_steps() -> float:  # decode steps that ran more than one stream
+        return (metric_value(served, "fastprefill_decode_batch_size_count")
+                - metric_value(served, "fastprefill_decode_batch_size_bucket", le="1.0"))
+
+    before = shared_steps()
+
+    def ask(a):
+        prompt, temperature, seed, n = a
+        r = client.chat.completions.create(model=MODEL, messages=user_messages(prompt), max_tokens=12, n=n,
+                                           temperature=temperature, seed=seed, extra_body={"ignore_eos": True})
+        return [c.message.content for c in r.choices]
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(ask, asks))
+    want = [[a.text for a in generate(model, tok, p, FullPrefill(), 12, chat=True,
+                                      sampling=SamplingParams(temperature=t, seed=s, n=n, ignore_eos=True)).answers]
+            for p, t, s, n in asks]
+    assert got == want
+    assert shared_steps() > before

@@ -29,9 +29,9 @@ def test_every_committed_summary_reproduces_from_its_records():
                  and not p.name.startswith(("serve_load_", "serve_runahead_load_", "serve_soak_"))]
     assert set(summaries) <= set(report.checked)
     records_with_md = [p.name for p in RESULTS.glob("*.md") if p.with_suffix(".jsonl").exists()]
-    # every committed table over records is checked, except the KV-Runahead, load, soak and
+    # every committed table over records is checked, except the KV-Runahead, load (mixed too), soak and
     # kvp-prefix sweep ones (not bench records: the sweeps are checked below)
-    not_records = ("runahead_", "serve_load_", "serve_runahead_load_", "serve_soak_", "kvp_lsweep_")
+    not_records = ("runahead_", "serve_load_", "serve_mixed_", "serve_runahead_load_", "serve_soak_", "kvp_lsweep_")
     assert {m for m in records_with_md if not m.startswith(not_records)} <= set(report.checked)
     assert all(not name.startswith(("lazyllm_", "kvp_", "baseline_")) or name.startswith(not_records)
                or "no committed summary" in why for name, why in report.skipped.items())

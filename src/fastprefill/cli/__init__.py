@@ -191,7 +191,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(model_name=args.model, method=args.method, allow_methods=tuple(args.allow_method),
                          queue_size=args.queue, timeout_s=args.timeout, max_tokens=args.max_tokens,
                          max_body_mb=args.max_body_mb, drain_timeout_s=args.drain_timeout,
-                         prefix_cache_mb=args.prefix_cache_mb, prefix_cache_dir=args.prefix_cache_dir)
+                         prefix_cache_mb=args.prefix_cache_mb, prefix_cache_dir=args.prefix_cache_dir,
+                         scheduler=args.scheduler, prefill_chunk=args.prefill_chunk, max_running=args.max_running)
     if under_torchrun():  # every process is a rank; rank 0 serves HTTP (docs/serving.md)
         return serve_torchrun(config, host=args.host, port=args.port, threads=args.threads_per_rank,
                               log_level=args.log_level, control_port=args.control_port, device=args.device,
@@ -210,7 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         err_console.print(f"[yellow]warning:[/yellow] listening on {args.host}: the server has no authentication")
     err_console.print(f"serving {args.model} ({app.state.server.health()['method']}) at http://{args.host}:{args.port}/v1"
-                      f"; queue {args.queue}, timeout {args.timeout:g} s, bodies up to {args.max_body_mb:g} MiB, "
+                      f"; {args.scheduler} scheduler, queue {args.queue}, timeout {args.timeout:g} s, bodies up to {args.max_body_mb:g} MiB, "
                       f"drain {args.drain_timeout:g} s on SIGTERM, {args.threads} threads, prefix cache "
                       f"{f'{args.prefix_cache_mb:g} MiB' if args.prefix_cache_mb else 'off'}"
                       f"{f', {ranks.procs} ranks (pids {ranks.pids})' if ranks else ''}", highlight=False)
@@ -347,7 +348,16 @@ def _add_serve(sub: Any) -> None:
                    help="another spec requests may name, built at start (e.g. kvp:predictor=DIR; repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (no authentication: keep it local)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--queue", type=_positive, default=16, help="requests that may wait while one generates")
+    p.add_argument("--queue", type=_positive, default=16,
+                   help="requests that may wait to be admitted (beyond --max-running); more get 429")
+    p.add_argument("--scheduler", choices=["interleaved", "fifo"], default="interleaved",
+                   help="interleaved: requests run side by side (chunked prefill, short work first, batched "
+                        "decode); fifo: one request at a time, start to end (docs/serving.md)")
+    p.add_argument("--prefill-chunk", type=_positive, default=512, metavar="TOKENS",
+                   help="interleaved: tokens of prefill between two decode steps; a longer prompt (full prefill) "
+                        "is prefilled in chunks of this size (set it by measurement: docs/serving.md)")
+    p.add_argument("--max-running", type=_positive, default=8, metavar="N",
+                   help="interleaved: requests run at once (the largest decode batch)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queue wait included")
     p.add_argument("--max-tokens", type=_positive, default=256, help="tokens when a request gives no max_tokens")
     p.add_argument("--max-body-mb", type=float, default=8.0,

@@ -158,6 +158,10 @@ class Method(ABC):
     #: True when :meth:`prefill` accepts ``prefix``: the exact K/V of the prompt's first
     #: positions, from a prefix cache; the method computes only the rest of the prompt.
     takes_prefix: ClassVar[bool] = False
+    #: True when the method is exact and prefilling ``ids[:, :e]`` over the exact K/V of
+    #: ``ids[:, :p]`` (the prefix path) is the same computation as prefilling it whole: a
+    #: scheduler may then split a long prompt into chunks, each a prefill over the K/V so far.
+    chunked_prefill: ClassVar[bool] = False
 
     # --- capability queries (static: nothing is built) ---------------------------------------
     @classmethod

@@ -5,7 +5,9 @@ engine decodes one token at a time from that cache with the model's forward, exa
 transformers' greedy ``generate`` does (the tests assert the same tokens). Only the last
 position goes through the LM head (``logits_to_keep=1``), as in ``generate``, so the baseline
 is not handicapped. With a cached prefix it runs only the rest of the prompt over the prefix's
-keys and values: the same computation, so the same logits to float rounding.
+keys and values: the same computation, so the same logits to float rounding. The same path
+prefills a long prompt in chunks (``chunked_prefill``): each chunk runs over the K/V of the ones
+before, as over a cached prefix.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class FullPrefill(Method):
 
     name: ClassVar[str] = "full"
     takes_prefix: ClassVar[bool] = True
+    chunked_prefill: ClassVar[bool] = True
 
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
         n, p = int(input_ids.shape[1]), prefix_length(prefix)

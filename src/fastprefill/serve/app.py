@@ -1,18 +1,20 @@
-"""The FastAPI application: OpenAI-compatible routes over one model and one :class:`Worker`.
+"""The FastAPI application: OpenAI-compatible routes over one model and one
+:class:`~fastprefill.serve.scheduler.Scheduler`.
 
 A completion request goes: body (at most ``--max-body-mb``) -> schema and sampling parameters ->
-method (the server's, or the request's ``"fastprefill": {"method": SPEC}``) -> the prompt's
-length in characters against what the context can hold, then
-:func:`fastprefill.prompt.prepare_prompt` on a checker thread
-(:class:`~fastprefill.serve.prompts.PromptChecker`) -> the bounded queue -> the worker. Every refusal is answered in OpenAI's
+method (the server's, or the request's ``"fastprefill": {"method": SPEC}``) and its backend
+(:class:`~fastprefill.serve.backends.Backends`) -> the prompt's length in characters against
+what the context can hold, then :func:`fastprefill.prompt.prepare_request` on a checker thread
+(:class:`~fastprefill.serve.prompts.PromptChecker`) -> one prepared
+:class:`~fastprefill.serve.worker.Job` -> the scheduler's bounded queue. Every refusal is answered in OpenAI's
 error shape: 400 (404 for an unknown model name or route, 405 for a wrong HTTP method, 413 for
 a body over the limit, 429 when the queue is full, 503 while shutting down, 500 for an
 unexpected failure, which the server log details); nothing a request does changes the server's
 state for the next one.
 
 Shutdown (SIGTERM or SIGINT under :func:`run`): the server stops taking requests (503), fails
-the waiting ones with 503, lets the running generation finish for up to ``--drain-timeout``
-seconds and then ends it with an error event, and exits once the answers are out: within
+the waiting ones with 503, lets the running generations finish for up to ``--drain-timeout``
+seconds and then ends them with an error event, and exits once the answers are out: within
 ``--drain-timeout`` + :data:`EXIT_GRACE_S` seconds. A second signal exits at once.
 """
 
@@ -35,12 +37,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastprefill.engine import generate
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.host import dtype_name, precision_report
-from fastprefill.methods.base import DistributedMethod
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 from fastprefill.serve.answers import Finished, Responder, Token, running_usage
+from fastprefill.serve.backends import Backends
 from fastprefill.serve.config import MethodTable, ServeConfig, served_name
 from fastprefill.serve.limits import read_body
 from fastprefill.serve.metrics import ServeMetrics
@@ -57,7 +58,8 @@ from fastprefill.serve.protocol import (
     usage_block,
 )
 from fastprefill.serve.ranks import ServedPool
-from fastprefill.serve.worker import Failed, Job, Worker, internal_error, ranks_down, timeout_error
+from fastprefill.serve.scheduler import Scheduler, make_policy
+from fastprefill.serve.worker import Failed, Job, internal_error, ranks_down, timeout_error
 
 __all__ = ["Server", "create_app"]
 
@@ -67,7 +69,7 @@ log = logging.getLogger(__name__)
 DRAIN_GRACE_S = 2.0
 #: Seconds uvicorn then gives open connections to close.
 CLOSE_GRACE_S = 3.0
-#: Seconds the worker thread then gets to stop (it is a daemon: a prefill cannot hold the process).
+#: Seconds the scheduler thread then gets to stop (a daemon: a prefill cannot hold the process).
 WORKER_JOIN_S = 2.0
 #: What a shutdown may take past ``--drain-timeout``: the three grace periods above.
 EXIT_GRACE_S = DRAIN_GRACE_S + CLOSE_GRACE_S + WORKER_JOIN_S
@@ -129,8 +131,9 @@ class Server:
         self.ranks = ranks
         self.methods = MethodTable(model, config.method, config.allow_methods, ranks.procs if ranks else 1)
         self.prefix_cache = self._open_prefix_cache()
-        self.worker = Worker(model, tokenizer, self.metrics, config.queue_size, self.prefix_cache, ranks)
-        self.prompts = PromptChecker(model, tokenizer)  # validates prompts beside the worker's generation
+        self.backends = Backends(model, tokenizer, self.prefix_cache, ranks)
+        self.scheduler = Scheduler(model, tokenizer, self.metrics, config.queue_size, make_policy(config))
+        self.prompts = PromptChecker(model, tokenizer)  # validates prompts beside the scheduler's work
         self.wire_tokenizer = copy.deepcopy(tokenizer)  # the event loop's own (token texts, echo): not thread-safe
         self.created = int(time.time())
         self.draining = False
@@ -165,13 +168,13 @@ class Server:
         return cache
 
     def start(self) -> None:
-        self.worker.start()
+        self.scheduler.start()
 
     def stop(self) -> None:
-        """Fail what is waiting or running with 503, stop the worker (the app's shutdown), and
+        """Fail what is waiting or running with 503, stop the scheduler (the app's shutdown), and
         save the prefix cache to ``prefix_cache_dir`` if one is set."""
         self.draining = True
-        self.worker.stop(_shutting_down(), timeout=WORKER_JOIN_S)
+        self.scheduler.stop(_shutting_down(), timeout=WORKER_JOIN_S)
         self.prompts.close()
         self.save_prefix_cache()
         if self.ranks is not None:
@@ -179,12 +182,12 @@ class Server:
 
     def save_prefix_cache(self) -> Path | None:
         """Write the prefix cache to ``prefix_cache_dir`` (``None``: no folder, no cache, nothing
-        cached yet, or the worker still running, which the log says)."""
+        cached yet, or the scheduler still running, which the log says)."""
         cache, folder = self.prefix_cache, self.config.prefix_cache_dir
         if cache is None or folder is None or not cache.num_blocks:
             return None
-        if self.worker.alive:
-            log.warning("prefix cache not saved: the worker is still generating")
+        if self.scheduler.alive:
+            log.warning("prefix cache not saved: the scheduler is still generating")
             return None
         try:
             path = cache.save(folder)
@@ -204,14 +207,14 @@ class Server:
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests (503), fail the waiting ones with 503, give the running
-        generation up to ``timeout_s`` seconds and then end it with a 503 error, and wait up to
-        :data:`DRAIN_GRACE_S` more seconds for the last answers to be sent."""
+        generations up to ``timeout_s`` seconds and then end them with a 503 error, and wait up
+        to :data:`DRAIN_GRACE_S` more seconds for the last answers to be sent."""
         self.draining = True
-        self.worker.close(self._refusal())
+        self.scheduler.close(self._refusal())
         deadline = time.monotonic() + timeout_s
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if (job := self.worker.current) is not None:
+        for job in self.scheduler.jobs:
             job.fail(_cut_short())
         deadline = time.monotonic() + DRAIN_GRACE_S
         while self.active and time.monotonic() < deadline:
@@ -220,13 +223,8 @@ class Server:
     def warm_up(self) -> None:
         """One short generation per method built at start (first calls are slow; a method that
         cannot run on this model fails here, not on the first request)."""
-        ids = [(1000 + i) % self.prompts.vocab_size for i in range(64)]
-        for _, method in self.methods.built.values():
-            if isinstance(method, DistributedMethod):
-                assert self.ranks is not None
-                self.ranks.warm_up(method, self.prompts.vocab_size)
-            else:
-                generate(self.model, self.tokenizer, ids, method, max_new_tokens=2)
+        self.backends.warm_up([method for _, method in self.methods.built.values()], self.prompts.vocab_size,
+                              batched=self.scheduler.policy.max_running > 1)
 
     # --- requests ------------------------------------------------------------------------------
     async def complete(self, request: Request, chat: bool) -> Response:
@@ -255,14 +253,12 @@ class Server:
             max_tokens = req.budget() or self.config.max_tokens
             sampling = req.sampling(self.prompts.vocab_size, max_tokens)
             label, method = self.methods.get(req.fastprefill.method)
-            if isinstance(method, DistributedMethod) and self.ranks is not None and self.ranks.closed:
-                raise ranks_down(self.ranks.failure or "closed", fatal=self.ranks.fatal)
+            backend = self.backends.for_method(method)  # a 503 once its rank pool has failed
             self.prompts.check_lengths(req)
-            ids = await self.prompts.prompt_ids(req, method, max_tokens)
-            loop = asyncio.get_running_loop()
-            job = Job(ids, method, label, max_tokens, sampling, req.stream, arrived, arrived + self.config.timeout_s,
-                      self.metrics, loop)
-            self.worker.submit(job)
+            ids, method = await self.prompts.prompt_ids(req, method, max_tokens)
+            job = Job(ids, method, backend, label, max_tokens, sampling, req.stream, arrived,
+                      arrived + self.config.timeout_s, self.metrics, asyncio.get_running_loop())
+            self.scheduler.submit(job)
         except APIError as exc:
             self.metrics.requests.labels(label, exc.outcome).inc()
             return _error(exc)
@@ -332,8 +328,9 @@ class Server:
             "status": "draining" if self.draining else "ok",
             "model": self.config.model_name,
             "method": served_name(self.methods.built[self.methods.default][1]),
-            "busy": self.worker.current is not None,
-            "queue": {"waiting": self.worker.waiting, "capacity": self.config.queue_size},
+            "busy": self.scheduler.busy,
+            "queue": {"waiting": self.scheduler.waiting, "capacity": self.config.queue_size,
+                      "running": len(self.scheduler.running), "scheduler": self.config.scheduler},
             "timeout_s": self.config.timeout_s,
             "dtype": dtype_name(self.model.dtype),
             "ranks": None if self.ranks is None else {"procs": self.ranks.procs, "pids": self.ranks.pids,
@@ -366,7 +363,7 @@ class Server:
 
 def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: ServeConfig,
                ranks: ServedPool | None = None) -> FastAPI:
-    """The FastAPI app serving ``model`` (the worker starts and stops with the app's lifespan).
+    """The FastAPI app serving ``model`` (the scheduler starts and stops with the app's lifespan).
 
     ``ranks``: the rank pool for the config's multi-rank methods (made by
     :func:`~fastprefill.serve.ranks.start_ranks`, closed at shutdown); ``None``: none.

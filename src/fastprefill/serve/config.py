@@ -17,7 +17,7 @@ from fastprefill.methods.pruning import PruneOptions
 from fastprefill.methods.registry import METHODS, make_method, parse_spec
 from fastprefill.serve.protocol import APIError
 
-__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "SERVER_REVIVAL", "MethodTable", "ServeConfig",
+__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "SCHEDULERS", "SERVER_REVIVAL", "MethodTable", "ServeConfig",
            "metric_label", "served_name", "serving_method"]
 
 #: Methods a request may build by name: their settings are plain values. The others (``kvp``
@@ -28,6 +28,8 @@ PER_REQUEST_METHODS = frozenset({"full", "lazyllm", "random", "static", "gemfilt
 #: paper's Aux-Cache revival (``all``) recomputes deferred tokens while decoding. A request may
 #: still ask for ``lazyllm:...,revival=all``; the usage block's method names the policy.
 SERVER_REVIVAL = "none"
+#: The schedulers a server may run (:mod:`fastprefill.serve.scheduler`).
+SCHEDULERS = frozenset({"interleaved", "fifo"})
 #: Methods that run over several processes: served only by a server with a rank pool of their size.
 MULTI_RANK_METHODS = frozenset({"runahead", "tsp"})
 
@@ -51,6 +53,13 @@ class ServeConfig:
             rest (:class:`~fastprefill.prefix_cache.PrefixCache`).
         prefix_cache_dir: a folder where the prefix cache is loaded from at start (a corrupt or
             mismatched file is refused with a log message and ignored) and saved to at shutdown.
+        scheduler: ``"interleaved"`` (requests run side by side: chunked prefill, short work
+            first, batched decode; :mod:`fastprefill.serve.scheduler`) or ``"fifo"`` (one request
+            at a time, start to end, in arrival order).
+        prefill_chunk: tokens of prefill the interleaved scheduler runs between two decode steps
+            (>= 16): a longer prompt of an exact method is prefilled in chunks of this size.
+        max_running: requests the interleaved scheduler runs at once (>= 1; the largest decode
+            batch); more wait in the queue of ``queue_size``.
     """
 
     model_name: str
@@ -63,6 +72,9 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     prefix_cache_mb: float = 1024.0
     prefix_cache_dir: str | None = None
+    scheduler: str = "interleaved"
+    prefill_chunk: int = 512
+    max_running: int = 8
 
     def __post_init__(self) -> None:
         def count(v: object) -> bool:
@@ -73,6 +85,9 @@ class ServeConfig:
 
         check_fields(self, (
             ("queue_size", count(self.queue_size), "an integer >= 1"),
+            ("scheduler", isinstance(self.scheduler, str) and self.scheduler in SCHEDULERS, f"one of {sorted(SCHEDULERS)}"),
+            ("prefill_chunk", is_int(self.prefill_chunk, 16), "an integer number of tokens >= 16"),
+            ("max_running", count(self.max_running), "an integer >= 1"),
             ("max_tokens", count(self.max_tokens), "an integer >= 1"),
             ("timeout_s", seconds(self.timeout_s, 0) and self.timeout_s > 0, "a finite number of seconds > 0"),
             ("max_body_mb", seconds(self.max_body_mb, 0) and self.max_body_mb > 0, "a finite number > 0"),

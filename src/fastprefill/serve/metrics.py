@@ -17,11 +17,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 __all__ = ["ServeMetrics"]
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_BATCH = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 _TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 
 
 class ServeMetrics:
-    """TTFT, decode time, queue wait, prompt sizes, token-layers, prefix-cache hits and request outcomes."""
+    """TTFT, decode time, queue wait, prompt sizes, token-layers, prefix-cache hits, request
+    outcomes, and the scheduler's prefill chunks, decode batch sizes and decode step times."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -30,8 +32,14 @@ class ServeMetrics:
                               m, buckets=_SECONDS, registry=r)
         self.decode = Histogram("fastprefill_decode_seconds_per_token", "mean decode seconds per token of a request",
                                 m, buckets=_SECONDS, registry=r)
-        self.queue_wait = Histogram("fastprefill_queue_wait_seconds", "seconds from arrival to the start of generation",
-                                    m, buckets=_SECONDS, registry=r)
+        self.queue_wait = Histogram("fastprefill_queue_wait_seconds", "seconds from arrival to the start of generation "
+                                    "(the scheduler admitting the request)", m, buckets=_SECONDS, registry=r)
+        self.prefill_chunks = Counter("fastprefill_prefill_chunks", "units of prefill run (a chunk of a chunked "
+                                      "prefill, or a whole prompt)", m, registry=r)
+        self.decode_batch = Histogram("fastprefill_decode_batch_size", "streams decoded by one scheduler step",
+                                      buckets=_BATCH, registry=r)
+        self.decode_step = Histogram("fastprefill_decode_step_seconds", "seconds of one scheduler decode step (every "
+                                     "running stream's next token)", buckets=_SECONDS, registry=r)
         self.prompt_tokens = Histogram("fastprefill_prompt_tokens", "prompt length in tokens",
                                        m, buckets=_TOKENS, registry=r)
         self.token_layers = Counter("fastprefill_prompt_token_layers_computed",
@@ -55,8 +63,11 @@ class ServeMetrics:
         self.requests = Counter("fastprefill_requests", "requests by outcome: ok, bad_request, too_large, "
                                 "queue_full, timeout, cancelled (client gone), shutting_down, error",
                                 [*m, "outcome"], registry=r)
-        self.waiting = Gauge("fastprefill_queue_waiting", "requests waiting for the worker", registry=r)
-        self.busy = Gauge("fastprefill_busy", "1 while the worker generates", registry=r)
+        self.waiting = Gauge("fastprefill_queue_waiting", "requests waiting for the scheduler to admit them",
+                             registry=r)
+        self.busy = Gauge("fastprefill_busy", "1 while the scheduler runs a request", registry=r)
+        self.running = Gauge("fastprefill_running", "requests the scheduler has admitted (prefilling or decoding)",
+                             registry=r)
         self.precision = Info("fastprefill_precision", "the served model's dtype and device, and the CPU's bfloat16 "
                               "matrix units (amx_bf16, avx512_bf16 or none) and vector ISA", registry=r)
 
@@ -64,10 +75,11 @@ class ServeMetrics:
         """Set the precision info (:func:`fastprefill.host.precision_report`'s fields, as strings)."""
         self.precision.info({key: str(value) for key, value in report.items() if value is not None})
 
-    def watch(self, waiting: Callable[[], float], busy: Callable[[], float]) -> None:
-        """Read the two gauges from the worker at scrape time."""
+    def watch(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
+        """Read the queue's gauges from the scheduler at scrape time."""
         self.waiting.set_function(waiting)
-        self.busy.set_function(busy)
+        self.running.set_function(running)
+        self.busy.set_function(lambda: float(running() > 0))
 
     def watch_prefix_cache(self, nbytes: Callable[[], float], blocks: Callable[[], float]) -> None:
         """Read the prefix cache's size at scrape time."""

@@ -1,10 +1,10 @@
-"""Requests' prompts turned into validated ids beside the worker's generation.
+"""Requests' prompts turned into validated ids beside the scheduler's work.
 
 :class:`PromptChecker` first refuses a prompt with more characters than the model's context can
 hold (:func:`fastprefill.serve.limits.prompt_char_limit`: no tokenization needed), then runs
-:func:`fastprefill.prompt.prepare_prompt` on one of :data:`CHECK_THREADS` threads, each call
+:func:`fastprefill.prompt.prepare_request` (ids validated, the method resolved for the prompt) on one of :data:`CHECK_THREADS` threads, each call
 with a tokenizer copy of its own (a fast tokenizer is not safe to share between threads), so
-neither the worker's generation nor other requests wait for a long tokenization. A conversation
+neither the scheduler's work nor other requests wait for a long tokenization. A conversation
 of several messages is rendered with the model's chat template here, and ``n > 1`` answers are
 refused for a method that decodes with its own step (:func:`fastprefill.engine.check_answers`).
 """
@@ -22,13 +22,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastprefill.engine import check_answers
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.methods.base import Method
-from fastprefill.prompt import PromptInput, context_length, prepare_prompt
+from fastprefill.prompt import PromptInput, context_length, prepare_request
 from fastprefill.serve.limits import prompt_char_limit
 from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, prompt_bytes
 
 __all__ = ["CHECK_THREADS", "PromptChecker"]
 
-#: Threads (each with its own tokenizer copy) that validate and tokenize prompts beside the worker.
+#: Threads (each with its own tokenizer copy) that validate and tokenize prompts beside the scheduler.
 CHECK_THREADS = 4
 
 
@@ -80,15 +80,16 @@ class PromptChecker:
             self.check_length(req.messages[0].text().strip(), "messages")
 
     def _prepare(self, tok: PreTrainedTokenizerBase, prompt: PromptInput, method: Method, max_tokens: int,
-                 chat: bool) -> torch.Tensor:
+                 chat: bool) -> tuple[torch.Tensor, Method]:
         try:
-            return prepare_prompt(self.model, tok, prompt, method, max_new_tokens=max_tokens, chat=chat)
+            return prepare_request(self.model, tok, prompt, method, max_new_tokens=max_tokens, chat=chat)
         except FastprefillError as exc:
             raise APIError(400, str(exc)) from None
 
-    async def prompt_ids(self, req: ChatRequest | CompletionRequest, method: Method, max_tokens: int) -> torch.Tensor:
-        """The request's ``(1, T)`` prompt ids, validated by :func:`~fastprefill.prompt.prepare_prompt`
-        on a checker thread.
+    async def prompt_ids(self, req: ChatRequest | CompletionRequest, method: Method,
+                         max_tokens: int) -> tuple[torch.Tensor, Method]:
+        """The request's ``(1, T)`` prompt ids and the method resolved for them, validated by
+        :func:`~fastprefill.prompt.prepare_request` on a checker thread.
 
         Raises:
             APIError: 400 for a prompt the model cannot take, or for ``n > 1`` answers with the
@@ -98,20 +99,21 @@ class PromptChecker:
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._on_thread, req, method,
                                                                 max_tokens)
 
-    def _on_thread(self, req: ChatRequest | CompletionRequest, method: Method, max_tokens: int) -> torch.Tensor:
+    def _on_thread(self, req: ChatRequest | CompletionRequest, method: Method,
+                   max_tokens: int) -> tuple[torch.Tensor, Method]:
         tok = self._tokenizers.get()
         try:
-            ids = self._prompt_ids(tok, req, method, max_tokens)
+            ids, resolved = self._prompt_ids(tok, req, method, max_tokens)
         finally:
             self._tokenizers.put(tok)
         try:
-            check_answers(self.model, method.resolve(self.model, int(ids.shape[1])), req.n or 1)
+            check_answers(self.model, resolved, req.n or 1)
         except ConfigError as exc:
             raise APIError(400, str(exc), param="n") from None
-        return ids
+        return ids, resolved
 
     def _prompt_ids(self, tok: PreTrainedTokenizerBase, req: ChatRequest | CompletionRequest, method: Method,
-                    max_tokens: int) -> torch.Tensor:
+                    max_tokens: int) -> tuple[torch.Tensor, Method]:
         if isinstance(req, CompletionRequest):
             prompt = req.single_prompt(self.vocab_size)
             return self._prepare(tok, prompt_bytes(prompt) if isinstance(prompt, str) else prompt, method,

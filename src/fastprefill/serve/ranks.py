@@ -3,8 +3,9 @@
 ``fastprefill serve --method runahead:procs=2`` (or ``--allow-method runahead:procs=2``) starts a
 :class:`ServedPool` of that many ranks on this machine before the first request
 (:func:`start_ranks`); each holds the model. A request whose method runs over several ranks goes
-to the pool; every other method runs in the server process, on the same worker thread, so the
-two never run at once.
+to the pool (one at a time); every other method runs in the server process, on the scheduler's
+thread (:mod:`fastprefill.serve.scheduler`), between the pool's units: a multi-rank prefill runs
+to its first token as one unit, then the last rank decodes on its own.
 
 Roles (those of :class:`~fastprefill.distributed.pool.RankPool`): every rank validates the
 request and joins the prefill; the last rank ends the prefill holding the whole K/V and decodes

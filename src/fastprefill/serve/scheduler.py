@@ -1,0 +1,372 @@
+"""The server's scheduler: which request's work runs next, one unit at a time, on one thread.
+
+**Mechanism** (:class:`Scheduler`). Prepared requests (:class:`~fastprefill.serve.worker.Job`)
+wait in a bounded queue (``queue_size``; a full queue is a 429). The scheduler thread admits up
+to ``max_running`` of them, each as a unit of :class:`~fastprefill.serve.backends.Work` from its
+backend (the prefix-cache lookup happens at admission, so the uncached rest is known), and then
+repeats one *iteration*:
+
+1. **decode**: every admitted request past its first token gets its next token, in one step
+   (:class:`~fastprefill.batch.DecodeBatch`: one padded forward for the streams that decode with
+   the model's forward, the others alone);
+2. **prefill**: up to ``prefill_chunk`` tokens of prefill, spent on the waiting prefills in the
+   policy's order. An exact method (``Method.chunked_prefill``: full prefill, prefix-cache hits
+   included) runs a chunk of its prompt over the K/V computed so far, the prefix cache's own hit
+   path; any other method (LazyLLM, the KV Prediction methods, the multi-rank methods) runs its
+   whole prefill as one unit, started only at the head of an iteration.
+
+Between two units the scheduler drops a request whose client has gone or whose deadline has
+passed (its K/V is freed; on the ranks the last rank is told to stop). A multi-rank request
+holds the rank pool from its prefill to its last token, so a second waits until it is done;
+the ranks decode on their own, and the scheduler takes one of their tokens per iteration.
+
+**Policies.** :class:`FifoPolicy` admits one request at a time and runs it whole, start to end,
+in arrival order (``--scheduler fifo``: the server before this scheduler). :class:`ShortFirstPolicy`
+(``--scheduler interleaved``, the default) orders prefills by the prompt tokens they still
+need, fewest first (a one-line question or a follow-up over a cached document goes before the
+next chunk of a long cold prompt), and ages them: a prefill passed over ``max_skips`` times in a
+row goes first at the next iteration, so a long prompt always advances.
+
+:meth:`Scheduler.close` starts a shutdown: waiting jobs fail with its error, later submissions
+are refused with it, and the thread ends once the admitted requests are done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fastprefill.batch import DecodeBatch
+from fastprefill.distributed.pool import RankPoolError
+from fastprefill.engine import Generation, StreamEvent, Timing, TimingWindow
+from fastprefill.errors import FastprefillError
+from fastprefill.serve.answers import Collector
+from fastprefill.serve.backends import Work
+from fastprefill.serve.config import ServeConfig, served_name
+from fastprefill.serve.metrics import ServeMetrics
+from fastprefill.serve.protocol import APIError
+from fastprefill.serve.worker import Job, internal_error, ranks_down, timeout_error
+
+__all__ = ["FifoPolicy", "Running", "Scheduler", "ShortFirstPolicy", "make_policy"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Running:
+    """An admitted request: its job, its work, its answers so far (``collected``), and how often
+    the policy passed its prefill over in a row (``skips``)."""
+
+    job: Job
+    work: Work
+    collected: Collector
+    skips: int = 0
+    started: float | None = None  # the first unit of work (the end of its queue wait)
+
+
+@dataclass(frozen=True)
+class FifoPolicy:
+    """One request at a time, its whole prompt at once, in arrival order."""
+
+    max_running: int = 1
+    budget: int | None = None
+
+    def order(self, prefilling: Sequence[Running]) -> list[Running]:
+        """Arrival order."""
+        return list(prefilling)
+
+
+@dataclass(frozen=True)
+class ShortFirstPolicy:
+    """Fewest remaining prompt tokens first, with aging (see the module docstring).
+
+    Attributes:
+        max_running: requests admitted at once.
+        budget: prompt tokens of prefill per iteration (``--prefill-chunk``).
+        max_skips: iterations a prefill may be passed over in a row before it goes first.
+    """
+
+    max_running: int = 8
+    budget: int | None = 512
+    max_skips: int = 4
+
+    def order(self, prefilling: Sequence[Running]) -> list[Running]:
+        """The aged prefills (oldest first), then the rest by remaining tokens (ties: arrival)."""
+        aged = sorted((r for r in prefilling if r.skips >= self.max_skips), key=lambda r: r.job.arrived)
+        rest = sorted((r for r in prefilling if r.skips < self.max_skips),
+                      key=lambda r: (r.work.remaining, r.job.arrived))
+        return aged + rest
+
+
+def make_policy(config: ServeConfig) -> FifoPolicy | ShortFirstPolicy:
+    """The policy ``config.scheduler`` names."""
+    if config.scheduler == "fifo":
+        return FifoPolicy()
+    return ShortFirstPolicy(max_running=config.max_running, budget=config.prefill_chunk)
+
+
+class Scheduler:
+    """The thread that owns the model (see the module docstring).
+
+    Args:
+        model: the server's model (decode batches run on it).
+        tokenizer: decodes each answer's whole text.
+        capacity: jobs that may wait to be admitted (more get 429).
+        policy: :class:`FifoPolicy` or :class:`ShortFirstPolicy`.
+    """
+
+    def __init__(self, model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase | None,
+                 metrics: ServeMetrics, capacity: int, policy: FifoPolicy | ShortFirstPolicy) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.capacity = capacity
+        self.policy = policy
+        self.batch = DecodeBatch(model, policy.max_running) if model is not None else None
+        self.running: list[Running] = []
+        self.closed: APIError | None = None
+        self._waiting: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        metrics.watch(lambda: self.waiting, lambda: len(self.running))
+
+    # --- the queue (any thread) -----------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is admitted (prefilling or decoding)."""
+        return bool(self.running)
+
+    @property
+    def jobs(self) -> list[Job]:
+        """The admitted jobs."""
+        return [r.job for r in list(self.running)]
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread is running (it may still be, after :meth:`stop`'s timeout)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="fastprefill-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job.
+
+        Raises:
+            APIError: 429 when ``capacity`` jobs are already waiting; the :meth:`close` error
+                once the scheduler is closed.
+        """
+        with self._cv:
+            if (closed := self.closed) is not None:
+                raise APIError(closed.status, closed.message, kind=closed.kind, param=closed.param)
+            if len(self._waiting) >= self.capacity:
+                raise APIError(429, f"the server is busy: its queue of {self.capacity} is full ("
+                                    f"{self.policy.max_running} run at a time); retry later", kind="rate_limit_error")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def close(self, error: APIError) -> None:
+        """Refuse new jobs with ``error``, fail the waiting ones with it, and let the thread end
+        once the admitted ones are done (they go on: see :meth:`Job.fail` to end them)."""
+        with self._cv:
+            if self.closed is not None:
+                return
+            self.closed = error
+            while self._waiting:
+                self._waiting.popleft().fail(error)
+            self._cv.notify()
+
+    def stop(self, error: APIError, timeout: float = 2.0) -> None:
+        """:meth:`close` with ``error``, fail the admitted jobs with it too, and wait up to
+        ``timeout`` seconds for the thread (a daemon: a prefill unit cannot hold the process)."""
+        self.close(error)
+        for job in self.jobs:
+            job.fail(error)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self.running and self.closed is None:
+                    self._cv.wait()
+                if not self._waiting and not self.running:
+                    return  # closed, and nothing left
+            self.run_once()
+
+    def run_once(self) -> None:
+        """Admit what may start, drop what was cancelled, and run one iteration (the thread's
+        loop; tests drive the scheduler with it, without a thread)."""
+        with self._cv:
+            admitted = self._admissible()
+        for job in admitted:
+            self._admit(job)
+        self._reap()
+        if self.running:
+            self._iteration()
+
+    def _admissible(self) -> list[Job]:
+        """Take the waiting jobs that may start now, in arrival order, up to ``max_running``: a
+        job whose backend runs one request at a time (the rank pool) stays in the queue while
+        another of its requests runs, without holding up the jobs behind it."""
+        taken = [id(r.job.backend) for r in self.running if r.job.backend.exclusive]
+        admitted, kept = [], deque()
+        while self._waiting:
+            job = self._waiting.popleft()
+            if len(self.running) + len(admitted) >= self.policy.max_running or id(job.backend) in taken:
+                kept.append(job)
+                continue
+            admitted.append(job)
+            if job.backend.exclusive:
+                taken.append(id(job.backend))
+        self._waiting = kept
+        return admitted
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled:
+            job.settle("cancelled")
+            return
+        if time.monotonic() > job.deadline:
+            job.fail(timeout_error(job.deadline - job.arrived))
+            return
+        run = self._guard([], lambda: Running(job, job.backend.begin(job), Collector(job.sampling)), job)
+        if run is not None and self._guard([run], run.work.lookup) is not None:
+            self.running.append(run)
+
+    def _guard(self, runs: list[Running], call: Callable[[], object], job: Job | None = None) -> object | None:
+        """``call()``; on an exception, fail ``runs`` (or ``job``, not yet running) with its
+        error (a request's fault: 400; a rank pool down: 503; anything else: 500) and drop them.
+        Returns None on failure."""
+        jobs = [r.job for r in runs] + ([job] if job is not None else [])
+        try:
+            return call()
+        except RankPoolError as exc:
+            log.error("rank pool: %s", exc)
+            error = ranks_down(str(exc), fatal=any(j.backend.fatal for j in jobs))
+        except FastprefillError as exc:
+            error = APIError(400, str(exc))
+        except Exception as exc:  # a failed request must not stop the scheduler
+            log.exception("generation failed")
+            error = internal_error(exc)
+        for failed in jobs:
+            failed.fail(error)
+        for run in runs:
+            self._drop(run)
+        return None
+
+    def _drop(self, run: Running) -> None:
+        """Remove ``run`` (its work closed, its K/V freed) and count its tokens."""
+        if run in self.running:
+            self.running.remove(run)
+        self.metrics.completion_tokens.labels(run.job.label).inc(run.collected.count)
+        try:
+            run.work.close()
+        except Exception:  # the pool logs its own failures
+            log.exception("closing a request's work failed")
+
+    def _reap(self) -> None:
+        """Drop the requests cancelled (client gone, shutdown) or past their deadline."""
+        now = time.monotonic()
+        for run in list(self.running):
+            job = run.job
+            if not job.cancelled and now > job.deadline:
+                job.fail(timeout_error(job.deadline - job.arrived))
+            if job.cancelled:
+                job.settle("cancelled")  # a no-op when it failed
+                self._drop(run)
+
+    def _iteration(self) -> None:
+        decoding = [r for r in self.running if r.work.prefilled]
+        if decoding:
+            self._decode(decoding)
+        self._prefill([r for r in self.running if not r.work.prefilled])
+
+    def _decode(self, runs: list[Running]) -> None:
+        """One decode step for every answer of every stream in ``runs``."""
+        assert self.batch is not None
+        local = [r for r in runs if isinstance(r.work, Generation)]
+        with TimingWindow(self.batch.model.device) as window:
+            events = self._guard(local, lambda: self.batch.step([r.work for r in local])) if local else []
+            pairs = list(zip(local, events or [], strict=False))
+            for run in runs:
+                if not isinstance(run.work, Generation):  # the ranks' next token
+                    stepped = self._guard([run], run.work.step)
+                    if stepped is not None:
+                        pairs.append((run, stepped))
+        self.metrics.decode_batch.observe(len(runs))
+        self.metrics.decode_step.observe(window.seconds)
+        for run, stepped in pairs:
+            for event in stepped:  # type: ignore[attr-defined]
+                self._emit(run, event)
+
+    def _prefill(self, runs: list[Running]) -> None:
+        """Up to the policy's budget of prefill, in its order (see the module docstring)."""
+        budget = self.policy.budget
+        left, served = budget, set()
+        busy = {id(r.job.backend) for r in self.running if r.job.backend.exclusive and r.work.prefilled}
+        for run in self.policy.order(runs):
+            if id(run.job.backend) in busy:
+                continue  # its backend runs one request at a time
+            if budget is not None and not run.work.chunked and left != budget:
+                continue  # a whole prefill starts an iteration
+            if run.started is None:
+                run.started = time.monotonic()
+                self.metrics.queue_wait.labels(run.job.label).observe(run.started - run.job.arrived)
+            ran = self._guard([run], lambda r=run, n=left: r.work.prefill(n))
+            served.add(id(run))
+            if ran is None:
+                continue
+            self.metrics.prefill_chunks.labels(run.job.label).inc()
+            if run.work.prefilled:
+                for event in run.work.first_events():
+                    self._emit(run, event)
+                if run.job.backend.exclusive:
+                    busy.add(id(run.job.backend))
+            if left is None:
+                break
+            left -= int(ran)  # type: ignore[call-overload]
+            if left <= 0:
+                break
+        for run in runs:
+            run.skips = 0 if id(run) in served else run.skips + 1
+
+    def _emit(self, run: Running, event: StreamEvent) -> None:
+        """Send one token's text (an answer's first always: it marks TTFT); finish on the last."""
+        job = run.job
+        token = run.collected.add(event)
+        if job.streaming and token is not None:
+            job.post(token)
+        if event.timing is not None:
+            self._finish(run, event.timing)
+
+    def _finish(self, run: Running, timing: Timing) -> None:
+        job, m, label = run.job, self.metrics, run.job.label
+        if run in self.running:
+            self.running.remove(run)
+        run.work.close()  # done: the ranks' pool is free again
+        m.completion_tokens.labels(label).inc(run.collected.count)
+        timing.method = served_name(job.method)  # LazyLLM: with its revival; auto: its choice
+        m.ttft.labels(label).observe(timing.ttft_s)
+        if timing.decode_s_per_token is not None:
+            m.decode.labels(label).observe(timing.decode_s_per_token)
+        m.prompt_tokens.labels(label).observe(timing.prompt_tokens)
+        m.token_layers.labels(label).inc(timing.stats.token_layers)
+        m.token_layers_full.labels(label).inc(timing.stats.total_token_layers)
+        if label == "auto":  # the profile's choice for this prompt's length
+            m.auto_choices.labels(timing.method).inc()
+        m.cached_prompt_tokens.labels(label).inc(timing.cached_tokens)
+        m.computed_prompt_tokens.labels(label).inc(timing.prompt_tokens - timing.cached_tokens)
+        if job.settle("ok"):
+            wait = (run.started or job.arrived) - job.arrived
+            job.post(run.collected.finished(self.tokenizer, timing, wait))

@@ -1,0 +1,249 @@
+"""The server's scheduler without HTTP, on the tiny random models in float32: chunked prefill
+and batched decode against whole-prompt generation (:func:`fastprefill.engine.generate`), the
+short-first policy with aging, counted chunks, the queue bound and the shutdown of the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from fastprefill.batch import DecodeBatch
+from fastprefill.engine import Generation, generate
+from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.prefix_cache import PrefixCache
+from fastprefill.sampling import SamplingParams
+from fastprefill.serve.answers import Finished, Token
+from fastprefill.serve.backends import LocalBackend
+from fastprefill.serve.config import ServeConfig
+from fastprefill.serve.metrics import ServeMetrics
+from fastprefill.serve.protocol import APIError
+from fastprefill.serve.scheduler import FifoPolicy, Scheduler, ShortFirstPolicy, make_policy
+from fastprefill.serve.worker import Failed, Job
+
+MB = 1 << 20
+
+
+def _tokens(gen: Generation, chunk: int | None) -> tuple[list[int], int]:
+    """Run ``gen`` to its end with prefill units of ``chunk``; its tokens and the units run."""
+    tokens = [e.token_id for e in gen.run(chunk)]
+    assert gen.out is not None
+    return tokens, gen.out.stats.extra.get("prefill_chunks", 1)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 23])
+def test_chunked_prefill_gives_the_unchunked_tokens_and_counts_its_chunks(tiny_model, make_ids, chunk):
+    ids = make_ids(61, 3)
+    want = generate(tiny_model, None, ids, FullPrefill(), 8, stop_at_eos=False)
+    gen = Generation(tiny_model, None, ids, FullPrefill(), 8, stop_at_eos=False)
+    tokens, units = _tokens(gen, chunk)
+    assert tokens == want.token_ids
+    assert units == math.ceil(61 / chunk)
+    assert gen.out is not None and gen.out.stats.token_layers == want.timing.stats.token_layers
+    torch.testing.assert_close(gen.first_logits, want.first_logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [5, 12, 40])
+def test_chunked_prefill_over_a_prefix_cache_hit_is_exact(tiny_model, make_ids, chunk):
+    """A 40-token prefix is cached (blocks of 8); a 75-token prompt sharing 37 tokens hits 32
+    (chunk boundaries then fall mid-block) and prefills the other 43 in chunks."""
+    first = make_ids(40, 1)
+    second = torch.cat([first[:, :37], make_ids(38, 2)], dim=1)
+    want = generate(tiny_model, None, second, FullPrefill(), 6, stop_at_eos=False)
+    cache = PrefixCache(64 * MB, block_tokens=8)
+    generate(tiny_model, None, first, FullPrefill(), 2, stop_at_eos=False, prefix_cache=cache)
+    gen = Generation(tiny_model, None, second, FullPrefill(), 6, stop_at_eos=False, prefix_cache=cache)
+    assert gen.lookup() == 75 - 32
+    tokens, units = _tokens(gen, chunk)
+    assert tokens == want.token_ids and units == math.ceil(43 / chunk)
+    assert gen.out is not None and gen.out.stats.token_layers == 43 * tiny_model.config.num_hidden_layers
+
+
+def test_a_method_that_is_not_exact_runs_its_prefill_whole(tiny_llama, make_ids):
+    method = LazyLLM()
+    gen = Generation(tiny_llama, None, make_ids(50, 4), method, 4, stop_at_eos=False)
+    assert not gen.chunked
+    assert gen.prefill(8) == 50 and gen.prefilled
+
+
+def test_batched_decode_gives_each_stream_its_own_tokens(tiny_model, make_ids):
+    """Four prompts of different lengths and budgets decode in one batch; streams leave as they
+    finish (the batch is restacked) and the tokens equal each one's generation alone."""
+    prompts = [(make_ids(n, 10 + n), budget) for n, budget in ((5, 9), (33, 4), (17, 12), (48, 6))]
+    want = [generate(tiny_model, None, ids, FullPrefill(), budget, stop_at_eos=False).token_ids
+            for ids, budget in prompts]
+    batch = DecodeBatch(tiny_model, max_batch=8)
+    gens = [Generation(tiny_model, None, ids, FullPrefill(), budget, stop_at_eos=False) for ids, budget in prompts]
+    got: list[list[int]] = []
+    for gen in gens:
+        gen.prefill(None)
+        got.append([e.token_id for e in gen.first_events()])
+    sizes = []
+    while live := [g for g in gens if not g.finished]:
+        events = batch.step(live)
+        sizes.append(len(batch.members))
+        for gen, stepped in zip(live, events, strict=True):
+            got[gens.index(gen)] += [e.token_id for e in stepped]
+    assert got == want
+    assert sizes[:3] == [4, 4, 3]  # the 33-token prompt's 4 tokens are done after 3 steps: it leaves
+    assert batch.members == []  # the last stream decodes alone; every row was written back
+
+
+def test_a_stream_joining_a_running_batch_keeps_every_answer(tiny_llama, make_ids):
+    a = Generation(tiny_llama, None, make_ids(20, 1), FullPrefill(), 10, stop_at_eos=False)
+    b = Generation(tiny_llama, None, make_ids(9, 2), FullPrefill(), 10, stop_at_eos=False)
+    c = Generation(tiny_llama, None, make_ids(31, 3), FullPrefill(), 5, stop_at_eos=False)
+    batch = DecodeBatch(tiny_llama)
+    for g in (a, b):
+        g.prefill(None)
+        g.first_events()
+    for _ in range(3):
+        batch.step([a, b])
+    c.prefill(None)
+    c.first_events()
+    while live := [g for g in (a, b, c) if not g.finished]:
+        batch.step(live)
+    for gen, (n, seed, budget) in zip((a, b, c), ((20, 1, 10), (9, 2, 10), (31, 3, 5)), strict=True):
+        assert gen.generated == generate(tiny_llama, None, make_ids(n, seed), FullPrefill(), budget,
+                                         stop_at_eos=False).token_ids
+
+
+# --------------------------------------------------------------------------- the policy and the queue
+class _Loop:
+    """An event loop the jobs post to, and the events each job got."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def events(self, job: Job) -> list:
+        self.loop.run_until_complete(asyncio.sleep(0))
+        out = []
+        while not job.events.empty():
+            out.append(job.events.get_nowait())
+        return out
+
+
+@pytest.fixture
+def loop():
+    holder = _Loop()
+    yield holder
+    holder.loop.close()
+
+
+def _job(backend, ids, loop, metrics, max_tokens=4, arrived=0.0) -> Job:
+    """A streamed full-prefill job generating exactly ``max_tokens`` tokens (``ignore_eos``)."""
+    return Job(ids, FullPrefill(), backend, "full", max_tokens, SamplingParams(ignore_eos=True), True, arrived, 1e12,
+               metrics, loop.loop)
+
+
+def test_a_short_request_finishes_before_the_next_chunk_of_a_long_prefill(tiny_llama, make_ids, loop):
+    """A 200-token prompt in chunks of 32 and a 6-token one that arrives once the long one has
+    run one chunk: the short one gets its first token at the next iteration and its whole answer
+    long before the long one's first token; both answers equal generate's."""
+    metrics = ServeMetrics()
+    backend = LocalBackend(tiny_llama, None, None)
+    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=32))
+    long_ids, short_ids = make_ids(200, 5), make_ids(6, 6)
+    long, short = _job(backend, long_ids, loop, metrics, 3), _job(backend, short_ids, loop, metrics, 3, 1.0)
+    sched.submit(long)
+    sched.run_once()
+    sched.submit(short)
+    order = []
+    for _ in range(20):
+        sched.run_once()
+        for name, job in (("long", long), ("short", short)):
+            order += [(name, type(e).__name__) for e in loop.events(job)]
+        if not sched.running:
+            break
+    assert order.index(("short", "Finished")) < order.index(("long", "Token"))
+    finished = {name: e for name, e in order if e == "Finished"}
+    assert set(finished) == {"long", "short"}
+    chunks = {s.labels["method"]: s.value for f in metrics.registry.collect() for s in f.samples
+              if s.name == "fastprefill_prefill_chunks_total"}
+    # the long prompt: 32 tokens, then 26 beside the short one's 6, then chunks of 32; the short one: 1
+    assert chunks["full"] == 1 + 1 + math.ceil((200 - 32 - 26) / 32) + 1
+
+
+def test_answers_of_the_scheduler_equal_generate(tiny_llama, make_ids, loop):
+    metrics = ServeMetrics()
+    backend = LocalBackend(tiny_llama, None, None)
+    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=3, budget=24))
+    prompts = [make_ids(n, n) for n in (70, 5, 41, 12)]
+    jobs = [_job(backend, ids, loop, metrics, 7, float(i)) for i, ids in enumerate(prompts)]
+    for job in jobs:
+        sched.submit(job)
+    while sched.running or sched.waiting:
+        sched.run_once()
+    for job, ids in zip(jobs, prompts, strict=True):
+        events = loop.events(job)
+        assert job.outcome == "ok" and isinstance(events[-1], Finished)
+        assert sum(isinstance(e, Token) for e in events) >= 1
+        assert events[-1].answers[0].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 7, stop_at_eos=False).token_ids
+
+
+def test_short_first_orders_by_remaining_tokens_and_ages_the_passed_over():
+    class W:
+        def __init__(self, remaining):
+            self.remaining = remaining
+
+    class J:
+        def __init__(self, arrived):
+            self.arrived = arrived
+
+    from fastprefill.serve.scheduler import Running
+
+    runs = [Running(J(0.0), W(4000), None), Running(J(1.0), W(30), None), Running(J(2.0), W(30), None)]
+    policy = ShortFirstPolicy(max_skips=2)
+    assert policy.order(runs) == [runs[1], runs[2], runs[0]]
+    runs[0].skips = 2
+    assert policy.order(runs) == [runs[0], runs[1], runs[2]]
+    assert FifoPolicy().order(runs[::-1]) == runs[::-1]
+    assert make_policy(ServeConfig("m", scheduler="fifo")) == FifoPolicy()
+    assert make_policy(ServeConfig("m", prefill_chunk=64, max_running=3)) == ShortFirstPolicy(3, 64)
+
+
+def test_a_closed_scheduler_fails_the_waiting_jobs_and_refuses_new_ones(loop):
+    metrics = ServeMetrics()
+    sched = Scheduler(None, None, metrics, capacity=2, policy=FifoPolicy())  # never started: the jobs stay queued
+    waiting = [_job(None, torch.tensor([[1, 2]]), loop, metrics) for _ in range(2)]
+    for job in waiting:
+        sched.submit(job)
+    with pytest.raises(APIError) as full:
+        sched.submit(_job(None, torch.tensor([[1, 2]]), loop, metrics))
+    assert full.value.status == 429 and "queue of 2 is full" in full.value.message
+    sched.close(APIError(503, "the server is shutting down", kind="server_error"))
+    for job in waiting:
+        (event,) = loop.events(job)
+        assert isinstance(event, Failed) and event.error.status == 503 and job.cancelled
+    for _ in range(2):  # every later submission, each with an error of its own
+        with pytest.raises(APIError) as info:
+            sched.submit(_job(None, torch.tensor([[1, 2]]), loop, metrics))
+        assert info.value.status == 503 and info.value.message == "the server is shutting down"
+    outcomes = {s.labels["outcome"]: s.value for f in metrics.registry.collect() for s in f.samples
+                if s.name == "fastprefill_requests_total"}
+    assert outcomes == {"shutting_down": 2.0}  # the refused submissions were never jobs
+
+
+def test_a_cancelled_request_is_dropped_at_the_next_chunk(tiny_llama, make_ids, loop):
+    metrics = ServeMetrics()
+    backend = LocalBackend(tiny_llama, None, None)
+    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=16))
+    job = _job(backend, make_ids(100, 1), loop, metrics)
+    sched.submit(job)
+    sched.run_once()
+    assert sched.running and not sched.running[0].work.prefilled
+    job.cancel()
+    sched.run_once()
+    assert not sched.running and job.outcome == "cancelled"
+
+
+def test_serve_config_refuses_bad_scheduler_settings():
+    from fastprefill.errors import ConfigError
+
+    for bad in ({"scheduler": "lifo"}, {"scheduler": ["fifo"]}, {"prefill_chunk": 8}, {"prefill_chunk": 64.0},
+                {"max_running": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            ServeConfig("m", **bad)
