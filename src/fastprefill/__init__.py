@@ -30,6 +30,7 @@ from fastprefill.errors import (
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput
 from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
+from fastprefill.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
@@ -60,6 +61,7 @@ __all__ = [  # noqa: PLE0604 - *_LAZY adds its keys, all strings
     "PrefillOutput",
     "PrefixCache",
     "PromptError",
+    "SamplingParams",
     "StreamEvent",
     "Timing",
     "UnsupportedModelError",

@@ -1,15 +1,17 @@
 """Batched decode: running generations decode together, one forward of the model per step.
 
-Several :class:`~fastprefill.engine.Generation` s that decode with the model's own forward
+The answers of several :class:`~fastprefill.engine.Generation` s (their
+:class:`~fastprefill.engine.Branch` es) that decode with the model's own forward
 (:class:`~fastprefill.methods.base.ModelDecoder` over an ordinary, not ragged, cache) are stacked
-into one batch of **padded** K/V (:func:`fastprefill.cache.pad_caches`): layer ``l`` holds
+as rows into one batch of **padded** K/V (:func:`fastprefill.cache.pad_caches`): layer ``l`` holds
 ``(B, H_kv, N_max + s, d)``, row ``i`` left-padded by ``N_max - N_i`` zero keys. Each step feeds
 the ``(B, 1)`` last tokens with per-row position ids ``(B, 1)`` (each row's own next position)
 and a ``(B, N_max + s + 1)`` attention mask that hides the pads, so each row attends exactly its
-own keys, as when it decodes alone. The batch is kept across steps while its members stay the
+own keys, as when it decodes alone, and picks its token from its own ``(V,)`` logits row with its
+own sampler (:meth:`fastprefill.sampling.Choice.pick`: its parameters, its seeded generator). The batch is kept across steps while its members stay the
 same; when one joins or leaves, every row's K/V is written back into its own cache
-(:func:`fastprefill.cache.unpad_row`) and the batch is stacked again. A generation that finishes
-writes its row back before its prefix-cache store. A method with its own decode step (LazyLLM's
+(:func:`fastprefill.cache.unpad_row`) and the batch is stacked again. An answer that finishes
+writes its row back (before its generation's prefix-cache store). A method with its own decode step (LazyLLM's
 revival) or a ragged cache (pruned layers) decodes alone, one forward per step.
 
 Padded rather than ragged: a ragged batch (one flat key list per layer with per-row offsets)
@@ -27,96 +29,98 @@ import torch
 from transformers import PreTrainedModel
 
 from fastprefill.cache import pad_caches, unpad_row
-from fastprefill.engine import Generation, StreamEvent, TimingWindow
+from fastprefill.engine import Branch, Generation, StreamEvent, TimingWindow
 from fastprefill.methods.base import ModelDecoder
 
 __all__ = ["DecodeBatch"]
 
 
 class DecodeBatch:
-    """One decode step for many generations at once (see the module docstring).
+    """One decode step for many answers at once (see the module docstring).
 
     Args:
         model: the model every member runs on.
-        max_batch: rows in one forward at most (>= 1; 1 decodes every generation alone).
+        max_batch: rows in one forward at most (>= 1; 1 decodes every answer alone).
     """
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 8) -> None:
         self.model = model
         self.max_batch = max_batch
-        self.members: list[Generation] = []
+        self.members: list[Branch] = []
         self._pads: list[int] = []
         self._cache = None
         self._mask: torch.Tensor | None = None  # (B, N) long: 1 for a row's keys, 0 for its pads
 
     @staticmethod
-    def batchable(gen: Generation) -> bool:
-        """Whether ``gen`` decodes with the model's forward over an ordinary cache (it may join a batch)."""
-        return isinstance(gen.decoder, ModelDecoder) and gen.out is not None and not gen.out.ragged
+    def batchable(branch: Branch) -> bool:
+        """Whether ``branch`` decodes with the model's forward over an ordinary cache (it may join a batch)."""
+        return isinstance(branch.decoder, ModelDecoder) and not branch.ragged
 
-    def step(self, gens: Sequence[Generation]) -> list[StreamEvent]:
-        """One decode step of every generation in ``gens`` (prefilled, not finished): batchable
-        ones in forwards of at most :attr:`max_batch` rows, the others alone. Returns their
-        events in the order of ``gens``."""
-        together = [g for g in gens if self.batchable(g)][: self.max_batch]
+    def step(self, gens: Sequence[Generation]) -> list[list[StreamEvent]]:
+        """One decode step of every live answer of ``gens`` (prefilled, not finished): batchable
+        ones in forwards of at most :attr:`max_batch` rows, the others alone. Returns each
+        generation's events (one per answer that stepped), in the order of ``gens``."""
+        rows = [b for g in gens for b in g.live]
+        together = [b for b in rows if self.batchable(b)][: self.max_batch]
         if len(together) < 2:
             together = []
-        if [id(g) for g in together] != [id(g) for g in self.members]:
-            self._regroup(together, keep=gens)
+        if [id(b) for b in together] != [id(b) for b in self.members]:
+            self._regroup(together, keep=rows)
         events: dict[int, StreamEvent] = {}
         if together:
-            for gen, event in zip(together, self._forward(), strict=True):
-                events[id(gen)] = event
-        for gen in gens:
-            if id(gen) not in events:
-                events[id(gen)] = gen.step()
-        if any(g.finished for g in self.members):
-            left = [g for g in self.members if not g.finished]
+            for branch, event in zip(together, self._forward(), strict=True):
+                events[id(branch)] = event
+        for branch in rows:
+            if id(branch) not in events:
+                events[id(branch)] = branch.step()
+        if any(b.finished for b in self.members):
+            left = [b for b in self.members if not b.finished]
             self._regroup(left, keep=left)
-        return [events[id(g)] for g in gens]
+        return [[events[id(b)] for b in rows if b.gen is g] for g in gens]
 
     def release(self) -> None:
         """Write every member's K/V back into its own cache and empty the batch."""
         self._regroup([], keep=self.members)
 
-    def _write_back(self, gen: Generation) -> None:
-        if gen in self.members and self._cache is not None:
-            row = self.members.index(gen)
-            assert gen.out is not None
-            unpad_row(self._cache, row, self._pads[row], gen.out.cache)
+    def _write_back(self, branch: Branch) -> None:
+        if branch in self.members and self._cache is not None:
+            row = self.members.index(branch)
+            unpad_row(self._cache, row, self._pads[row], branch.decoder.cache)
 
-    def _regroup(self, gens: list[Generation], keep: Sequence[Generation]) -> None:
+    def _regroup(self, branches: list[Branch], keep: Sequence[Branch]) -> None:
         """Write back the members that go on (``keep``; a finished one wrote itself back in
-        ``on_finish``, a dropped one needs nothing) and stack ``gens`` (two or more) anew."""
-        for gen in self.members:
-            if not gen.finished and any(gen is k for k in keep):
-                self._write_back(gen)
-            gen.on_finish = None
+        ``on_finish``, a dropped one needs nothing) and stack ``branches`` (two or more) anew."""
+        for branch in self.members:
+            if not branch.finished and any(branch is k for k in keep):
+                self._write_back(branch)
+            branch.on_finish = None
         self.members, self._cache, self._mask, self._pads = [], None, None, []
-        if len(gens) < 2:
+        if len(branches) < 2:
             return
-        caches = [g.out.cache for g in gens if g.out is not None]
-        self._cache, self._pads = pad_caches(self.model.config, caches)
+        self._cache, self._pads = pad_caches(self.model.config, [b.decoder.cache for b in branches])
         n = self._cache.get_seq_length()
-        self._mask = torch.ones((len(gens), n), dtype=torch.long, device=self.model.device)
+        self._mask = torch.ones((len(branches), n), dtype=torch.long, device=self.model.device)
         for row, pad in enumerate(self._pads):
             self._mask[row, :pad] = 0
-        self.members = list(gens)
-        for gen in gens:
-            gen.on_finish = (lambda g=gen: self._write_back(g))
+        self.members = list(branches)
+        for branch in branches:
+            branch.on_finish = (lambda b=branch: self._write_back(b))
 
     def _forward(self) -> list[StreamEvent]:
-        """One forward over the batch: ``(B, 1)`` tokens at each row's own position."""
-        gens, device = self.members, self.model.device
+        """One forward over the batch: ``(B, 1)`` tokens at each row's own position, each row's
+        token picked by its own sampler."""
+        rows, device = self.members, self.model.device
         assert self._mask is not None and self._cache is not None
-        ids = torch.tensor([[g.last_token] for g in gens], device=device)  # (B, 1)
-        positions = torch.tensor([[g.decoder.position] for g in gens], device=device)  # (B, 1)
-        mask = torch.cat([self._mask, self._mask.new_ones((len(gens), 1))], dim=1)  # (B, N + 1)
+        ids = torch.tensor([[b.last_token] for b in rows], device=device)  # (B, 1)
+        positions = torch.tensor([[b.decoder.position] for b in rows], device=device)  # (B, 1)
+        mask = torch.cat([self._mask, self._mask.new_ones((len(rows), 1))], dim=1)  # (B, N + 1)
         with torch.inference_mode(), TimingWindow(device) as window:
             out = self.model(input_ids=ids, past_key_values=self._cache, attention_mask=mask, position_ids=positions,
                              use_cache=True, logits_to_keep=1)
-            tokens = torch.argmax(out.logits[:, -1].float(), dim=-1).tolist()  # (B,)
+            logits = out.logits[:, -1].float()  # (B, V)
+            for row, branch in enumerate(rows):
+                branch.choice.pick(logits[row])
         self._mask = mask
-        for gen in gens:
-            gen.decoder.position += 1
-        return [gen.accept(int(token), window.seconds) for gen, token in zip(gens, tokens, strict=True)]
+        for branch in rows:
+            branch.decoder.position += 1
+        return [b.gen.accept(b, window.seconds) for b in rows]

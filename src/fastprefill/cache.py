@@ -17,15 +17,16 @@ Shapes: keys/values ``(B, H_kv, N, d)``; positions ``(N,)`` int64; Aux Cache hid
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from transformers import DynamicCache, PretrainedConfig
+from transformers import Cache, DynamicCache, PretrainedConfig
 
-__all__ = ["AuxCache", "LayerCache", "LayerKV", "PositionKVCache", "ReplayCache", "layer_kv", "pad_caches",
-           "unpad_row", "wrap_dynamic_cache"]
+__all__ = ["AuxCache", "LayerCache", "LayerKV", "PositionKVCache", "ReplayCache", "fork_cache", "layer_kv",
+           "pad_caches", "unpad_row", "wrap_dynamic_cache"]
 
 
 @runtime_checkable
@@ -168,6 +169,12 @@ def layer_kv(cache: DynamicCache, idx: int) -> tuple[torch.Tensor, torch.Tensor]
     if not getattr(layer, "is_initialized", False) or layer.keys is None:
         raise ValueError(f"cache layer {idx} holds no keys")
     return layer.keys, layer.values
+
+
+def fork_cache(cache: Cache) -> Cache:
+    """An independent copy of a prefill's transformers ``Cache`` (every layer's keys and values
+    copied), so that several answers can decode from one prefill: each appends to its own copy."""
+    return copy.deepcopy(cache)
 
 
 def wrap_dynamic_cache(

@@ -1,11 +1,14 @@
-"""Generation engine: prefill through a method, greedy decoding, honest timings.
+"""Generation engine: prefill through a method, decoding (greedy unless sampling is asked for), honest timings.
 
 - Every prompt is validated first by :func:`fastprefill.prompt.prepare_request`, the one
   validator (the distributed pool's workers and the server call it too).
-- :class:`TimingWindow` is the only clock: on CUDA it synchronises the device before each read.
-  TTFT runs from the start of prefill (the prompt ids already on the device) through the first
-  token id (the argmax of the prefill logits); everything the method does for the first token
-  is inside that window.
+- :class:`~fastprefill.events.TimingWindow` is the only clock: on CUDA it synchronises the
+  device before each read. TTFT runs from the start of prefill (the prompt ids already on the
+  device) through the first token id (picked from the prefill logits); everything the method
+  does for the first token is inside that window.
+- Each token is picked by one call, :meth:`fastprefill.sampling.Choice.pick` on the step's
+  ``(V,)`` logits row (``argmax`` when no sampling is asked for); ``n`` answers share one
+  prefill, each decoding over its own copy of the prefill's cache (a :class:`Branch`).
 """
 
 from __future__ import annotations
@@ -13,145 +16,34 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Self
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from fastprefill.cache import fork_cache
+from fastprefill.errors import ConfigError
+from fastprefill.events import Answer, GenerationResult, StreamEvent, Timing, TimingWindow
 from fastprefill.host import dtype_name
 from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
 from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
 from fastprefill.prompt import PromptInput, prepare_request
-from fastprefill.text import IncrementalDecoder
+from fastprefill.sampling import Choice, SamplingParams, TokenLogprob, prompt_logprobs
 
 __all__ = [
+    "Answer",
+    "Branch",
     "Generation",
     "GenerationResult",
     "StreamEvent",
     "Timing",
     "TimingWindow",
+    "check_answers",
+    "collect",
     "decoder_for",
     "generate",
     "stream",
 ]
-
-@dataclass
-class Timing:
-    """Timings of one generation and what its prefill computed.
-
-    Attributes:
-        method: the method's :meth:`~fastprefill.methods.base.Method.describe` string.
-        prompt_tokens: prompt length ``T``.
-        new_tokens: tokens generated (the first one included).
-        ttft_s: seconds from the start of prefill (the prefix-cache lookup) through the first
-            token; under the server's interleaved scheduler, the other requests' work between
-            this prompt's chunks included (the wall time this request's prefill took).
-        decode_s_per_token: mean seconds per token after the first (``None`` if only one).
-        total_s: TTFT plus all decoding.
-        stats: the prefill's :class:`~fastprefill.methods.base.ComputeStats` (token-layers,
-            FLOPs, method counters), as the method reported it.
-        decode_extra: counters the method's own decoder gathered (``Decoder.stats``).
-        cached_tokens: prompt tokens whose K/V came from a prefix cache (not computed).
-        prefix_cache: what the prefix cache did: ``"off"`` (none given), ``"hit"``, ``"miss"``,
-            or ``"not used: <method> takes no cached prefix"`` (the whole prompt ran).
-        stored_tokens: tokens this generation added to the prefix cache.
-        prefix_lookup_s: of ``ttft_s``, the seconds spent looking the prompt up in the prefix cache
-            (and assembling the hit's K/V).
-        prefix_store_s: seconds spent storing into the prefix cache (after the last token,
-            outside TTFT and decoding).
-        dtype: the model's dtype (``"bfloat16"``, ``"float32"``, ...): every timing names it.
-    """
-
-    method: str
-    prompt_tokens: int
-    new_tokens: int
-    ttft_s: float
-    decode_s_per_token: float | None
-    total_s: float
-    stats: ComputeStats
-    decode_extra: dict[str, Any] = field(default_factory=dict)
-    cached_tokens: int = 0
-    prefix_cache: str = "off"
-    stored_tokens: int = 0
-    prefix_lookup_s: float = 0.0
-    prefix_store_s: float = 0.0
-    dtype: str = ""
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        """Prefill and decode counters in one dict (decode keys win on a clash)."""
-        return {**self.stats.extra, **self.decode_extra}
-
-    def to_dict(self) -> dict[str, Any]:
-        """A flat, JSON-friendly dict (the keys benchmark records and the pool's replies use): the
-        timings, :meth:`ComputeStats.to_dict`'s keys (with ``extra`` the prefill and decode
-        counters of :attr:`extra`), and the prefix cache's fields."""
-        return {
-            "method": self.method,
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "ttft_s": self.ttft_s,
-            "decode_s_per_token": self.decode_s_per_token,
-            "total_s": self.total_s,
-            **self.stats.to_dict(),
-            "extra": self.extra,
-            "cached_tokens": self.cached_tokens,
-            "prefix_cache": self.prefix_cache,
-            "stored_tokens": self.stored_tokens,
-            "prefix_lookup_s": self.prefix_lookup_s,
-            "prefix_store_s": self.prefix_store_s,
-            "dtype": self.dtype,
-        }
-
-
-@dataclass
-class StreamEvent:
-    """One generated token. ``timing`` and ``first_logits`` are set on the last event only."""
-
-    token_id: int
-    text: str
-    index: int
-    timing: Timing | None = None
-    first_logits: torch.Tensor | None = None
-
-
-@dataclass
-class GenerationResult:
-    """The generated text, its token ids, the :class:`Timing` and ``first_logits``: the prefill's
-    ``(V,)`` float32 logits for the first token, a copy on the CPU (taken outside the timing window)."""
-
-    text: str
-    token_ids: list[int]
-    timing: Timing
-    first_logits: torch.Tensor | None = None
-
-
-class TimingWindow:
-    """The engine's clock: ``with TimingWindow(device) as w: ...`` then ``w.seconds``.
-
-    The device is synchronised before the start and the end reads (CUDA work is asynchronous),
-    so the window holds all the work queued inside it.
-    """
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-        self.seconds = 0.0
-        self._t0 = 0.0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def __enter__(self) -> Self:
-        self._sync()
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._sync()
-        self.seconds = time.perf_counter() - self._t0
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
@@ -181,38 +73,90 @@ def _chunk_stats(parts: list[ComputeStats]) -> ComputeStats:
                         flops=sum(p.flops for p in parts), extra={**parts[-1].extra, "prefill_chunks": len(parts)})
 
 
+def check_answers(model: PreTrainedModel, method: Method, n: int) -> None:
+    """Refuse ``n > 1`` answers with a ``method`` (as resolved for the prompt) that decodes with
+    its own step (:meth:`~fastprefill.methods.base.Method.own_decoder`: LazyLLM's revival), whose
+    state a copy of the cache does not carry.
+
+    Raises:
+        ConfigError: naming ``n`` and the way out.
+    """
+    if n > 1 and method.own_decoder(model):
+        raise ConfigError(f"n={n}: several answers from one prefill need a method that decodes with the model's "
+                          f"forward; {method.describe()} decodes with its own step (LazyLLM: give revival=none)")
+
+
+class Branch:
+    """One of a generation's answers while it decodes: its :class:`~fastprefill.sampling.Choice`
+    and its decode step over a cache of its own (answer 0 over the prefill's, the others over
+    copies). A decode batch (:class:`~fastprefill.batch.DecodeBatch`) stacks branches as rows.
+
+    Attributes:
+        gen: the generation it belongs to; ``index`` which of its answers.
+        decoder: its decode step (:class:`~fastprefill.methods.base.ModelDecoder` unless the
+            method has its own); ``ragged``: its cache's layers hold different key sets.
+        on_finish: called when the answer ends (a decode batch writes this row's K/V back).
+    """
+
+    def __init__(self, gen: Generation, index: int, decoder: Decoder, ragged: bool) -> None:
+        self.gen, self.index, self.decoder, self.ragged = gen, index, decoder, ragged
+        self.choice = gen.choices[index]
+        self.on_finish: Callable[[], None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.choice.finish_reason is not None
+
+    @property
+    def last_token(self) -> int:
+        """The token the next decode step feeds."""
+        return self.choice.ids[-1]
+
+    def step(self) -> StreamEvent:
+        """One decode step alone: the next token's event."""
+        with torch.inference_mode(), TimingWindow(self.gen.model.device) as window:
+            self.choice.pick(self.decoder.step(self.last_token))  # (V,) logits -> the next token
+        return self.gen.accept(self, window.seconds)
+
+
 class Generation:
-    """One greedy generation of validated ids, driven one unit of work at a time.
+    """One generation of validated ids (``n`` answers from one prefill), driven one unit of work
+    at a time.
 
     :func:`stream` runs it to the end at once (the whole prompt in one prefill); the server's
     scheduler (:mod:`fastprefill.serve.scheduler`) interleaves many: it calls :meth:`prefill`
     with a token budget, so a method that allows it (``Method.chunked_prefill``) prefills a long
     prompt chunk by chunk, each chunk a prefill over the K/V of the ones before (the prefix
-    cache's hit path), and then :meth:`step` (or :meth:`accept`, for a token a batched decode
-    step computed) once per token. One path, so a chunked answer is the same computation as an
-    unchunked one.
+    cache's hit path), and then :meth:`step` (or, for a token a batched decode step picked,
+    :meth:`accept`) once per token of each answer. One path, so a chunked answer is the same
+    computation as an unchunked one, and each answer picks its tokens with its own sampler
+    whether it decodes alone or in a batch.
 
     Args:
-        input_ids: ``(1, T)`` ids from :func:`~fastprefill.prompt.prepare_prompt`.
-        method: the method that runs this prompt (already :meth:`~Method.resolve` d).
-        max_new_tokens, stop_at_eos, stop, prefix_cache: as :func:`generate`'s.
+        input_ids: ``(1, T)`` ids from :func:`~fastprefill.prompt.prepare_request`.
+        method: the method that runs this prompt (already :meth:`~Method.resolve` d; for
+            ``n > 1``, checked by :func:`check_answers`).
+        max_new_tokens, stop_at_eos, stop, prefix_cache, sampling: as :func:`generate`'s.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, input_ids: torch.Tensor,
                  method: Method, max_new_tokens: int, *, stop_at_eos: bool = True,
-                 stop: Callable[[str], bool] | None = None, prefix_cache: PrefixCache | None = None) -> None:
+                 stop: Callable[[str], bool] | None = None, prefix_cache: PrefixCache | None = None,
+                 sampling: SamplingParams | None = None) -> None:
         self.model, self.tokenizer, self.input_ids, self.method = model, tokenizer, input_ids, method
+        self.params = params = sampling if sampling is not None else SamplingParams()
         self.n_prompt = int(input_ids.shape[1])
-        self.max_new_tokens, self.stop, self.prefix_cache = max_new_tokens, stop, prefix_cache
-        self.eos = _eos_ids(model, tokenizer) if stop_at_eos else set()
+        self.max_new_tokens = params.max_tokens if params.max_tokens is not None else max_new_tokens
+        self.prefix_cache = prefix_cache
+        eos = _eos_ids(model, tokenizer) if stop_at_eos and not params.ignore_eos else set()
+        self.choices = [Choice(params, i, input_ids, eos, self.max_new_tokens, tokenizer, stop)
+                        for i in range(params.n)]
         self.uses_cache = prefix_cache is not None and method.takes_prefix
         self.cached_tokens = 0
         self.lookup_s = 0.0
         self.done_tokens = 0  # prompt tokens whose K/V is computed (or was cached)
         self.out: PrefillOutput | None = None
-        self.decoder: Decoder | None = None
-        self.generated: list[int] = []
-        self.text = ""
+        self.branches: list[Branch] = []
         self.finished = False
         self.decode_s = 0.0
         self._cache: DynamicCache | None = None
@@ -221,10 +165,7 @@ class Generation:
         self._started: float | None = None
         self.ttft_s = 0.0
         self.first_logits: torch.Tensor | None = None
-        #: called before the last token's prefix store (a decode batch writes this row's K/V back)
-        self.on_finish: Callable[[], None] | None = None
-        self._first = -1
-        self._pending = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     # --- prefill ---------------------------------------------------------------------------
     def lookup(self) -> int:
@@ -253,8 +194,8 @@ class Generation:
     def prefill(self, budget: int | None = None) -> int:
         """Run one unit of prefill: the next ``min(budget, remaining)`` prompt tokens over the K/V
         so far if the method is :attr:`chunked`, else (or with ``budget=None``) the whole rest.
-        Once the last prompt token has run, the first token is known (:meth:`first_event`).
-        Returns the prompt tokens this call computed."""
+        Once the last prompt token has run, every answer's first token is known
+        (:meth:`first_events`). Returns the prompt tokens this call computed."""
         self.lookup()
         if self._started is None:  # TTFT: the lookup, then every unit of prefill through the first token
             self._started = time.perf_counter() - self.lookup_s
@@ -265,7 +206,7 @@ class Generation:
             out = self.method.prefill(self.model, ids, self._cache) if self._cache is not None else (
                 self.method.prefill(self.model, ids))
             if end == self.n_prompt:
-                token = int(torch.argmax(out.logits))
+                self.choices[0].pick(out.logits)
         self._parts.append(out.stats)
         self.done_tokens = end
         if end < self.n_prompt:
@@ -274,69 +215,86 @@ class Generation:
         self._cache = None
         self.out = dataclasses.replace(out, stats=_chunk_stats(self._parts))
         self.ttft_s = time.perf_counter() - self._started
-        self.decoder = decoder_for(self.model, self.out)
         self.first_logits = out.logits.detach().reshape(-1).to("cpu", torch.float32, copy=True)  # (V,)
-        self._first = token
+        with torch.inference_mode():
+            for choice in self.choices[1:]:  # the other answers' first tokens, from the same logits
+                choice.pick(out.logits)
+            self.branches = self._branches(self.out)
+            if (top := self.params.prompt_logprobs) is not None:  # one more forward, outside TTFT
+                self.prompt_logprobs = prompt_logprobs(self.model, self.input_ids, top)
         return todo
+
+    def _branches(self, out: PrefillOutput) -> list[Branch]:
+        """One :class:`Branch` per answer: the first decodes as :func:`decoder_for` says, each
+        other with the model's forward over its own copy of the prefill's cache (made before any
+        step appends to it)."""
+        n = len(self.choices)
+        assert n == 1 or out.decoder is None, "n > 1 with a method's own decode step (check_answers)"
+        forks = [ModelDecoder(self.model, dataclasses.replace(out, cache=fork_cache(out.cache))) for _ in range(n - 1)]
+        return [Branch(self, i, d, out.ragged) for i, d in enumerate([decoder_for(self.model, out), *forks])]
 
     @property
     def prefilled(self) -> bool:
-        """Whether the prefill is done (the first token known)."""
+        """Whether the prefill is done (the first tokens known)."""
         return self.out is not None
 
     # --- tokens ----------------------------------------------------------------------------
-    def first_event(self) -> StreamEvent:
-        """The first token's event (after the last unit of :meth:`prefill`)."""
-        return self.accept(self._first, 0.0)
+    @property
+    def generated(self) -> list[int]:
+        """The first answer's token ids so far."""
+        return self.choices[0].ids
 
     @property
-    def last_token(self) -> int:
-        """The token the next decode step feeds."""
-        return self.generated[-1]
+    def live(self) -> list[Branch]:
+        """The answers still decoding."""
+        return [b for b in self.branches if not b.finished]
 
-    def step(self) -> StreamEvent:
-        """One decode step through :attr:`decoder`: the next token's event."""
-        assert self.decoder is not None and not self.finished
-        with torch.inference_mode(), TimingWindow(self.model.device) as window:
-            token = int(torch.argmax(self.decoder.step(self.last_token)))
-        return self.accept(token, window.seconds)
+    def first_events(self) -> list[StreamEvent]:
+        """Every answer's first token event (after the last unit of :meth:`prefill`)."""
+        return [self.accept(b, 0.0) for b in self.branches]
 
-    def accept(self, token: int, seconds: float) -> StreamEvent:
-        """Take the next generated token (``seconds``: the decode step's time, 0 for the first);
-        the last event (end-of-sequence, ``max_new_tokens`` or ``stop``) carries the :class:`Timing`."""
-        self.generated.append(token)
+    def step(self) -> list[StreamEvent]:
+        """One decode step of every live answer, each alone: their next tokens' events."""
+        assert self.prefilled and not self.finished
+        return [b.step() for b in self.live]
+
+    def accept(self, branch: Branch, seconds: float) -> StreamEvent:
+        """The event of the token ``branch`` has just picked (``seconds``: the decode step's time,
+        0 for the first); the event that ends the last answer carries the :class:`Timing`."""
+        choice = branch.choice
         self.decode_s += seconds
-        delta = self._pending.push(token) if self._pending is not None else ""
-        self.text += delta
-        index = len(self.generated) - 1
-        if not (token in self.eos or len(self.generated) >= self.max_new_tokens
-                or (self.stop is not None and self.stop(self.text))):
-            return StreamEvent(token, delta, index)
-        self.finished = True
-        timing = self._finish()
-        tail = self._pending.flush() if self._pending is not None else ""
-        return StreamEvent(token, delta + tail, index, timing, self.first_logits)
+        index = len(choice.ids) - 1
+        event = StreamEvent(choice.ids[-1], choice.push(choice.ids[-1]), index, choice=choice.index,
+                            logprob=choice.logprobs[-1] if choice.logprobs else None,
+                            finish_reason=choice.finish_reason,
+                            prompt_logprobs=self.prompt_logprobs if choice.index == 0 and index == 0 else None)
+        if branch.finished:
+            if branch.on_finish is not None:
+                branch.on_finish()
+            if not self.live:
+                self.finished = True
+                event.timing, event.first_logits = self._finish(), self.first_logits
+        return event
 
     def _finish(self) -> Timing:
         """Store the exact K/V into the prefix cache (after the last token) and time the whole."""
-        if self.on_finish is not None:
-            self.on_finish()
-        out, n_prompt, generated = self.out, self.n_prompt, self.generated
-        assert out is not None and self.decoder is not None
+        out, n_prompt, first = self.out, self.n_prompt, self.choices[0].ids
+        assert out is not None
         stored, store_s = 0, 0.0
         if self.prefix_cache is not None and out.exact_tokens > self.cached_tokens:
-            # the generated tokens fed through the model are exact too when the whole prompt was
+            # the first answer's tokens fed through the model are exact too when the whole prompt was
             with torch.inference_mode(), TimingWindow(self.model.device) as window:
-                fed = generated[:-1] if out.exact_tokens == n_prompt and out.decoder is None else []
+                fed = first[:-1] if out.exact_tokens == n_prompt and out.decoder is None else []
                 ids = self.input_ids[0].tolist() + fed
                 stored = self.prefix_cache.store(self.model, ids, out.cache, out.exact_tokens + len(fed))
             store_s = window.seconds
-        steps = len(generated) - 1
+        generated = sum(len(c.ids) for c in self.choices)
+        steps = generated - len(self.choices)
         method = self.method
         return Timing(
-            method=method.describe(), prompt_tokens=n_prompt, new_tokens=len(generated), ttft_s=self.ttft_s,
+            method=method.describe(), prompt_tokens=n_prompt, new_tokens=generated, ttft_s=self.ttft_s,
             decode_s_per_token=self.decode_s / steps if steps else None, total_s=self.ttft_s + self.decode_s,
-            stats=out.stats, decode_extra=dict(self.decoder.stats()), cached_tokens=self.cached_tokens,
+            stats=out.stats, decode_extra=dict(self.branches[0].decoder.stats()), cached_tokens=self.cached_tokens,
             prefix_cache=("off" if self.prefix_cache is None else
                           f"not used: {method.name} takes no cached prefix" if not method.takes_prefix else
                           "hit" if self.cached_tokens else "miss"),
@@ -346,19 +304,19 @@ class Generation:
 
     def close(self) -> None:
         """Stop early: drop the K/V (nothing is stored into the prefix cache)."""
-        self._cache, self.out, self.decoder = None, None, None
+        self._cache, self.out, self.branches = None, None, []
 
     def run(self, chunk: int | None = None) -> Iterator[StreamEvent]:
         """The whole generation: the prompt in one prefill (or in units of ``chunk`` tokens,
-        see :meth:`prefill`), then one decode step per token."""
+        see :meth:`prefill`), then one decode step per token, the answers in turn."""
         while not self.prefilled:
             self.prefill(chunk)
-        event = self.first_event()
+        events = self.first_events()
         while True:
-            yield event
-            if event.timing is not None:
+            yield from events
+            if self.finished:
                 return
-            event = self.step()
+            events = self.step()
 
 
 def stream(
@@ -372,20 +330,42 @@ def stream(
     stop_at_eos: bool = True,
     stop: Callable[[str], bool] | None = None,
     prefix_cache: PrefixCache | None = None,
+    sampling: SamplingParams | None = None,
 ) -> Iterator[StreamEvent]:
-    """Greedy generation as an iterator of :class:`StreamEvent` (one per token).
+    """Generation as an iterator of :class:`StreamEvent` (one per token).
 
-    Each event's ``text`` is the text new since the last event, whole characters only (a
-    character split over tokens comes with the token that completes it, see
-    :class:`~fastprefill.text.IncrementalDecoder`, which decodes a short window per token); the
-    texts add up to :func:`generate`'s. The last event carries the :class:`Timing`. See
-    :func:`generate` for the arguments (``stop`` is called with the text of the events so far).
-    TTFT runs from the prefix-cache lookup (or the prefill) through the first token's argmax.
+    Each event's ``text`` is the text new since the last event of its answer, whole characters
+    only (a character split over tokens comes with the token that completes it, see
+    :class:`~fastprefill.text.IncrementalDecoder`, which decodes a short window per token) and
+    never a part of a stop string (:class:`~fastprefill.text.StopStrings`); an answer's texts add
+    up to :func:`generate`'s. With ``n`` answers their events alternate, one token of each in
+    turn. The last event carries the :class:`Timing`. See :func:`generate` for the arguments
+    (``stop`` is called with the text of the answer's events so far). TTFT runs from the
+    prefix-cache lookup (or the prefill) through the first token's pick.
     """
+    params = sampling if sampling is not None else SamplingParams()
+    budget = params.max_tokens if params.max_tokens is not None else max_new_tokens
     method = method if method is not None else FullPrefill()
-    input_ids, method = prepare_request(model, tokenizer, prompt, method, max_new_tokens=max_new_tokens, chat=chat)
-    yield from Generation(model, tokenizer, input_ids, method, max_new_tokens, stop_at_eos=stop_at_eos, stop=stop,
-                          prefix_cache=prefix_cache).run()
+    input_ids, method = prepare_request(model, tokenizer, prompt, method, max_new_tokens=budget, chat=chat)
+    params.check_vocab(model.get_input_embeddings().num_embeddings)
+    check_answers(model, method, params.n)
+    yield from Generation(model, tokenizer, input_ids, method, budget, stop_at_eos=stop_at_eos, stop=stop,
+                          prefix_cache=prefix_cache, sampling=params).run()
+
+
+def collect(events: Sequence[Sequence[StreamEvent]], tokenizer: PreTrainedTokenizerBase | None,
+            params: SamplingParams) -> list[Answer]:
+    """The :class:`Answer` of each answer's events (``events[i]``: answer ``i``'s, in order). The
+    text is the decode of its ids, or, with stop strings, what its events streamed (the same
+    text, cut before the stop string)."""
+    answers = []
+    for evs in events:
+        ids = [e.token_id for e in evs]
+        text = "".join(e.text for e in evs) if params.stop else (
+            tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else "")
+        logprobs = [e.logprob for e in evs if e.logprob is not None] if params.logprobs is not None else None
+        answers.append(Answer(text, ids, evs[-1].finish_reason or "length" if evs else "length", logprobs))
+    return answers
 
 
 def generate(
@@ -399,18 +379,21 @@ def generate(
     stop_at_eos: bool = True,
     stop: Callable[[str], bool] | None = None,
     prefix_cache: PrefixCache | None = None,
+    sampling: SamplingParams | None = None,
 ) -> GenerationResult:
-    """Generate greedily from ``prompt`` with ``method`` (full prefill when ``None``).
+    """Generate from ``prompt`` with ``method`` (full prefill when ``None``), greedily unless
+    ``sampling`` says otherwise.
 
     Args:
         model: a decoder-only causal LM (``AutoModelForCausalLM``), in eval mode.
         tokenizer: its tokenizer (needed for text prompts and for the output text).
         prompt: text (``bytes`` must be UTF-8), or token ids as a list or a ``(T,)`` / ``(1, T)`` tensor.
         method: a :class:`~fastprefill.methods.base.Method`; ``None`` is full prefill.
-        max_new_tokens: at most this many tokens, the first one included (>= 1).
+        max_new_tokens: at most this many tokens, the first one included (>= 1); a
+            ``sampling.max_tokens`` takes its place.
         chat: wrap a text prompt in the tokenizer's chat template.
         stop_at_eos: stop after the model's end-of-sequence token (which is kept in the ids
-            and dropped from the text).
+            and dropped from the text); ``sampling.ignore_eos`` turns it off too.
         stop: called with the text generated so far after every token; generation ends (that
             token kept) once it returns True. Tasks use it to stop when the rest of the
             answer cannot change the score (e.g. HumanEval after the closing code fence).
@@ -418,20 +401,29 @@ def generate(
             prefix of the prompt is reused (for a method that takes one: full prefill, LazyLLM,
             kvp-prefix; the others run the whole prompt), and the exact K/V this generation
             computed is stored. ``Timing.cached_tokens`` says how many prompt tokens were reused.
+        sampling: :class:`~fastprefill.sampling.SamplingParams` (``None``: one greedy answer):
+            temperature, top-p/k, min-p, seed, penalties, stop strings (cut from the text),
+            ``min_tokens``, log-probabilities, ``n`` answers from one prefill.
 
     Returns:
-        The text, the generated ids, the :class:`Timing` and the first token's logits.
+        The text, the generated ids, the :class:`Timing` and the first token's logits; every
+        answer in ``answers``.
 
     Raises:
-        PromptError, ConfigError, UnsupportedModelError: as :func:`prepare_prompt` says.
+        PromptError, ConfigError, UnsupportedModelError: as :func:`prepare_request` says;
+            ConfigError for a ``logit_bias`` id outside the vocabulary, or ``n > 1`` with a
+            method that decodes with its own step.
     """
-    ids: list[int] = []
+    params = sampling if sampling is not None else SamplingParams()
+    events: list[list[StreamEvent]] = [[] for _ in range(params.n)]
     last: StreamEvent | None = None
     for last in stream(
         model, tokenizer, prompt, method, max_new_tokens, chat=chat, stop_at_eos=stop_at_eos, stop=stop,
-        prefix_cache=prefix_cache,
+        prefix_cache=prefix_cache, sampling=params,
     ):
-        ids.append(last.token_id)
+        events[last.choice].append(last)
     assert last is not None and last.timing is not None
-    text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
-    return GenerationResult(text=text, token_ids=ids, timing=last.timing, first_logits=last.first_logits)
+    answers = collect(events, tokenizer, params)
+    return GenerationResult(text=answers[0].text, token_ids=answers[0].token_ids, timing=last.timing,
+                            first_logits=last.first_logits, answers=answers,
+                            prompt_logprobs=events[0][0].prompt_logprobs)

@@ -16,6 +16,7 @@ from fastprefill.cli import main
 from fastprefill.distributed.runtime import free_port
 from fastprefill.engine import generate
 from fastprefill.models import zoo
+from fastprefill.sampling import SamplingParams
 from tests import REPO
 
 SRC = str(REPO / "src")
@@ -65,6 +66,22 @@ def test_generate_json_equals_the_engine(capsys, smollm2_auto):
     assert got["method"] == "full" and got["model"] == "smollm2-135m"
     assert got["timing"]["prompt_tokens"] == want.timing.prompt_tokens and got["timing"]["ttft_s"] > 0
     assert got["timing"]["dtype"] == str(model.dtype).removeprefix("torch.")
+
+
+@pytest.mark.integration
+def test_generate_samples_with_a_seed_and_refuses_bad_settings(capsys, smollm2_auto):
+    model, tok = smollm2_auto
+    args = ["generate", "--json", "--max-new-tokens", "6", "--threads", "2", "--no-warmup", "--temperature", "0.8",
+            "--top-k", "30", "--seed", "4", "--logprobs", "1", "Name a colour."]
+    assert main(args) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = generate(model, tok, "Name a colour.", None, 6, chat=True,
+                    sampling=SamplingParams(temperature=0.8, top_k=30, seed=4, logprobs=1))
+    assert got["token_ids"] == want.token_ids and got["text"] == want.text
+    assert [e["token_id"] for e in got["logprobs"]] == want.token_ids and len(got["logprobs"][0]["top"]) == 1
+    assert main(["generate", "--max-new-tokens", "2", "--top-p", "2", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "top_p must be a number in (0, 1]" in err and "Traceback" not in err
 
 
 @pytest.mark.integration

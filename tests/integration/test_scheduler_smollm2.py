@@ -65,7 +65,7 @@ def test_batched_decode_equals_each_stream_alone(smollm2):
     batch = DecodeBatch(model)
     for gen in gens:
         gen.prefill(None)
-        gen.first_event()
+        gen.first_events()
     widest = 0
     while live := [g for g in gens if not g.finished]:
         batch.step(live)

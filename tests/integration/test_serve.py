@@ -35,7 +35,6 @@ from fastprefill.serve.app import EXIT_GRACE_S
 from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, served_name, serving_method
 from fastprefill.serve.limits import NFC_MERGE, NFKC_MERGE, longest_token_chars, prompt_char_limit
 from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_request, prompt_bytes
-from fastprefill.serve.worker import StopText
 from tests import REPO
 from tests.integration.serving import (
     MODEL,
@@ -87,23 +86,10 @@ def client(served) -> openai.OpenAI:
 
 
 # --- unit: no model ----------------------------------------------------------------------------
-def test_stop_text_holds_back_a_possible_stop_and_cuts_at_it():
-    st = StopText(("END", "\n\n"))
-    assert st.feed("Hello E") == "Hello "  # "E" may start "END"
-    assert st.feed("x") == "Ex"
-    assert st.feed(" wor") == " wor"
-    assert st.feed("ld\n") == "ld"
-    assert st.feed("\nrest") == "" and st.hit
-    assert st.cut("Hello Ex world\n\nrest") == "Hello Ex world"
-    tail = StopText(("END",))
-    assert tail.feed("abcEN") == "abc" and tail.flush() == "EN" and not tail.hit
-    assert StopText(()).feed("anything") == "anything"
-
-
 def test_parse_request_refuses_with_400_and_names_the_field():
     def refused(body: bytes, schema=ChatRequest) -> APIError:
         with pytest.raises(APIError) as info:
-            parse_request(body, schema).check_greedy()
+            parse_request(body, schema).sampling(49152)
         assert info.value.status == 400
         return info.value
 
@@ -113,13 +99,24 @@ def test_parse_request_refuses_with_400_and_names_the_field():
                                           b'"tools": []}').message
     assert refused(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}').param \
         == "max_tokens"
-    assert "greedily" in refused(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
-                                 b'"temperature": 0.7}').message
-    assert refused(b'{"model": "m", "prompt": "x", "n": 3}', CompletionRequest).param == "n"
-    ok = parse_request(b'{"model": "m", "prompt": "x", "temperature": 0, "top_p": 0.5, "seed": 1}',
-                       CompletionRequest)
-    ok.check_greedy()  # temperature 0 is greedy whatever top_p says
+    assert refused(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+                   b'"presence_penalty": 2.5}').param == "presence_penalty"
+    assert refused(b'{"model": "m", "prompt": "x", "n": 17}', CompletionRequest).param == "n"
+    assert refused(b'{"model": "m", "prompt": "x", "logit_bias": {"49152": 1}}', CompletionRequest).param \
+        == "logit_bias"
+    assert refused(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}').param \
+        == "top_logprobs"
+    assert refused(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+                   b'"response_format": {"type": "json_schema", "json_schema": {}}}').param == "response_format"
+    assert refused(b'{"model": "m", "prompt": "x", "best_of": 3}', CompletionRequest).param == "best_of"
+    ok = parse_request(b'{"model": "m", "prompt": "x", "temperature": 0.7, "top_p": 0.5, "top_k": -1, "seed": 1, '
+                       b'"logprobs": 2, "echo": true, "n": 2, "ignore_eos": true, "min_tokens": 1, '
+                       b'"stream_options": {"include_usage": true, "continuous_usage_stats": true}}', CompletionRequest)
+    params = ok.sampling(49152)
+    assert (params.temperature, params.top_p, params.top_k, params.seed, params.n) == (0.7, 0.5, 0, 1, 2)
+    assert (params.logprobs, params.prompt_logprobs, params.ignore_eos, params.min_tokens) == (2, 2, True, 1)
     assert ok.single_prompt() == "x"
+    assert parse_request(b'{"model": "m", "prompt": "x"}', CompletionRequest).sampling(49152).greedy
 
 
 def test_prompt_bytes_keeps_invalid_input_invalid():
@@ -141,7 +138,7 @@ def test_cheap_malformed_bodies_are_400s_with_a_clear_message():
     def refused(body: bytes) -> APIError:
         with pytest.raises(APIError) as info:
             req = parse_request(body, CompletionRequest)
-            req.check_greedy()
+            req.sampling(49152)
             req.single_prompt(49152)
         assert info.value.status == 400
         return info.value
@@ -343,9 +340,13 @@ def test_stop_strings_cut_the_answer_whole_and_streamed(client, ref):
 
 
 BAD = [  # (create kwargs, status, words in the message)
-    ({"temperature": 0.7}, 400, "greedily"),
-    ({"top_p": 0.5}, 400, "greedily"),
-    ({"n": 2}, 400, "one greedy answer"),
+    ({"temperature": -1}, 400, "temperature"),
+    ({"n": 17}, 400, "n:"),
+    ({"presence_penalty": 3}, 400, "presence_penalty must be"),
+    ({"top_logprobs": 3}, 400, "logprobs: true"),
+    ({"logit_bias": {"999999": 1}}, 400, "not a token id"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools: unsupported field"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"max_tokens": 10**6}, 400, "context"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from fastprefill.engine import generate
+from fastprefill.sampling import SamplingParams
 from fastprefill.serve import ServeConfig, background, create_app
 from fastprefill.serve.ranks import ServedPool
 from tests.integration.serving import (
@@ -86,6 +87,29 @@ def test_runahead_answers_equal_full_prefill_whole_and_streamed(served, smollm2)
     assert full.choices[0].text == _full(smollm2, PROMPTS[1]).text and full.usage.fastprefill["method"] == "full"
     for name in ("fastprefill_ttft_seconds_count", "fastprefill_decode_seconds_per_token_count"):
         assert metric_value(url, name, method="runahead") >= 7 and metric_value(url, name, method="full") == 1
+
+
+@pytest.mark.timeout(300)
+def test_sampling_settings_and_answers_cross_the_rank_protocol(served, smollm2):
+    """Seeded sampling, ``n`` answers, log-probabilities and a stop string go to the last rank and
+    come back per answer: each is the engine's with full prefill in this process on the same settings."""
+    url, _ = served
+    client = openai_client(url)
+    model, tok = smollm2
+    kw = {"temperature": 1.2, "top_p": 0.95, "seed": 3, "n": 2}
+    ref = generate(model, tok, PROMPTS[2], None, N, sampling=SamplingParams(logprobs=1, **kw))
+    assert ref.answers[0].token_ids != ref.answers[1].token_ids
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=N, logprobs=1, **kw)
+    assert [c.text for c in r.choices] == [a.text for a in ref.answers]
+    for choice, answer in zip(r.choices, ref.answers, strict=True):
+        assert choice.logprobs.token_logprobs == pytest.approx([e.logprob for e in answer.logprobs], abs=1e-4)
+    stop = ref.answers[1].text.split()[1]
+    cut = generate(model, tok, PROMPTS[2], None, N, sampling=SamplingParams(stop=(stop,), **kw)).answers
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=N, stop=[stop], stream=True,
+                                            **kw))
+    for i, answer in enumerate(cut):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) == answer.text
+    assert cut[1].finish_reason == "stop" and stop not in cut[1].text
 
 
 @pytest.mark.timeout(300)

@@ -52,7 +52,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models.*", "data.*", "distributed", "distributed.runtime"),
     ("cache", "prefix_cache"),
     ("methods.*",),
-    ("engine", "prompt", "batch"),
+    ("engine", "events", "prompt", "sampling", "batch"),
     ("distributed.pool", "distributed.rank", "distributed.links", "distributed.torchrun_links"),
     ("bench.*", "tune"),
     ("launch", "serve.*", "cli", "cli.*", "demo", "__init__"),

@@ -45,8 +45,9 @@ def test_lossless_setting_equals_full_prefill_and_hf_generate(tiny_model_any_dty
     ids = make_ids(41, 1)
     with torch.inference_mode():
         ref = FullPrefill().prefill(tiny_model, ids).logits
-        got = method.prefill(tiny_model, ids).logits
-    assert float((got - ref).abs().max()) <= 1e-4
+        out = method.prefill(tiny_model, ids)
+    assert float((out.logits - ref).abs().max()) <= 1e-4
+    assert method.own_decoder(tiny_model) == (out.decoder is not None)  # said before the prefill (n > 1 refused)
     hf = tiny_model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, 41:].tolist()
     res = generate(tiny_model, None, ids, method, max_new_tokens=10, stop_at_eos=False)
     assert res.token_ids == hf

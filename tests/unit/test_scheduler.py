@@ -15,12 +15,14 @@ from fastprefill.engine import Generation, generate
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.prefix_cache import PrefixCache
+from fastprefill.sampling import SamplingParams
+from fastprefill.serve.answers import Finished, Token
 from fastprefill.serve.backends import LocalBackend
 from fastprefill.serve.config import ServeConfig
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError
 from fastprefill.serve.scheduler import FifoPolicy, Scheduler, ShortFirstPolicy, make_policy
-from fastprefill.serve.worker import Failed, Finished, Job, Token
+from fastprefill.serve.worker import Failed, Job
 
 MB = 1 << 20
 
@@ -78,13 +80,13 @@ def test_batched_decode_gives_each_stream_its_own_tokens(tiny_model, make_ids):
     got: list[list[int]] = []
     for gen in gens:
         gen.prefill(None)
-        got.append([gen.first_event().token_id])
+        got.append([e.token_id for e in gen.first_events()])
     sizes = []
     while live := [g for g in gens if not g.finished]:
         events = batch.step(live)
         sizes.append(len(batch.members))
-        for gen, event in zip(live, events, strict=True):
-            got[gens.index(gen)].append(event.token_id)
+        for gen, stepped in zip(live, events, strict=True):
+            got[gens.index(gen)] += [e.token_id for e in stepped]
     assert got == want
     assert sizes[:3] == [4, 4, 3]  # the 33-token prompt's 4 tokens are done after 3 steps: it leaves
     assert batch.members == []  # the last stream decodes alone; every row was written back
@@ -97,11 +99,11 @@ def test_a_stream_joining_a_running_batch_keeps_every_answer(tiny_llama, make_id
     batch = DecodeBatch(tiny_llama)
     for g in (a, b):
         g.prefill(None)
-        g.first_event()
+        g.first_events()
     for _ in range(3):
         batch.step([a, b])
     c.prefill(None)
-    c.first_event()
+    c.first_events()
     while live := [g for g in (a, b, c) if not g.finished]:
         batch.step(live)
     for gen, (n, seed, budget) in zip((a, b, c), ((20, 1, 10), (9, 2, 10), (31, 3, 5)), strict=True):
@@ -133,7 +135,8 @@ def loop():
 
 def _job(backend, ids, loop, metrics, max_tokens=4, arrived=0.0) -> Job:
     """A streamed full-prefill job generating exactly ``max_tokens`` tokens (``ignore_eos``)."""
-    return Job(ids, FullPrefill(), backend, "full", max_tokens, (), True, True, arrived, 1e12, metrics, loop.loop)
+    return Job(ids, FullPrefill(), backend, "full", max_tokens, SamplingParams(ignore_eos=True), True, arrived, 1e12,
+               metrics, loop.loop)
 
 
 def test_a_short_request_finishes_before_the_next_chunk_of_a_long_prefill(tiny_llama, make_ids, loop):
@@ -178,7 +181,7 @@ def test_answers_of_the_scheduler_equal_generate(tiny_llama, make_ids, loop):
         events = loop.events(job)
         assert job.outcome == "ok" and isinstance(events[-1], Finished)
         assert sum(isinstance(e, Token) for e in events) >= 1
-        assert events[-1].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 7, stop_at_eos=False).token_ids
+        assert events[-1].answers[0].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 7, stop_at_eos=False).token_ids
 
 
 def test_short_first_orders_by_remaining_tokens_and_ages_the_passed_over():

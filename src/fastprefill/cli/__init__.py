@@ -32,7 +32,17 @@ from typing import Any
 
 from rich.table import Table
 
-from fastprefill.cli.common import _load, _positive, _print_json, _threads, console, err_console, model_args
+from fastprefill.cli.common import (
+    _load,
+    _positive,
+    _print_json,
+    _threads,
+    console,
+    err_console,
+    model_args,
+    sampling_args,
+    sampling_params,
+)
 from fastprefill.cli.train import add_train_kvp_parser, add_tune_parser
 from fastprefill.errors import FastprefillError
 
@@ -88,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Answer one prompt. Unless ``--no-warmup``, one untimed run of the same method on the same
     prompt (two new tokens: a prefill and a decode step) comes first, so the TTFT and decode times
     shown exclude one-time start-up costs (first calls, compiling)."""
+    import dataclasses
     import time
 
     from fastprefill.engine import generate, stream
@@ -99,6 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     # --procs/--partition/--timeout reach only the methods that have them (runahead, tsp)
     method = make_method(args.method, {"procs": args.procs, "partition": args.partition, "timeout_s": args.timeout})
+    sampling = sampling_params(args)
     chat = not args.raw
     warmup_s = None
     if isinstance(method, DistributedMethod):
@@ -111,7 +123,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 pool.generate(prompt, method, 1, chat=chat)
                 warmup_s = time.perf_counter() - t0
-            result = pool.generate(prompt, method, args.max_new_tokens, chat=chat)
+            result = pool.generate(prompt, method, args.max_new_tokens, chat=chat, sampling=sampling)
         t = result.timing
         if args.json:
             _print_json({"model": args.model, "method": method.describe(), "procs": method.procs, "text": result.text,
@@ -134,12 +146,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         generate(model, tok, prompt, method, 2, chat=chat)
         warmup_s = time.perf_counter() - t0
     if args.json:
-        res = generate(model, tok, prompt, method, args.max_new_tokens, chat=chat)
+        res = generate(model, tok, prompt, method, args.max_new_tokens, chat=chat, sampling=sampling)
+        logprobs = None if res.answers[0].logprobs is None else [dataclasses.asdict(e) for e in res.answers[0].logprobs]
         _print_json({"model": args.model, "method": res.timing.method, "text": res.text,
-                     "token_ids": res.token_ids, "warmup_s": warmup_s, "timing": res.timing.to_dict()})
+                     "token_ids": res.token_ids, "finish_reason": res.answers[0].finish_reason, "logprobs": logprobs,
+                     "warmup_s": warmup_s, "timing": res.timing.to_dict()})
         return 0
     timing = None
-    for event in stream(model, tok, prompt, method, args.max_new_tokens, chat=chat):
+    for event in stream(model, tok, prompt, method, args.max_new_tokens, chat=chat, sampling=sampling):
         console.print(event.text, end="", soft_wrap=True, highlight=False, markup=False)
         timing = event.timing
     console.print()
@@ -321,6 +335,7 @@ def _add_generate(sub: Any) -> None:
                    help="time the first run (by default an untimed two-token run of the same method comes first)")
     p.add_argument("--verbose", action="store_true",
                    help="also print the dtype the model runs in, why, and the CPU's bfloat16 units")
+    sampling_args(p)
     model_args(p)
     p.set_defaults(func=cmd_generate)
 

@@ -60,3 +60,36 @@ def _load(model: str, device: str, dtype: str, compile: bool | None = None):
 def _print_json(data: Any) -> None:
     """One JSON document on stdout (plain print: no wrapping, no markup)."""
     print(json.dumps(data, ensure_ascii=False))
+
+
+def sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling options of ``generate`` (see :class:`fastprefill.sampling.SamplingParams`;
+    none given: greedy decoding)."""
+    g = p.add_argument_group("sampling (default: greedy)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0: no top-k")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, help="seed of the sampling generator (same seed, same text)")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable); cut from the answer")
+    g.add_argument("--min-tokens", type=int, default=0, help="no end token or stop string before this many tokens")
+    g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
+    g.add_argument("--logprobs", type=int, help="with --json: each token's log-probability and this many alternatives")
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    """The :class:`~fastprefill.sampling.SamplingParams` of ``args`` (:func:`sampling_args`).
+
+    Raises:
+        ConfigError: a value out of range, naming the field.
+    """
+    from fastprefill.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, stop=tuple(args.stop), min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs)

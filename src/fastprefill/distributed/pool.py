@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import Any, NoReturn, Self
+from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 import torch
 
@@ -46,6 +46,9 @@ from fastprefill.distributed.runtime import free_port
 from fastprefill.errors import ConfigError, FastprefillError, is_int
 from fastprefill.host import DTYPES, resolve_dtype
 from fastprefill.methods.base import DistributedMethod, Method
+
+if TYPE_CHECKING:
+    from fastprefill.sampling import SamplingParams
 
 __all__ = ["PoolResult", "RankPool", "RankPoolError", "generate_distributed"]
 
@@ -269,8 +272,10 @@ class RankPool:
         chat: bool = False,
         stop_at_eos: bool = True,
         fault: tuple[int, int, str] | None = None,
+        sampling: SamplingParams | None = None,
     ) -> PoolResult:
-        """Greedy generation with ``method`` on every rank.
+        """Generation with ``method`` on every rank, greedy unless ``sampling`` says otherwise
+        (the last rank decodes; the result holds the first answer).
 
         Args:
             prompt: text (bytes must be UTF-8) or token ids (the same on every rank).
@@ -295,7 +300,7 @@ class RankPool:
         if not is_int(max_new_tokens, 1):
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         req = Request(prompt if isinstance(prompt, (str, bytes)) else list(prompt), method, max_new_tokens, chat, stop_at_eos,
-                      fault)
+                      fault, sampling=sampling)
         first: list[float] = []
         t0 = time.perf_counter()
         for c in self._conns:

@@ -15,7 +15,9 @@ connection: a pipe for a local worker, an authenticated socket for a torchrun ra
 - ``("run", Request)`` -> ``("first", token_id)`` (last rank, as soon as it has it), then
   ``("done", payload)``; or ``("invalid", (message, error))`` when validation refused the
   request. With ``Request.stream`` the last rank sends ``("token", (token_id, text, index,
-  timing))`` for every token instead of ``"first"`` (``timing`` on the last one only), and stops
+  timing, choice, logprob, finish_reason, prompt_logprobs))`` (a
+  :class:`~fastprefill.engine.StreamEvent`'s fields) for every token instead of ``"first"``
+  (``timing`` on the last one only), and stops
   at the next token when ``("cancel", None)`` arrives (a stray one, after the run, is ignored);
 - ``("tokenize", {"prompt", "chat"})`` -> ``("tokens", ids)`` (sent to the last rank only);
 - ``("stop", None)`` -> the loop returns.
@@ -33,12 +35,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.methods.base import DistributedMethod, LayerHook, Method
+
+if TYPE_CHECKING:
+    from fastprefill.sampling import SamplingParams
 
 __all__ = [
     "FAULT_EXIT_CODE",
@@ -68,7 +73,8 @@ class Request:
         fault: test hook ``(rank, layer, "exit"|"hang")``: that helper rank exits (or hangs)
             after the given layer.
         stream: the last rank sends every token as it comes (see the module docstring).
-        stops: generation ends once the text contains one of these strings.
+        sampling: how tokens are picked, stop strings included (``None``: greedy, as
+            :func:`fastprefill.engine.stream` says).
     """
 
     prompt: str | list[int]
@@ -78,7 +84,7 @@ class Request:
     stop_at_eos: bool = True
     fault: tuple[int, int, str] | None = None
     stream: bool = False
-    stops: tuple[str, ...] = ()
+    sampling: SamplingParams | None = None
 
 
 def required_ranks(method: Method) -> int:
@@ -157,20 +163,22 @@ def run_rank(
     method = request.method
     if rank == world - 1:
         events = []
-        stops = request.stops
         gen = stream(model, tokenizer, input_ids, method, request.max_new_tokens, stop_at_eos=request.stop_at_eos,
-                     stop=(lambda text: any(s in text for s in stops)) if stops else None)
+                     sampling=request.sampling)
         with contextlib.closing(gen):
             for ev in gen:
-                if ev.index == 0 and on_first is not None:
+                if ev.index == 0 and ev.choice == 0 and on_first is not None:
                     on_first(ev.token_id)
                 events.append(ev)
                 if on_token is not None and on_token(ev) and ev.timing is None:
                     return {"cancelled": True, "stats": {}}
         timing = events[-1].timing
         assert timing is not None
-        ids_out = [e.token_id for e in events]
+        first = [e for e in events if e.choice == 0]  # the first answer (of n)
+        ids_out = [e.token_id for e in first]
         text = tokenizer.decode(ids_out, skip_special_tokens=True) if tokenizer is not None else ""
+        if request.sampling is not None and request.sampling.stop:  # cut before the stop string, as streamed
+            text = "".join(e.text for e in first)
         return {"text": text, "token_ids": ids_out, "timing": timing.to_dict(), "stats": timing.extra,
                 "logits": None if request.stream else events[-1].first_logits}
     assert isinstance(method, DistributedMethod)  # check_request: world > 1 needs one
@@ -190,7 +198,8 @@ def _token_sender(conn: Connection) -> Callable[[Any], bool]:
     """``on_token`` of a streamed request: send the event, then say whether a cancel has come."""
 
     def send(ev: Any) -> bool:
-        conn.send(("token", (ev.token_id, ev.text, ev.index, ev.timing)))
+        conn.send(("token", (ev.token_id, ev.text, ev.index, ev.timing, ev.choice, ev.logprob, ev.finish_reason,
+                             ev.prompt_logprobs)))
         cancelled = False
         while conn.poll(0):  # only a cancel is sent to a rank while it runs
             cancelled |= conn.recv()[0] == "cancel"

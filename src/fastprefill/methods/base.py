@@ -204,6 +204,13 @@ class Method(ABC):
                 this call (the method may append to it); ``None``: nothing cached.
         """
 
+    def own_decoder(self, model: PreTrainedModel) -> bool:
+        """Whether :meth:`prefill` on ``model`` returns its own :class:`Decoder` (a decode step
+        with state that a copy of the cache does not carry), known before any work. The engine
+        asks it to refuse several answers from one prefill (``n > 1``) up front."""
+        del model
+        return False
+
     def describe(self) -> str:
         """One line naming the method and its settings, for tables and logs."""
         return self.name

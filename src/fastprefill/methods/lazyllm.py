@@ -209,6 +209,13 @@ class LazyLLM(Method):
         """The schedule's pruning layers must exist in this model (see :meth:`resolved`)."""
         self.resolved(ModelShape.from_config(model.config).num_layers)
 
+    def own_decoder(self, model: PreTrainedModel) -> bool:
+        """A revival policy other than ``none`` with a schedule that cuts: decoding revives
+        deferred tokens with :class:`~fastprefill.methods.pruning.RevivalDecoder`."""
+        assert isinstance(self.options, PruneOptions)
+        layers = ModelShape.from_config(model.config).num_layers
+        return self.options.revival.kind != "none" and bool(self.resolved(layers))
+
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
         """Progressively pruned prefill; see the module docstring and :meth:`run`."""
         return self.run(model, input_ids, prefix).output

@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI-compatible routes over one model and one
 :class:`~fastprefill.serve.scheduler.Scheduler`.
 
-A completion request goes: body (at most ``--max-body-mb``) -> schema and greedy-only checks ->
+A completion request goes: body (at most ``--max-body-mb``) -> schema and sampling parameters ->
 method (the server's, or the request's ``"fastprefill": {"method": SPEC}``) and its backend
 (:class:`~fastprefill.serve.backends.Backends`) -> the prompt's length in characters against
 what the context can hold, then :func:`fastprefill.prompt.prepare_request` on a checker thread
@@ -21,6 +21,7 @@ seconds and then ends them with an error event, and exits once the answers are o
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +40,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.host import dtype_name, precision_report
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
+from fastprefill.serve.answers import Finished, Responder, Token, running_usage
 from fastprefill.serve.backends import Backends
 from fastprefill.serve.config import MethodTable, ServeConfig, served_name
 from fastprefill.serve.limits import read_body
@@ -49,8 +51,7 @@ from fastprefill.serve.protocol import (
     ChatRequest,
     CompletionRequest,
     ResponseIds,
-    chunk_body,
-    completion_body,
+    StreamOptions,
     describe_errors,
     parse_request,
     sse,
@@ -58,7 +59,7 @@ from fastprefill.serve.protocol import (
 )
 from fastprefill.serve.ranks import ServedPool
 from fastprefill.serve.scheduler import Scheduler, make_policy
-from fastprefill.serve.worker import Failed, Finished, Job, Token, internal_error, ranks_down, timeout_error
+from fastprefill.serve.worker import Failed, Job, internal_error, ranks_down, timeout_error
 
 __all__ = ["Server", "create_app"]
 
@@ -133,6 +134,7 @@ class Server:
         self.backends = Backends(model, tokenizer, self.prefix_cache, ranks)
         self.scheduler = Scheduler(model, tokenizer, self.metrics, config.queue_size, make_policy(config))
         self.prompts = PromptChecker(model, tokenizer)  # validates prompts beside the scheduler's work
+        self.wire_tokenizer = copy.deepcopy(tokenizer)  # the event loop's own (token texts, echo): not thread-safe
         self.created = int(time.time())
         self.draining = False
         self.active = 0  # completion requests being answered (a stream until its last event)
@@ -248,15 +250,14 @@ class Server:
             req = parse_request(await read_body(request, self.config.max_body_bytes),
                                 ChatRequest if chat else CompletionRequest)
             self.check_model(req.model)
-            req.check_greedy()
-            stops = req.stops()
+            max_tokens = req.budget() or self.config.max_tokens
+            sampling = req.sampling(self.prompts.vocab_size, max_tokens)
             label, method = self.methods.get(req.fastprefill.method)
             backend = self.backends.for_method(method)  # a 503 once its rank pool has failed
-            max_tokens = req.budget() or self.config.max_tokens
             self.prompts.check_lengths(req)
             ids, method = await self.prompts.prompt_ids(req, method, max_tokens)
-            job = Job(ids, method, backend, label, max_tokens, stops, req.fastprefill.ignore_eos, req.stream,
-                      arrived, arrived + self.config.timeout_s, self.metrics, asyncio.get_running_loop())
+            job = Job(ids, method, backend, label, max_tokens, sampling, req.stream, arrived,
+                      arrived + self.config.timeout_s, self.metrics, asyncio.get_running_loop())
             self.scheduler.submit(job)
         except APIError as exc:
             self.metrics.requests.labels(label, exc.outcome).inc()
@@ -269,10 +270,13 @@ class Server:
             error = internal_error(exc)
             self.metrics.requests.labels(label, error.outcome).inc()
             return _error(error)
-        ids_ = ResponseIds(chat, self.config.model_name)
+        echo = None
+        if isinstance(req, CompletionRequest) and req.echo:  # the prompt as sent (text), or its ids decoded
+            prompt = req.single_prompt()
+            echo = (prompt if isinstance(prompt, str) else self.wire_tokenizer.decode(prompt), ids[0].tolist())
+        out = Responder(ResponseIds(chat, self.config.model_name), self.wire_tokenizer, echo)
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _JobStream(job, self._stream(job, ids_, usage), self._ended)
+            return _JobStream(job, self._stream(job, out, req.stream_options), self._ended)
         while True:
             event = await self._next(job, request)
             if event is None:  # the client has gone: nobody reads this
@@ -280,8 +284,8 @@ class Server:
             if isinstance(event, Failed):
                 return _error(event.error)
             if isinstance(event, Finished):
-                usage_ = usage_block(event.timing, event.completion_tokens, event.queue_wait_s)
-                return JSONResponse(completion_body(ids_, event.text, event.finish_reason, usage_))
+                return JSONResponse(out.body(event, usage_block(event.timing, event.completion_tokens,
+                                                                event.queue_wait_s)))
 
     async def _next(self, job: Job, request: Request | None) -> Token | Finished | Failed | None:
         """The job's next event; a timeout error at its deadline; ``None`` if ``request``'s
@@ -300,21 +304,22 @@ class Server:
                 job.settle("cancelled")
                 return None
 
-    async def _stream(self, job: Job, ids: ResponseIds, include_usage: bool) -> AsyncIterator[bytes]:
-        first = True
+    async def _stream(self, job: Job, out: Responder, options: StreamOptions | None) -> AsyncIterator[bytes]:
+        running = options is not None and options.continuous_usage_stats
+        prompt_tokens = int(job.input_ids.shape[1])
         while True:
             event = await self._next(job, None)
             if isinstance(event, Token):  # the first one comes with the first token (clients time TTFT by it)
-                yield sse(chunk_body(ids, event.text, role=first))
-                first = False
+                yield sse(out.chunk(event, running_usage(prompt_tokens, event.completion_tokens) if running else None))
                 continue
             if isinstance(event, Failed):
                 yield sse(event.error.body())
             elif isinstance(event, Finished):
-                yield sse(chunk_body(ids, "", event.finish_reason))
-                if include_usage:
-                    yield sse(chunk_body(ids, None, usage=usage_block(event.timing, event.completion_tokens,
-                                                                      event.queue_wait_s)))
+                for chunk in out.finish_chunks(event, running_usage(prompt_tokens, event.completion_tokens)
+                                               if running else None):
+                    yield sse(chunk)
+                if options is not None and options.include_usage:
+                    yield sse(out.usage_chunk(event))
             yield sse("[DONE]")
             return
 

@@ -16,7 +16,7 @@ unit, up to the first token, then one token per step as the last rank sends them
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -64,12 +64,12 @@ class Work(Protocol):
         """One unit of prefill (at most ``budget`` tokens when :attr:`chunked`); the tokens run."""
         ...
 
-    def first_event(self) -> StreamEvent:
-        """The first token's event, once :attr:`prefilled`."""
+    def first_events(self) -> list[StreamEvent]:
+        """The first tokens' events (one per answer it holds), once :attr:`prefilled`."""
         ...
 
-    def step(self) -> StreamEvent:
-        """One decode step: the next token's event (the last carries the timing)."""
+    def step(self) -> list[StreamEvent]:
+        """One decode step: the next tokens' events (the generation's last carries the timing)."""
         ...
 
     def close(self) -> None:
@@ -89,8 +89,8 @@ class Backend(Protocol):
         """Raise :class:`~fastprefill.serve.protocol.APIError` if it cannot take a request now."""
         ...
 
-    def begin(self, job: Job, stop: Callable[[str], bool] | None) -> Work:
-        """The job's work (``stop``: called with the text so far; True ends the generation)."""
+    def begin(self, job: Job) -> Work:
+        """The job's work."""
         ...
 
     def warm_up(self, method: Method, vocab_size: int) -> None:
@@ -115,11 +115,11 @@ class LocalBackend:
     def check(self) -> None:
         """Always ready."""
 
-    def begin(self, job: Job, stop: Callable[[str], bool] | None) -> Generation:
+    def begin(self, job: Job) -> Generation:
         """A :class:`~fastprefill.engine.Generation` of the job (it stores into the prefix cache
         only once it is complete)."""
         return Generation(self.model, self.tokenizer, job.input_ids, job.method, job.max_tokens,
-                          stop_at_eos=not job.ignore_eos, stop=stop, prefix_cache=self.prefix_cache)
+                          prefix_cache=self.prefix_cache, sampling=job.sampling)
 
     def warm_up(self, method: Method, vocab_size: int) -> None:
         generate(self.model, self.tokenizer, _warm_ids(vocab_size), method, max_new_tokens=2)
@@ -132,7 +132,7 @@ class LocalBackend:
                 for n in (64, 40)]
         for gen in gens:
             gen.prefill(None)
-            gen.first_event()
+            gen.first_events()
         batch = DecodeBatch(self.model)
         while live := [g for g in gens if not g.finished]:
             batch.step(live)
@@ -167,12 +167,12 @@ class RankGeneration:
         self._first = self._take()
         return self.n_prompt
 
-    def first_event(self) -> StreamEvent:
+    def first_events(self) -> list[StreamEvent]:
         assert self._first is not None
-        return self._first
+        return [self._first]
 
-    def step(self) -> StreamEvent:
-        return self._take()
+    def step(self) -> list[StreamEvent]:
+        return [self._take()]
 
     def _take(self) -> StreamEvent:
         event = next(self._events)
@@ -205,10 +205,9 @@ class RankBackend:
         if self.pool.closed:
             raise ranks_down(self.pool.failure or "closed", fatal=self.pool.fatal)
 
-    def begin(self, job: Job, stop: Callable[[str], bool] | None) -> RankGeneration:
+    def begin(self, job: Job) -> RankGeneration:
         assert isinstance(job.method, DistributedMethod)
-        events = self.pool.stream(job.input_ids, job.method, job.max_tokens, stop_at_eos=not job.ignore_eos,
-                                  stops=job.stops)
+        events = self.pool.stream(job.input_ids, job.method, job.max_tokens, sampling=job.sampling)
         note = f"not used: {job.method.name} takes no cached prefix" if self.prefix_cache else None
         return RankGeneration(events, int(job.input_ids.shape[1]), note)
 

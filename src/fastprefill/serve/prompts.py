@@ -5,7 +5,8 @@ hold (:func:`fastprefill.serve.limits.prompt_char_limit`: no tokenization needed
 :func:`fastprefill.prompt.prepare_request` (ids validated, the method resolved for the prompt) on one of :data:`CHECK_THREADS` threads, each call
 with a tokenizer copy of its own (a fast tokenizer is not safe to share between threads), so
 neither the scheduler's work nor other requests wait for a long tokenization. A conversation
-of several messages is rendered with the model's chat template here.
+of several messages is rendered with the model's chat template here, and ``n > 1`` answers are
+refused for a method that decodes with its own step (:func:`fastprefill.engine.check_answers`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastprefill.errors import FastprefillError
+from fastprefill.engine import check_answers
+from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.methods.base import Method
 from fastprefill.prompt import PromptInput, context_length, prepare_request
 from fastprefill.serve.limits import prompt_char_limit
@@ -90,7 +92,9 @@ class PromptChecker:
         :func:`~fastprefill.prompt.prepare_request` on a checker thread.
 
         Raises:
-            APIError: 400 for a prompt the model cannot take.
+            APIError: 400 for a prompt the model cannot take, or for ``n > 1`` answers with the
+                method this prompt resolves to when it decodes with its own step
+                (:func:`~fastprefill.engine.check_answers`).
         """
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._on_thread, req, method,
                                                                 max_tokens)
@@ -99,9 +103,14 @@ class PromptChecker:
                    max_tokens: int) -> tuple[torch.Tensor, Method]:
         tok = self._tokenizers.get()
         try:
-            return self._prompt_ids(tok, req, method, max_tokens)
+            ids, resolved = self._prompt_ids(tok, req, method, max_tokens)
         finally:
             self._tokenizers.put(tok)
+        try:
+            check_answers(self.model, resolved, req.n or 1)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="n") from None
+        return ids, resolved
 
     def _prompt_ids(self, tok: PreTrainedTokenizerBase, req: ChatRequest | CompletionRequest, method: Method,
                     max_tokens: int) -> tuple[torch.Tensor, Method]:

@@ -1,9 +1,15 @@
-"""The OpenAI-compatible wire format: request schemas, greedy-only parameter checks, response bodies.
+"""The OpenAI-compatible wire format: request schemas, their sampling parameters, response bodies.
 
 Requests are parsed from the raw body here (not by FastAPI) so that every refusal is a 400 in
 OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) and so that prompt
 text carries any byte that is not UTF-8 through to :func:`fastprefill.prompt.prepare_prompt`,
 which refuses it with its own message (see :func:`prompt_bytes`).
+
+A request's decoding fields become one :class:`~fastprefill.sampling.SamplingParams`
+(:meth:`ChatRequest.sampling`, :meth:`CompletionRequest.sampling`), whose checks give the 400
+that names the field. A field the schema does not know (``tools``, ``functions``, ...) is
+refused with a 400 that names it; ``response_format`` is accepted only as ``{"type": "text"}``.
+docs/serving.md has the table of every field.
 """
 
 from __future__ import annotations
@@ -17,15 +23,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fastprefill.engine import Timing
+from fastprefill.errors import ConfigError
 from fastprefill.host import cpu_info
+from fastprefill.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 
 __all__ = [
     "APIError",
     "ChatRequest",
     "CompletionRequest",
     "FastprefillOptions",
-    "chunk_body",
-    "completion_body",
     "describe_errors",
     "parse_request",
     "prompt_bytes",
@@ -80,14 +86,29 @@ class _Strict(BaseModel):
 
 class FastprefillOptions(_Strict):
     """The extra body field ``"fastprefill"``: the prefill method, and ``ignore_eos`` to generate
-    exactly ``max_tokens`` tokens (benchmarks)."""
+    exactly ``max_tokens`` tokens (benchmarks; the same as the top-level ``ignore_eos``)."""
 
     method: str | None = None
     ignore_eos: bool = False
 
 
 class StreamOptions(_Strict):
+    """``include_usage``: a last chunk with the usage; ``continuous_usage_stats`` (vLLM's): the
+    usage so far on every chunk."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+
+    def check(self) -> None:
+        if self.type != "text":
+            raise APIError(400, f"response_format: type {self.type!r} is not supported (no constrained decoding); "
+                                "give {\"type\": \"text\"} or leave it out", param="response_format")
 
 
 class TextPart(_Strict):
@@ -109,24 +130,36 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+_FINITE = {"allow_inf_nan": False}
+
+
 class _Common(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    n: int | None = None
-    presence_penalty: float | None = Field(None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
-    fastprefill: FastprefillOptions = Field(default_factory=FastprefillOptions)
-    # accepted and ignored: decoding is greedy, so a seed changes nothing
+    # None: greedy. OpenAI's default is 1; this server keeps greedy unless a request asks (docs/serving.md)
+    temperature: float | None = Field(None, ge=0, **_FINITE)
+    top_p: float | None = Field(None, gt=0, le=1, **_FINITE)
+    top_k: int | None = None  # vLLM's: -1 or 0 is off
+    min_p: float | None = Field(None, ge=0, le=1, **_FINITE)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     seed: int | None = None
+    presence_penalty: float | None = Field(None, **_FINITE)
+    frequency_penalty: float | None = Field(None, **_FINITE)
+    repetition_penalty: float | None = Field(None, **_FINITE)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM's
+    min_tokens: int = Field(0, ge=0)  # vLLM's
+    fastprefill: FastprefillOptions = Field(default_factory=FastprefillOptions)
+    # accepted, no effect on the answer
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def budget(self) -> int | None:
         return self.max_tokens
@@ -137,56 +170,76 @@ class _Common(_Strict):
             raise APIError(400, "stop: give at most 4 non-empty strings", param="stop")
         return stops
 
-    def check_greedy(self) -> None:
-        """Refuse settings that ask for anything but one greedy answer."""
-        if self.temperature not in (None, 0):
-            raise APIError(400, f"temperature={self.temperature:g}: this server decodes greedily; "
-                                "give temperature 0 or leave it out", param="temperature")
-        if self.top_p not in (None, 1) and self.temperature != 0:
-            raise APIError(400, f"top_p={self.top_p:g}: this server decodes greedily; give top_p 1 "
-                                "(or temperature 0), or leave it out", param="top_p")
-        if self.n not in (None, 1):
-            raise APIError(400, f"n={self.n}: this server returns one greedy answer per request; give n 1",
-                           param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise APIError(400, f"{name}: not supported (greedy decoding only); give 0 or leave it out",
-                               param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias: not supported (greedy decoding only)", param="logit_bias")
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        """``(logprobs, prompt_logprobs)`` of :class:`SamplingParams`."""
+        return None, None
+
+    def sampling(self, vocab_size: int, max_tokens: int | None = None) -> SamplingParams:
+        """The request's :class:`SamplingParams`, with ``max_tokens`` the server's budget for it.
+
+        Raises:
+            APIError: 400 naming the field of a value out of range (``min_tokens`` over
+                ``max_tokens`` included), or a ``logit_bias`` key that is not a token id of the vocabulary.
+        """
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id of this model (0..{vocab_size - 1})",
+                               param="logit_bias")
+            bias[int(key)] = value
+        logprobs, prompt_logprobs = self._logprobs()
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed,
+                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                  "repetition_penalty": self.repetition_penalty, "n": self.n}
+        try:
+            return SamplingParams(
+                **{k: v for k, v in fields.items() if v is not None},
+                top_k=0 if self.top_k in (None, -1) else self.top_k, logit_bias=bias, stop=self.stops(),
+                max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos or self.fastprefill.ignore_eos,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        except ConfigError as exc:
+            field = str(exc).split(" ", 1)[0].removeprefix("SamplingParams.")
+            raise APIError(400, str(exc).replace("SamplingParams.", "", 1), param=self._param(field)) from None
+
+    def _param(self, field: str) -> str:
+        return field
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None
 
     def budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def check_greedy(self) -> None:
-        super().check_greedy()
-        if self.logprobs:
-            raise APIError(400, "logprobs: not supported", param="logprobs")
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: give logprobs: true with it", param="top_logprobs")
+        if self.response_format is not None:
+            self.response_format.check()
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
+    def _param(self, field: str) -> str:
+        return "top_logprobs" if field == "logprobs" else field
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool | None = None
+    echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def check_greedy(self) -> None:
-        super().check_greedy()
-        if self.echo:
-            raise APIError(400, "echo: not supported", param="echo")
+    def _logprobs(self) -> tuple[int | None, int | None]:
         if self.suffix:
-            raise APIError(400, "suffix: not supported", param="suffix")
+            raise APIError(400, "suffix: not supported (no fill-in-the-middle)", param="suffix")
         if self.best_of not in (None, 1):
-            raise APIError(400, "best_of: this server returns one greedy answer; give 1", param="best_of")
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs: not supported", param="logprobs")
+            raise APIError(400, "best_of: not supported; ask for n answers and choose among them", param="best_of")
+        return self.logprobs, self.logprobs if self.echo and self.logprobs is not None else None
 
     def single_prompt(self, vocab_size: int = 2**63) -> str | list[int]:
         """The one prompt of the request: text, or token ids each in ``[0, vocab_size)`` (by
@@ -278,31 +331,6 @@ class ResponseIds:
         obj = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": obj + (".chunk" if chunk and self.chat else ""),
                 "created": self.created, "model": self.model}
-
-
-def completion_body(ids: ResponseIds, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
-    """A whole (non-streamed) chat or text completion."""
-    if ids.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {**ids.head(chunk=False), "choices": [choice], "usage": usage}
-
-
-def chunk_body(ids: ResponseIds, text: str | None, finish_reason: str | None = None,
-               usage: dict[str, Any] | None = None, role: bool = False) -> dict[str, Any]:
-    """One streamed chunk; ``text=None`` with ``usage`` is the final usage chunk (no choices)."""
-    body = ids.head(chunk=True)
-    if text is None:
-        return {**body, "choices": [], "usage": usage}
-    if ids.chat:
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text}
-        choice = {"index": 0, "delta": delta if finish_reason is None else {}, "logprobs": None,
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {**body, "choices": [choice]}
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -37,6 +37,7 @@ from fastprefill.distributed.rank import Request
 from fastprefill.engine import StreamEvent
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.methods.base import DistributedMethod
+from fastprefill.sampling import SamplingParams
 from fastprefill.serve.config import ServeConfig, serving_method
 
 __all__ = ["ServedPool", "start_ranks"]
@@ -122,8 +123,9 @@ class ServedPool(RankPool):
                 self._fail(f"idle: rank {rank} {link.gone()}; pool shut down")
 
     def stream(self, input_ids: torch.Tensor, method: DistributedMethod, max_new_tokens: int, *,
-               stop_at_eos: bool = True, stops: Sequence[str] = ()) -> Iterator[StreamEvent]:
-        """Greedy generation of validated ``(1, T)`` ids over every rank, as
+               stop_at_eos: bool = True, sampling: SamplingParams | None = None) -> Iterator[StreamEvent]:
+        """Generation of validated ``(1, T)`` ids over every rank (the last rank decodes with
+        ``sampling``), as
         :func:`fastprefill.engine.stream`'s events (text deltas included). The last event carries
         the last rank's :class:`~fastprefill.engine.Timing`, its ``ttft_s`` (and ``total_s``) on
         this process's clock: from sending the request to the ranks through the first token's
@@ -135,16 +137,16 @@ class ServedPool(RankPool):
                 pool is shut down.
         """
         with self._busy:
-            yield from self._stream(input_ids, method, max_new_tokens, stop_at_eos=stop_at_eos, stops=stops)
+            yield from self._stream(input_ids, method, max_new_tokens, stop_at_eos=stop_at_eos, sampling=sampling)
 
     def _stream(self, input_ids: torch.Tensor, method: DistributedMethod, max_new_tokens: int, *,
-                stop_at_eos: bool = True, stops: Sequence[str] = ()) -> Iterator[StreamEvent]:
+                stop_at_eos: bool = True, sampling: SamplingParams | None = None) -> Iterator[StreamEvent]:
         self._check_open()
         timeout = float(method.timeout_s)
         pending = set(range(self.procs))
         t0 = time.perf_counter()
         self._send_all(("run", Request(input_ids.reshape(-1).tolist(), method, max_new_tokens,
-                                       stop_at_eos=stop_at_eos, stream=True, stops=tuple(stops))))
+                                       stop_at_eos=stop_at_eos, stream=True, sampling=sampling)))
         ttft: float | None = None
         last: StreamEvent | None = None
         invalid: tuple[str, FastprefillError | None] | None = None
@@ -155,9 +157,10 @@ class ServedPool(RankPool):
                     pending.discard(rank)
                     invalid = payload if kind == "invalid" else invalid
                     continue
-                token_id, text, index, timing = payload
                 ttft = time.perf_counter() - t0 if ttft is None else ttft
-                event = StreamEvent(token_id, text, index, timing)
+                token_id, text, index, timing, choice, logprob, finish_reason, prompt_lp = payload
+                event = StreamEvent(token_id, text, index, timing, choice=choice, logprob=logprob,
+                                    finish_reason=finish_reason, prompt_logprobs=prompt_lp)
                 if timing is None:
                     yield event
                 else:  # the last: once every rank is done, so the pool is idle when the caller sees it

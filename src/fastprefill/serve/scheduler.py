@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -46,11 +46,12 @@ from fastprefill.batch import DecodeBatch
 from fastprefill.distributed.pool import RankPoolError
 from fastprefill.engine import Generation, StreamEvent, Timing, TimingWindow
 from fastprefill.errors import FastprefillError
+from fastprefill.serve.answers import Collector
 from fastprefill.serve.backends import Work
 from fastprefill.serve.config import ServeConfig, served_name
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError
-from fastprefill.serve.worker import Finished, Job, StopText, Token, internal_error, ranks_down, timeout_error
+from fastprefill.serve.worker import Job, internal_error, ranks_down, timeout_error
 
 __all__ = ["FifoPolicy", "Running", "Scheduler", "ShortFirstPolicy", "make_policy"]
 
@@ -59,13 +60,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Running:
-    """An admitted request: its job, its work, what it has generated, and how often the policy
-    passed its prefill over in a row (``skips``)."""
+    """An admitted request: its job, its work, its answers so far (``collected``), and how often
+    the policy passed its prefill over in a row (``skips``)."""
 
     job: Job
     work: Work
-    stop: StopText
-    tokens: list[int] = field(default_factory=list)
+    collected: Collector
     skips: int = 0
     started: float | None = None  # the first unit of work (the end of its queue wait)
 
@@ -240,9 +240,7 @@ class Scheduler:
         if time.monotonic() > job.deadline:
             job.fail(timeout_error(job.deadline - job.arrived))
             return
-        stop = StopText(job.stops)
-        run = self._guard([], lambda: Running(job, job.backend.begin(job, stop.matched if job.stops else None), stop),
-                          job)
+        run = self._guard([], lambda: Running(job, job.backend.begin(job), Collector(job.sampling)), job)
         if run is not None and self._guard([run], run.work.lookup) is not None:
             self.running.append(run)
 
@@ -271,7 +269,7 @@ class Scheduler:
         """Remove ``run`` (its work closed, its K/V freed) and count its tokens."""
         if run in self.running:
             self.running.remove(run)
-        self.metrics.completion_tokens.labels(run.job.label).inc(len(run.tokens))
+        self.metrics.completion_tokens.labels(run.job.label).inc(run.collected.count)
         try:
             run.work.close()
         except Exception:  # the pool logs its own failures
@@ -295,7 +293,7 @@ class Scheduler:
         self._prefill([r for r in self.running if not r.work.prefilled])
 
     def _decode(self, runs: list[Running]) -> None:
-        """One decode step for every stream in ``runs``."""
+        """One decode step for every answer of every stream in ``runs``."""
         assert self.batch is not None
         local = [r for r in runs if isinstance(r.work, Generation)]
         with TimingWindow(self.batch.model.device) as window:
@@ -303,13 +301,14 @@ class Scheduler:
             pairs = list(zip(local, events or [], strict=False))
             for run in runs:
                 if not isinstance(run.work, Generation):  # the ranks' next token
-                    event = self._guard([run], run.work.step)
-                    if event is not None:
-                        pairs.append((run, event))
+                    stepped = self._guard([run], run.work.step)
+                    if stepped is not None:
+                        pairs.append((run, stepped))
         self.metrics.decode_batch.observe(len(runs))
         self.metrics.decode_step.observe(window.seconds)
-        for run, event in pairs:
-            self._emit(run, event)  # type: ignore[arg-type]
+        for run, stepped in pairs:
+            for event in stepped:  # type: ignore[attr-defined]
+                self._emit(run, event)
 
     def _prefill(self, runs: list[Running]) -> None:
         """Up to the policy's budget of prefill, in its order (see the module docstring)."""
@@ -330,7 +329,8 @@ class Scheduler:
                 continue
             self.metrics.prefill_chunks.labels(run.job.label).inc()
             if run.work.prefilled:
-                self._emit(run, run.work.first_event())
+                for event in run.work.first_events():
+                    self._emit(run, event)
                 if run.job.backend.exclusive:
                     busy.add(id(run.job.backend))
             if left is None:
@@ -342,12 +342,11 @@ class Scheduler:
             run.skips = 0 if id(run) in served else run.skips + 1
 
     def _emit(self, run: Running, event: StreamEvent) -> None:
-        """Send one token's text (the first always: it marks TTFT); finish on the last."""
+        """Send one token's text (an answer's first always: it marks TTFT); finish on the last."""
         job = run.job
-        run.tokens.append(event.token_id)
-        delta = run.stop.feed(event.text)
-        if job.streaming and (delta or len(run.tokens) == 1):
-            job.post(Token(delta))
+        token = run.collected.add(event)
+        if job.streaming and token is not None:
+            job.post(token)
         if event.timing is not None:
             self._finish(run, event.timing)
 
@@ -356,11 +355,8 @@ class Scheduler:
         if run in self.running:
             self.running.remove(run)
         run.work.close()  # done: the ranks' pool is free again
-        m.completion_tokens.labels(label).inc(len(run.tokens))
+        m.completion_tokens.labels(label).inc(run.collected.count)
         timing.method = served_name(job.method)  # LazyLLM: with its revival; auto: its choice
-        tail = run.stop.flush()
-        if job.streaming and tail:
-            job.post(Token(tail))
         m.ttft.labels(label).observe(timing.ttft_s)
         if timing.decode_s_per_token is not None:
             m.decode.labels(label).observe(timing.decode_s_per_token)
@@ -372,8 +368,5 @@ class Scheduler:
         m.cached_prompt_tokens.labels(label).inc(timing.cached_tokens)
         m.computed_prompt_tokens.labels(label).inc(timing.prompt_tokens - timing.cached_tokens)
         if job.settle("ok"):
-            decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids, **_: "")
-            text = run.stop.cut(decode(run.tokens, skip_special_tokens=True))
-            reason = "stop" if run.stop.hit or len(run.tokens) < job.max_tokens else "length"
             wait = (run.started or job.arrived) - job.arrived
-            job.post(Finished(text, len(run.tokens), reason, timing, wait, run.tokens))
+            job.post(run.collected.finished(self.tokenizer, timing, wait))

@@ -20,79 +20,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fastprefill.engine import Timing
 from fastprefill.methods.base import Method
+from fastprefill.sampling import SamplingParams
+from fastprefill.serve.answers import Finished, Token
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError
 
 if TYPE_CHECKING:
     from fastprefill.serve.backends import Backend
 
-__all__ = ["Failed", "Finished", "Job", "StopText", "Token", "internal_error", "ranks_down", "timeout_error"]
-
-
-@dataclass
-class Token:
-    """Text to stream (already cut before any stop string)."""
-
-    text: str
-
-
-@dataclass
-class Finished:
-    """The whole answer: the text exactly as :func:`fastprefill.engine.generate` decodes it
-    (cut at the first stop string), tokens generated (and their ids), and the engine's timing."""
-
-    text: str
-    completion_tokens: int
-    finish_reason: str
-    timing: Timing
-    queue_wait_s: float
-    token_ids: list[int] = field(default_factory=list)
+__all__ = ["Failed", "Job", "internal_error", "ranks_down", "timeout_error"]
 
 
 @dataclass
 class Failed:
     error: APIError
-
-
-class StopText:
-    """Cuts generated text before the first stop string; while streaming, holds back a tail
-    that may be the start of one."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.text = ""
-        self.sent = 0
-        self.hit = False
-
-    def matched(self, text: str) -> bool:
-        """Whether ``text`` contains a stop string (the engine's ``stop`` predicate)."""
-        return any(s in text for s in self.stops)
-
-    def cut(self, text: str) -> str:
-        """``text`` up to the first stop string."""
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return text[: min(found)] if found else text
-
-    def feed(self, delta: str) -> str:
-        """Add a streamed delta; return the text now safe to send."""
-        self.text += delta
-        end = len(self.cut(self.text))
-        if end < len(self.text):
-            self.hit = True
-        else:
-            held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-            end -= held
-        out = self.text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return out
-
-    def flush(self) -> str:
-        """At the end of a generation that hit no stop string: the held-back tail."""
-        out = "" if self.hit else self.text[self.sent:]
-        self.sent = len(self.text)
-        return out
 
 
 @dataclass(eq=False)
@@ -105,9 +47,8 @@ class Job:
             ``label`` the metrics label of the spec the request named
             (:func:`~fastprefill.serve.config.metric_label`).
         backend: what runs it (the server's model, or its rank pool), chosen when it was prepared.
-        max_tokens: tokens to generate at most (the first included).
-        stops: stop strings (cut from the answer, not included).
-        ignore_eos: generate ``max_tokens`` tokens even past the end-of-sequence token.
+        max_tokens: tokens to generate at most per answer (the first included).
+        sampling: how the answers are decoded (stop strings, ``ignore_eos``, ``n``, log-probabilities...).
         streaming: send :class:`Token` events as tokens come.
         arrived: ``time.monotonic()`` when the request arrived.
         deadline: ``time.monotonic()`` after which the job times out (queue wait included).
@@ -118,8 +59,7 @@ class Job:
     backend: Backend
     label: str
     max_tokens: int
-    stops: tuple[str, ...]
-    ignore_eos: bool
+    sampling: SamplingParams
     streaming: bool
     arrived: float
     deadline: float
