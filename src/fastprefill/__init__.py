@@ -34,6 +34,10 @@ from fastprefill.prefix_cache import PrefixCache
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Blend": "fastprefill.methods.blend",
+    "ChunkStore": "fastprefill.chunk_store",
+    "ChunkedPrompt": "fastprefill.prompt",
+    "Passage": "fastprefill.prompt",
     "LazyLLM": "fastprefill.methods.lazyllm",
     "RandomDrop": "fastprefill.methods.baselines",
     "StaticPruning": "fastprefill.methods.baselines",
