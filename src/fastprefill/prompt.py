@@ -63,8 +63,9 @@ class ChunkedPrompt:
             raise ConfigError(f"passage {next(i for i in passages if not parts[i].strip())} of the parts is empty")
         text = "".join(parts)
         head, tail = "", ""
-        special: list[int] = tokenizer("")["input_ids"] if not chat else []
-        if chat and getattr(tokenizer, "chat_template", None):
+        templated = chat and bool(getattr(tokenizer, "chat_template", None))
+        special: list[int] = [] if templated else tokenizer("")["input_ids"]  # as encode_prompt: BOS, if any
+        if templated:
             templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                       tokenize=False)
             if text not in templated:
