@@ -9,6 +9,7 @@ import torch
 
 from fastprefill.chunk_store import ChunkStore
 from fastprefill.engine import generate
+from fastprefill.errors import ConfigError
 from fastprefill.methods.blend import Blend
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.kv import key_shift_error
@@ -53,6 +54,14 @@ def test_chunked_prompt_spans_are_the_passages(smollm2):
     prompt = _prompt(tok, [2, 0])
     assert [tok.decode(prompt.ids[s:e]) for s, e in prompt.chunks] == [PASSAGES[2], PASSAGES[0]]
     assert tok.decode(prompt.ids).startswith("<|im_start|>system")
+
+
+def test_chunked_prompt_refuses_no_passage_and_an_empty_one(smollm2):
+    _, tok = smollm2
+    with pytest.raises(ConfigError, match="at least one passage"):
+        ChunkedPrompt.from_parts(tok, ["Answer:", " no passages here"])
+    with pytest.raises(ConfigError, match="is empty"):
+        ChunkedPrompt.from_parts(tok, ["Answer:", Passage("  "), "?"])
 
 
 def test_one_passage_at_the_start_without_recompute_is_the_prefix(smollm2):
