@@ -35,6 +35,10 @@ from fastprefill.sampling import SamplingParams
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Blend": "fastprefill.methods.blend",
+    "ChunkStore": "fastprefill.chunk_store",
+    "ChunkedPrompt": "fastprefill.prompt",
+    "Passage": "fastprefill.prompt",
     "LazyLLM": "fastprefill.methods.lazyllm",
     "RandomDrop": "fastprefill.methods.baselines",
     "StaticPruning": "fastprefill.methods.baselines",

@@ -25,8 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
 
-__all__ = ["AuxCache", "LayerCache", "LayerKV", "PositionKVCache", "ReplayCache", "fork_cache", "layer_kv",
-           "pad_caches", "unpad_row", "wrap_dynamic_cache"]
+__all__ = ["AuxCache", "DenseKVCache", "LayerCache", "LayerKV", "PositionKVCache", "ReplayCache", "fork_cache",
+           "layer_kv", "pad_caches", "unpad_row", "wrap_dynamic_cache"]
 
 
 @runtime_checkable
@@ -158,6 +158,53 @@ class PositionKVCache:
         ``DynamicCache`` does not know the positions.
         """
         return wrap_dynamic_cache(config, [(layer.keys, layer.values) for layer in self.layers])
+
+class DenseKVCache:
+    """A :class:`LayerCache` holding every position ``0..N-1`` at every layer, rows rewritten in place.
+
+    Each layer is one ``(1, H_kv, N, d)`` key tensor and one value tensor, filled by the caller
+    (:meth:`write`: K/V reused from elsewhere) before the layers run. A layer run on some rows
+    overwrites their positions (staged with :meth:`stage`, as :class:`PositionKVCache`) and
+    attends all ``N`` positions, under a mask by position. Blending reuses it: cached chunks
+    are written in, the rows it recomputes overwrite theirs.
+
+    Args:
+        keys, values: one ``(1, H_kv, N, d)`` tensor each per layer (owned by the cache: written in place).
+    """
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        if len(keys) != len(values) or not keys:
+            raise ValueError(f"DenseKVCache: {len(keys)} key and {len(values)} value layers")
+        self.keys, self.values = list(keys), list(values)
+        self._staged: dict[int, torch.Tensor] = {}
+
+    def write(self, layer_idx: int, positions: slice | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put ``(1, H_kv, M, d)`` keys and values at ``positions`` (a slice or ``(M,)`` int64) of a layer."""
+        self.keys[layer_idx][:, :, positions] = keys
+        self.values[layer_idx][:, :, positions] = values
+
+    def stage(self, layer_idx: int, positions: torch.Tensor) -> None:
+        """The positions ``(T,)`` of the rows the next :meth:`update` at ``layer_idx`` writes."""
+        self._staged[layer_idx] = positions.reshape(-1).to(torch.long)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Overwrite the staged positions with ``(1, H_kv, T, d)`` rows; return the layer's whole ``(K, V)``."""
+        positions = self._staged.pop(layer_idx, None)
+        if positions is None or positions.numel() != key_states.shape[-2]:
+            raise RuntimeError(f"DenseKVCache.update at layer {layer_idx}: {key_states.shape[-2]} rows but "
+                               f"{None if positions is None else positions.numel()} staged positions")
+        self.write(layer_idx, positions, key_states, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.keys[layer_idx].shape[-2])
+
+    def to_dynamic_cache(self, config: PretrainedConfig) -> DynamicCache:
+        """The same tensors as a transformers ``DynamicCache`` (positions ``0..N-1`` in order; no copy)."""
+        return wrap_dynamic_cache(config, list(zip(self.keys, self.values, strict=True)))
+
 
 def layer_kv(cache: DynamicCache, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``idx``'s keys and values ``(B, H_kv, N, d)`` held by a transformers ``DynamicCache``.

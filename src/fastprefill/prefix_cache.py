@@ -46,7 +46,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -76,12 +76,15 @@ def supports_prefix_cache(model: PreTrainedModel) -> bool:
 
 @dataclass
 class _Block:
-    """One cached block: its tokens, its parent's key and its K/V ``(2, L, H_kv, B, d)``."""
+    """One cached block: its tokens, its parent's key and its K/V ``(2, L, H_kv, B, d)``; ``start``
+    is ``None`` for a prefix block, the first position of an entry of a subclass's own kind (a
+    :class:`~fastprefill.chunk_store.ChunkStore` chunk: ``B`` is then its length)."""
 
     tokens: tuple[int, ...]
     parent: bytes | None
     kv: torch.Tensor
     children: int = 0
+    start: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +139,10 @@ class PrefixCache:
     The cache binds to the first model it is used with (its shape, dtype and device); using it
     with another model raises :class:`~fastprefill.errors.ConfigError`.
     """
+
+    #: The saved file's name (``<stem>.safetensors`` and ``<stem>.sha256``) and format tag.
+    FILE_STEM: ClassVar[str] = "prefix-cache"
+    FORMAT: ClassVar[str] = FORMAT
 
     def __init__(self, max_bytes: int, block_tokens: int = 16) -> None:
         if not is_int(max_bytes, 1):
@@ -345,12 +352,12 @@ class PrefixCache:
 
     @property
     def held_tokens(self) -> int:
-        """Tokens held (``num_blocks * block_tokens``)."""
-        return len(self._blocks) * self.block_tokens
+        """Tokens held (``num_blocks * block_tokens`` for prefix blocks)."""
+        return sum(len(block.tokens) for block in self._blocks.values())
 
     # --- persistence ----------------------------------------------------------------------
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write every block to ``directory/prefix-cache.safetensors`` (atomically) with a sha256 sidecar.
+        """Write every block to ``directory/<FILE_STEM>.safetensors`` (atomically) with a sha256 sidecar.
 
         Returns:
             The file written.
@@ -369,18 +376,19 @@ class PrefixCache:
             order = sorted(self._blocks, key=lambda key: (self._depth(key), lru[key]))  # parents first
             tensors = {key.hex(): self._blocks[key].kv.detach().to("cpu").contiguous() for key in order}
             header = {
-                "format": FORMAT, "version": VERSION, "fingerprint": self._fingerprint, "dtype": str(self._dtype),
+                "format": self.FORMAT, "version": VERSION, "fingerprint": self._fingerprint, "dtype": str(self._dtype),
                 "block_tokens": self.block_tokens,
                 "blocks": [{"key": key.hex(), "parent": None if self._blocks[key].parent is None
                             else self._blocks[key].parent.hex(), "tokens": list(self._blocks[key].tokens),
-                            "lru": lru[key]} for key in order],
+                            "lru": lru[key], **({} if self._blocks[key].start is None else
+                                                {"start": self._blocks[key].start})} for key in order],
             }
-        path = folder / "prefix-cache.safetensors"
-        tmp = folder / ".prefix-cache.safetensors.tmp"
+        path = folder / f"{self.FILE_STEM}.safetensors"
+        tmp = folder / f".{self.FILE_STEM}.safetensors.tmp"
         save_file(tensors, str(tmp), metadata={"fastprefill": json.dumps(header)})
         digest = file_sha256(tmp)
         os.replace(tmp, path)
-        (folder / "prefix-cache.sha256").write_text(digest + "\n")
+        (folder / f"{self.FILE_STEM}.sha256").write_text(digest + "\n")
         return path
 
     def load(self, directory: str | os.PathLike[str], model: PreTrainedModel) -> int:
@@ -396,7 +404,7 @@ class PrefixCache:
         from safetensors import safe_open
 
         folder = Path(directory)
-        path, sidecar = folder / "prefix-cache.safetensors", folder / "prefix-cache.sha256"
+        path, sidecar = folder / f"{self.FILE_STEM}.safetensors", folder / f"{self.FILE_STEM}.sha256"
         if not path.exists():
             return 0
         if not sidecar.exists() or sidecar.read_text().strip() != file_sha256(path):
@@ -416,7 +424,7 @@ class PrefixCache:
                         if key in self._blocks or (parent is not None and parent not in self._blocks):
                             continue
                         kv = handle.get_tensor(entry["key"]).to(model.device)
-                        self._insert(key, _Block(tuple(entry["tokens"]), parent, kv))
+                        self._insert(key, _Block(tuple(entry["tokens"]), parent, kv, start=entry.get("start")))
                         new[key] = int(entry["lru"])
                         loaded += self.block_tokens
                     for key in sorted(new, key=new.__getitem__):  # restore the saved recency order
@@ -429,7 +437,7 @@ class PrefixCache:
         return loaded
 
     def _check_header(self, path: Path, header: dict[str, Any]) -> None:
-        if header.get("format") != FORMAT or header.get("version") != VERSION:
+        if header.get("format") != self.FORMAT or header.get("version") != VERSION:
             raise PrefixCacheError(f"{path} is not a fastprefill prefix cache (format {header.get('format')!r})")
         if header.get("fingerprint") != self._fingerprint:
             raise PrefixCacheError(f"{path} was saved for another model (weights fingerprint differs); "

@@ -9,6 +9,7 @@ the server all call it, so every entry point refuses the same inputs with the sa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -18,10 +19,70 @@ from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import check_causal_lm
 
-__all__ = ["PromptInput", "context_length", "encode_prompt", "prepare_prompt", "prepare_request"]
+__all__ = ["ChunkedPrompt", "Passage", "PromptInput", "context_length", "encode_prompt", "prepare_prompt",
+           "prepare_request"]
 
-#: What a prompt may be: text (or UTF-8 bytes), or token ids as a list or a ``(T,)`` / ``(1, T)`` tensor.
-PromptInput = str | bytes | Sequence[int] | torch.Tensor
+
+class Passage(str):
+    """A part of a :class:`ChunkedPrompt` that is a passage (a chunk whose K/V may be reused)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class ChunkedPrompt:
+    """A prompt made of passages: its ids and each passage's ``[start, end)`` span in them.
+
+    Each part is tokenized on its own, so a passage has the same ids wherever it appears (a
+    tokenizer would otherwise merge tokens across its edges) and its K/V can be reused
+    (``blend``). Every method accepts one; only a method that reuses passages reads the spans
+    (:meth:`~fastprefill.methods.base.Method.with_chunks`), the others prefill the ids.
+    """
+
+    ids: tuple[int, ...]
+    chunks: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def from_parts(cls, tokenizer: PreTrainedTokenizerBase, parts: Sequence[str], chat: bool = False) -> ChunkedPrompt:
+        """Build one from the prompt's text in parts, the passages marked as :class:`Passage`.
+
+        Args:
+            tokenizer: the model's tokenizer.
+            parts: the prompt text in order (joined, it is the prompt): plain ``str`` parts
+                (instructions, separators, the question) and ``Passage`` parts.
+            chat: wrap the joined text in the chat template as one user message; the
+                template's text before and after it are parts of their own.
+
+        Raises:
+            ConfigError: no passage, or an empty one; a chat template that changes the text.
+        """
+        passages = [i for i, part in enumerate(parts) if isinstance(part, Passage)]
+        if not passages:
+            raise ConfigError("a chunked prompt needs at least one passage: mark the passages as Passage(text)")
+        if any(not parts[i].strip() for i in passages):
+            raise ConfigError(f"passage {next(i for i in passages if not parts[i].strip())} of the parts is empty")
+        text = "".join(parts)
+        head, tail = "", ""
+        templated = chat and bool(getattr(tokenizer, "chat_template", None))
+        special: list[int] = [] if templated else tokenizer("")["input_ids"]  # as encode_prompt: BOS, if any
+        if templated:
+            templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                      tokenize=False)
+            if text not in templated:
+                raise ConfigError("the chat template changes the prompt's text; build the parts without chat=True")
+            head, _, tail = templated.partition(text)
+        ids, chunks = list(special), []
+        for part in [head, *parts, tail]:
+            part_ids = tokenizer(part, add_special_tokens=False)["input_ids"] if part else []
+            if isinstance(part, Passage):
+                chunks.append((len(ids), len(ids) + len(part_ids)))
+            ids += part_ids
+        return cls(tuple(ids), tuple(chunks))
+
+
+#: What a prompt may be: text (or UTF-8 bytes), token ids as a list or a ``(T,)`` / ``(1, T)``
+#: tensor, or a :class:`ChunkedPrompt`.
+PromptInput = str | bytes | Sequence[int] | torch.Tensor | ChunkedPrompt
 
 
 def context_length(model: PreTrainedModel) -> int:
@@ -119,7 +180,8 @@ def prepare_request(
     Args:
         model: a decoder-only causal LM.
         tokenizer: its tokenizer (needed for text).
-        prompt: see :data:`PromptInput`.
+        prompt: see :data:`PromptInput` (a :class:`ChunkedPrompt` binds its passages to the
+            method, :meth:`~fastprefill.methods.base.Method.with_chunks`).
         method: the method that will run (``None``: full prefill); the one it resolves to for
             this prompt (``Method.resolve``) must support the model's family
             (``Method.supports``) and accept the prompt length (``Method.check_prompt``).
@@ -140,9 +202,12 @@ def prepare_request(
     if not isinstance(method, Method):
         raise ConfigError(f"method must be a fastprefill Method or None, got {type(method).__name__}")
     method.check_model(model)
-    input_ids = encode_prompt(tokenizer, prompt, chat=chat)
+    chunks = prompt.chunks if isinstance(prompt, ChunkedPrompt) else None
+    input_ids = encode_prompt(tokenizer, list(prompt.ids) if isinstance(prompt, ChunkedPrompt) else prompt, chat=chat)
     n_prompt = int(input_ids.shape[1])
     chosen = method.resolve(model, n_prompt)
+    if chunks is not None:
+        chosen = chosen.with_chunks(chunks)
     if chosen is not method:
         chosen.check_model(model)
     limit = context_length(model)

@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "text", "host"),
     ("models.shape",),
     ("models.*", "data.*", "distributed", "distributed.runtime"),
-    ("cache", "prefix_cache"),
+    ("cache", "prefix_cache", "chunk_store"),
     ("methods.*",),
     ("engine", "events", "prompt", "sampling", "batch"),
     ("distributed.pool", "distributed.rank", "distributed.links", "distributed.torchrun_links"),

@@ -16,6 +16,7 @@ import torch
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.baselines import GemFilter, RandomDrop, StaticPruning
+from fastprefill.methods.blend import Blend
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
@@ -36,6 +37,7 @@ LOSSLESS = {
     "runahead-1-rank": KVRunahead(procs=1),
     "tsp-1-rank": SequenceParallel(procs=1),
     "kvp-prefix-every-layer-exact": KVPrefix(layer=4),  # the tiny configs have 4 layers
+    "blend-without-passages": Blend(),  # no passage declared: the whole prompt is prefilled
 }
 
 
@@ -61,6 +63,10 @@ def test_every_registered_method_has_a_row():
 
 
 INVALID = [
+    ("blend:budget=1.5", r"budget.*\[0, 1\]"),
+    ("blend:policy=oracle", r"policy.*deviation"),
+    ("blend:anchor=middle", r"anchor"),
+    ("blend:chunks=0:5", r"no option"),
     ("lazyllm:schedule=1:1.5", r"schedule.*\(0, 1\]"),
     ("lazyllm:schedule=2:0.5+1:0.4", r"schedule.*strictly increasing"),
     ("lazyllm:preset=fastest", r"preset"),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -214,6 +214,14 @@ class Method(ABC):
     def describe(self) -> str:
         """One line naming the method and its settings, for tables and logs."""
         return self.name
+
+    def with_chunks(self, chunks: Sequence[tuple[int, int]]) -> Method:
+        """This method for a prompt made of passages: ``chunks`` are their ``[start, end)`` token
+        spans, as the request declared them (:class:`~fastprefill.prompt.ChunkedPrompt`). A
+        method that reuses passages' K/V (``blend``) returns a copy bound to them; every other
+        method prefills the ids as they are and returns itself."""
+        del chunks
+        return self
 
     def refuse_prefix(self, prefix: Cache | None) -> None:
         """Raise :class:`~fastprefill.errors.ConfigError` for a cached prefix unless :attr:`takes_prefix`."""

@@ -18,6 +18,7 @@ Examples: ``full``, ``lazyllm:preset=default``, ``lazyllm:preset=cut30k20+snap,r
 ``lazyllm:schedule=8:0.7+16:0.5,selection=snap``, ``static:keep=0.5,select_layer=8``,
 ``random:keep=0.5,seed=0``, ``kvp:predictor=ckpt/``, ``kvp-prefix:layer=8``,
 ``runahead:procs=2,partition=searched``, ``runahead:procs=2,partition=600/424``,
+``blend:policy=deviation,budget=0.15``,
 ``tsp:procs=2,timeout_s=60``.
 
 ``runahead`` and ``tsp`` build :class:`~fastprefill.methods.base.DistributedMethod` instances:
@@ -42,6 +43,7 @@ from fastprefill.errors import ConfigError
 from fastprefill.methods.auto import TuneProfile
 from fastprefill.methods.base import Method, PrefillOutput
 from fastprefill.methods.baselines import GemFilter, RandomDrop, StaticPruning
+from fastprefill.methods.blend import Blend
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import KVPrediction, KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
@@ -127,6 +129,9 @@ METHODS: dict[str, MethodEntry] = {
     "runahead": MethodEntry(KVRunahead, "KV-Runahead over procs ranks (options: procs, partition, table, timeout_s)"),
     "tsp": MethodEntry(SequenceParallel, "all-gather sequence-parallel prefill, KV-Runahead's baseline "
                                          "(options: procs, timeout_s)"),
+    "blend": MethodEntry(Blend, "reuse cached passages' K/V at new positions, recompute a share of their tokens "
+                                "(options: policy=deviation|head|attention, budget, check_layer, anchor=lead|zero, "
+                                "window, store_mb; the passages come from a ChunkedPrompt)"),
     "auto": MethodEntry(AutoMethod, "the method a tuning profile chooses per prompt length (options: profile)"),
 }
 

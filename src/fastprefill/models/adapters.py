@@ -40,6 +40,31 @@ from fastprefill.models.shape import ModelShape
 LAYER_LOOP_FAMILIES: frozenset[str] = frozenset({"llama", "qwen2"})
 
 
+#: Rotary types whose frequencies do not depend on the sequence length, so that a key rotated at
+#: position ``p`` and then by ``d`` is the key rotated at ``p + d`` (:meth:`DecoderAdapter.shift_keys`).
+#: ``dynamic`` NTK scaling changes the frequencies with the length; ``yarn`` and ``longrope``
+#: scale cos/sin by a factor, which one more rotation would apply twice.
+SHIFTABLE_ROPE_TYPES: frozenset[str] = frozenset({"default", "linear", "llama3"})
+
+
+def rope_type(config: Any) -> str:
+    """The config's rotary type (``"default"`` when it names none)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def supports_key_shift(config: Any) -> bool:
+    """True when a layer-loop family's cached keys can be moved to other positions exactly
+    (:meth:`DecoderAdapter.shift_keys`): its rotary type is one of :data:`SHIFTABLE_ROPE_TYPES`."""
+    return supports_layer_loop(config) and rope_type(config) in SHIFTABLE_ROPE_TYPES
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The Llama/Qwen2 rotary helper: ``(x1, x2) -> (-x2, x1)`` over the two halves of the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def supports_layer_loop(config: Any) -> bool:
     """True when :class:`DecoderAdapter` can run this config's family layer by layer.
 
@@ -206,6 +231,25 @@ class DecoderAdapter:
             position_embeddings=rotary,
             **extra,
         )
+
+    def shift_keys(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """Move cached keys ``delta`` positions: ``(B, H_kv, N, d)`` keys rotated at positions
+        ``p`` -> the same keys rotated at ``p + delta``.
+
+        Rotary embedding is a rotation by ``position * inv_freq`` in each frequency pair, so
+        rotating once more by ``delta * inv_freq`` (the model's own ``inv_freq``, without its
+        cos/sin scaling factor, which the first rotation applied) gives the key at the new position.
+        The angles, cos and sin are computed in float64 and the rotation in float32, rounded once
+        to the keys' dtype. Exact only for :data:`SHIFTABLE_ROPE_TYPES` (check with
+        :func:`supports_key_shift`).
+        """
+        if delta == 0:
+            return keys
+        inv_freq = self.inner.rotary_emb.inv_freq.to(device=keys.device, dtype=torch.float64)  # (d/2,)
+        angles = torch.cat((inv_freq, inv_freq)) * float(delta)  # (d,)
+        cos, sin = angles.cos().float(), angles.sin().float()
+        k = keys.float()
+        return (k * cos + rotate_half(k) * sin).to(keys.dtype)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``(B, T, D)`` -> float32 logits ``(B, T, V)``."""
