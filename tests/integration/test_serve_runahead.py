@@ -128,8 +128,6 @@ def test_a_request_for_another_rank_count_or_a_table_is_refused(served):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(reason="intermittent under the interleaved scheduler: a client that leaves a multi-rank stream does "
-                          "not always stop the last rank early (docs/serving.md, Known issue)", strict=False)
 def test_a_client_that_disconnects_stops_the_decode_on_the_ranks(served, smollm2):
     url, ranks = served
     client = openai_client(url)

@@ -266,14 +266,16 @@ class Scheduler:
         return None
 
     def _drop(self, run: Running) -> None:
-        """Remove ``run`` (its work closed, its K/V freed) and count its tokens."""
-        if run in self.running:
-            self.running.remove(run)
-        self.metrics.completion_tokens.labels(run.job.label).inc(run.collected.count)
+        """Close ``run``'s work (its K/V freed; on the ranks, once the last rank has stopped), then
+        remove it and count its tokens. It stays in :attr:`running` (``/health`` busy) until its
+        work is closed, so an idle server has no cancel still in flight."""
         try:
             run.work.close()
         except Exception:  # the pool logs its own failures
             log.exception("closing a request's work failed")
+        if run in self.running:
+            self.running.remove(run)
+        self.metrics.completion_tokens.labels(run.job.label).inc(run.collected.count)
 
     def _reap(self) -> None:
         """Drop the requests cancelled (client gone, shutdown) or past their deadline."""
@@ -352,9 +354,11 @@ class Scheduler:
 
     def _finish(self, run: Running, timing: Timing) -> None:
         job, m, label = run.job, self.metrics, run.job.label
-        if run in self.running:
-            self.running.remove(run)
-        run.work.close()  # done: the ranks' pool is free again
+        try:
+            run.work.close()  # done: the ranks' pool is free again
+        finally:
+            if run in self.running:
+                self.running.remove(run)
         m.completion_tokens.labels(label).inc(run.collected.count)
         timing.method = served_name(job.method)  # LazyLLM: with its revival; auto: its choice
         m.ttft.labels(label).observe(timing.ttft_s)
