@@ -227,6 +227,22 @@ def _check_ceiling(report: VerifyReport, path: Path, header: Mapping[str, Any], 
     report.checked.append(path.name)
 
 
+def _check_blend_gate(report: VerifyReport, path: Path) -> None:
+    """A blending gate file: its ``.summary.jsonl`` rows and ``.md`` table re-made from its records
+    by the gate script's own summary (``benchmarks/blend_gate.py``)."""
+    from blend_gate import summarize_gate, table
+
+    header, records = load_records(path)
+    rows = summarize_gate(records)
+    stem = str(path)[: -len(".jsonl")]
+    sjsonl, md = Path(stem + ".summary.jsonl"), Path(stem + ".md")
+    if sjsonl.exists():
+        report.mismatches += compare_json(sjsonl.name, "rows", read_rows(sjsonl)[1], rows)
+    if md.exists():
+        report.mismatches += compare_tables(md.name, md.read_text(), table(rows, header))
+    report.checked += [p.name for p in (path, sjsonl, md) if p.exists()]
+
+
 def _check_ablation(report: VerifyReport, path: Path) -> None:
     md = path.with_suffix(".md")
     doc = json.loads(path.read_text())
@@ -252,6 +268,9 @@ def verify_results(results: str | Path) -> VerifyReport:
             continue
         if header.get("bench") == "lazyllm-ceiling":
             _check_ceiling(report, jsonl, header, rows)
+            continue
+        if header.get("bench") == "blend-gate":
+            _check_blend_gate(report, jsonl)
             continue
         _check_records(report, jsonl)
     for path in sorted(results.glob("*.json")):
