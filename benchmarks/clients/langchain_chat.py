@@ -7,14 +7,16 @@ Runs in the clients' venv (``.venv-clients``, see ``requirements.txt`` here), no
     .venv-clients/bin/python benchmarks/clients/langchain_chat.py --base-url http://127.0.0.1:8000/v1 \\
         --model smollm2-135m --out /tmp/langchain_chat.json
 
-Writes one JSON object: each turn's question, answer, and the usage the server reported
-(``prompt_tokens``, ``prompt_tokens_details.cached_tokens``, and fastprefill's own block).
+Writes one JSON object: the request fields ``ChatOpenAI`` sends with its defaults, and each
+turn's question, answer, wall time and the usage the server reported (``prompt_tokens``,
+``prompt_tokens_details.cached_tokens``, and fastprefill's own block).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from langchain_core.messages import HumanMessage, SystemMessage
@@ -35,17 +37,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     chat = ChatOpenAI(model=args.model, base_url=args.base_url, api_key="unused")  # otherwise its defaults
     history: list = [SystemMessage("You are a concise assistant.")]
+    try:  # the fields a request carries, as a record (a private method, which other versions may lack)
+        fields = sorted(chat._get_request_payload(history))
+    except AttributeError:
+        fields = None
     turns = []
     for question in QUESTIONS:
         history.append(HumanMessage(question))
+        t0 = time.perf_counter()
         reply = chat.invoke(history)
+        seconds = time.perf_counter() - t0
         history.append(reply)
         usage = reply.response_metadata.get("token_usage", {})
-        turns.append({"question": question, "answer": reply.content, "usage": usage})
+        turns.append({"question": question, "answer": reply.content, "seconds": seconds, "usage": usage})
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         print(f"> {question}\n{reply.content}\n  [prompt {usage.get('prompt_tokens')} tokens, {cached} cached]")
     if args.out is not None:
-        args.out.write_text(json.dumps({"model": args.model, "turns": turns}, indent=2, ensure_ascii=False))
+        doc = {"model": args.model, "request_fields": fields, "turns": turns}
+        args.out.write_text(json.dumps(doc, indent=2, ensure_ascii=False))
     return 0
 
 
