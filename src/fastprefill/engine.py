@@ -146,7 +146,7 @@ class Generation:
         self.model, self.tokenizer, self.input_ids, self.method = model, tokenizer, input_ids, method
         self.params = params = sampling if sampling is not None else SamplingParams()
         self.n_prompt = int(input_ids.shape[1])
-        self.max_new_tokens = params.max_tokens if params.max_tokens is not None else max_new_tokens
+        self.max_new_tokens = params.budget(max_new_tokens)
         self.prefix_cache = prefix_cache
         eos = _eos_ids(model, tokenizer) if stop_at_eos and not params.ignore_eos else set()
         self.choices = [Choice(params, i, input_ids, eos, self.max_new_tokens, tokenizer, stop)
@@ -157,7 +157,6 @@ class Generation:
         self.done_tokens = 0  # prompt tokens whose K/V is computed (or was cached)
         self.out: PrefillOutput | None = None
         self.branches: list[Branch] = []
-        self.finished = False
         self.decode_s = 0.0
         self._cache: DynamicCache | None = None
         self._looked_up = False
@@ -249,6 +248,11 @@ class Generation:
         """The answers still decoding."""
         return [b for b in self.branches if not b.finished]
 
+    @property
+    def finished(self) -> bool:
+        """Whether every answer has ended (the last event carried the :class:`Timing`)."""
+        return bool(self.branches) and not self.live
+
     def first_events(self) -> list[StreamEvent]:
         """Every answer's first token event (after the last unit of :meth:`prefill`)."""
         return [self.accept(b, 0.0) for b in self.branches]
@@ -271,8 +275,7 @@ class Generation:
         if branch.finished:
             if branch.on_finish is not None:
                 branch.on_finish()
-            if not self.live:
-                self.finished = True
+            if self.finished:
                 event.timing, event.first_logits = self._finish(), self.first_logits
         return event
 
@@ -344,7 +347,7 @@ def stream(
     prefix-cache lookup (or the prefill) through the first token's pick.
     """
     params = sampling if sampling is not None else SamplingParams()
-    budget = params.max_tokens if params.max_tokens is not None else max_new_tokens
+    budget = params.budget(max_new_tokens)
     method = method if method is not None else FullPrefill()
     input_ids, method = prepare_request(model, tokenizer, prompt, method, max_new_tokens=budget, chat=chat)
     params.check_vocab(model.get_input_embeddings().num_embeddings)

@@ -153,6 +153,10 @@ class SamplingParams:
         """Whether the next token is the most likely one after processing (no draw)."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
+    def budget(self, default: int) -> int:
+        """Tokens to generate at most per answer: :attr:`max_tokens`, else the caller's ``default``."""
+        return self.max_tokens if self.max_tokens is not None else default
+
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of answer ``index`` of ``n``: the seed ``seed + index`` (wrapped to 64 bits)."""
         if self.seed is None or index == 0:
