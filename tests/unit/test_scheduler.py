@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from fastprefill.serve.config import ServeConfig
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError
 from fastprefill.serve.scheduler import FifoPolicy, Scheduler, ShortFirstPolicy, make_policy
-from fastprefill.serve.worker import Failed, Job
+from fastprefill.serve.worker import Failed, Job, timeout_error
 
 MB = 1 << 20
 
@@ -247,3 +248,39 @@ def test_serve_config_refuses_bad_scheduler_settings():
                 {"max_running": 0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             ServeConfig("m", **bad)
+
+
+# --------------------------------------------------------------------------- the request's side of a job
+def _waiting_job(loop, deadline: float) -> Job:
+    return Job(torch.zeros(1, 3, dtype=torch.long), FullPrefill(), None, "full", 4, SamplingParams(), True, 0.0,
+               deadline, ServeMetrics(), loop.loop)
+
+
+def test_a_job_past_its_deadline_that_the_scheduler_timed_out_returns_the_schedulers_error(loop):
+    """The scheduler settles a late job first and posts its 504: the request side, past the
+    deadline too, gets that event (it used to wait for it with no time to wait, forever)."""
+    job = _waiting_job(loop, time.monotonic() - 1.0)
+    job.fail(timeout_error(2.0))
+    event = loop.loop.run_until_complete(asyncio.wait_for(job.next_event(), timeout=5.0))
+    assert isinstance(event, Failed) and event.error.status == 504
+    assert job.outcome == "timeout"
+
+
+def test_a_job_times_out_at_its_deadline_on_the_request_side(loop):
+    job = _waiting_job(loop, time.monotonic() + 0.2)
+    sent = time.monotonic()
+    event = loop.loop.run_until_complete(job.next_event(poll_s=0.05))
+    assert isinstance(event, Failed) and event.error.status == 504
+    assert time.monotonic() - sent >= 0.2 - 1e-3 and job.cancelled and job.outcome == "timeout"
+
+
+def test_a_job_returns_its_events_in_order_and_none_once_the_client_is_gone(loop):
+    job = _waiting_job(loop, time.monotonic() + 60)
+    job.post(Failed(timeout_error(1.0)))
+    assert isinstance(loop.loop.run_until_complete(job.next_event()), Failed)
+
+    async def gone() -> bool:
+        return True
+
+    assert loop.loop.run_until_complete(job.next_event(gone, poll_s=0.01)) is None
+    assert job.cancelled and job.outcome == "cancelled"

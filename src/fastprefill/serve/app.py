@@ -59,7 +59,7 @@ from fastprefill.serve.protocol import (
 )
 from fastprefill.serve.ranks import ServedPool
 from fastprefill.serve.scheduler import Scheduler, make_policy
-from fastprefill.serve.worker import Failed, Job, internal_error, ranks_down, timeout_error
+from fastprefill.serve.worker import Failed, Job, internal_error, ranks_down
 
 __all__ = ["Server", "create_app"]
 
@@ -278,7 +278,7 @@ class Server:
         if req.stream:
             return _JobStream(job, self._stream(job, out, req.stream_options), self._ended)
         while True:
-            event = await self._next(job, request)
+            event = await job.next_event(request.is_disconnected)
             if event is None:  # the client has gone: nobody reads this
                 return Response(status_code=499)
             if isinstance(event, Failed):
@@ -287,28 +287,11 @@ class Server:
                 return JSONResponse(out.body(event, usage_block(event.timing, event.completion_tokens,
                                                                 event.queue_wait_s)))
 
-    async def _next(self, job: Job, request: Request | None) -> Token | Finished | Failed | None:
-        """The job's next event; a timeout error at its deadline; ``None`` if ``request``'s
-        client disconnects (polled twice a second; a stream's disconnect cancels it instead)."""
-        while True:
-            left = job.deadline - time.monotonic()
-            try:
-                return await asyncio.wait_for(job.events.get(), timeout=max(0.0, min(0.5, left)))
-            except TimeoutError:
-                pass
-            if time.monotonic() >= job.deadline and job.settle("timeout"):
-                job.cancel()
-                return Failed(timeout_error(self.config.timeout_s))
-            if request is not None and await request.is_disconnected():
-                job.cancel()
-                job.settle("cancelled")
-                return None
-
     async def _stream(self, job: Job, out: Responder, options: StreamOptions | None) -> AsyncIterator[bytes]:
         running = options is not None and options.continuous_usage_stats
         prompt_tokens = int(job.input_ids.shape[1])
         while True:
-            event = await self._next(job, None)
+            event = await job.next_event()
             if isinstance(event, Token):  # the first one comes with the first token (clients time TTFT by it)
                 yield sse(out.chunk(event, running_usage(prompt_tokens, event.completion_tokens) if running else None))
                 continue

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +95,29 @@ class Job:
         if self.settle(error.outcome):
             self.post(Failed(error))
         self.cancel()
+
+    async def next_event(self, gone: Callable[[], Awaitable[bool]] | None = None,
+                         poll_s: float = 0.5) -> Token | Finished | Failed | None:
+        """The job's next event (on its event loop); a timeout error at its deadline; ``None``
+        once ``gone()`` says the client has disconnected (asked every ``poll_s`` seconds).
+
+        Past the deadline the job times out here unless another caller settled it first (the
+        scheduler's own timeout, an error, its last token): that caller has posted the job's
+        last event, which is then awaited like any other.
+        """
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0 and self.settle("timeout"):
+                self.cancel()
+                return Failed(timeout_error(self.deadline - self.arrived))
+            try:
+                return await asyncio.wait_for(self.events.get(), timeout=min(poll_s, left) if left > 0 else poll_s)
+            except TimeoutError:
+                pass
+            if gone is not None and await gone():
+                self.cancel()
+                self.settle("cancelled")
+                return None
 
     def post(self, event: Token | Finished | Failed) -> None:
         """Hand an event to the request's event loop (from any thread)."""
