@@ -35,7 +35,8 @@ def _shared(make_ids, base: torch.Tensor, keep: int, total: int, seed: int) -> t
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 def test_suffix_attention_equals_the_masked_reference(prefix, heads):
     """A suffix of 16 queries over ``prefix`` cached keys, padded-causal (short prefix) or
-    lower-right masked (long prefix), with and without grouped heads: the explicitly masked SDPA."""
+    lower-right masked (long prefix), with and without grouped heads: the explicitly masked SDPA;
+    given a forward's memo, the mask is built once and reused."""
     h_q, h_kv = heads
     g = torch.Generator().manual_seed(prefix)
     q = torch.randn(1, h_q, 16, 8, generator=g)
@@ -46,6 +47,10 @@ def test_suffix_attention_equals_the_masked_reference(prefix, heads):
         attn_mask=causal_mask(pos[prefix:], pos),
     ).transpose(1, 2)
     torch.testing.assert_close(_suffix_causal_sdpa(q, k, v, None), ref, atol=1e-6, rtol=0)
+    memo: dict = {}
+    for _ in range(2):  # two layers of one forward
+        torch.testing.assert_close(_suffix_causal_sdpa(q, k, v, None, memo), ref, atol=1e-6, rtol=0)
+    assert list(memo) == ([] if prefix < 16 else [(16, prefix + 16)])
 
 
 @pytest.mark.parametrize(("share", "expect_hit"), [(0, 0), (10, 8), (28, 24), (47, 40), (48, 47), (60, 47)])

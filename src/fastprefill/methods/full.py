@@ -21,7 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput, prefix_length
 from fastprefill.models.adapters import supports_layer_loop
-from fastprefill.models.attention import fastprefill_attention
+from fastprefill.models.attention import MASK_MEMO_KWARG, fastprefill_attention
 from fastprefill.models.shape import ModelShape, causal_pairs
 
 
@@ -36,10 +36,13 @@ class FullPrefill(Method):
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
         n, p = int(input_ids.shape[1]), prefix_length(prefix)
         cache = prefix if prefix is not None else DynamicCache(config=model.config)
-        # over a cached prefix, the suffix's causal attention without a T x N mask (layer-loop families)
-        scope = fastprefill_attention(model) if p and supports_layer_loop(model.config) else contextlib.nullcontext()
+        # over a cached prefix (layer-loop families), the suffix's causal attention by fastprefill's
+        # function, its mask built once for all the layers
+        over_prefix = bool(p) and supports_layer_loop(model.config)
+        scope = fastprefill_attention(model) if over_prefix else contextlib.nullcontext()
+        masks = {MASK_MEMO_KWARG: {}} if over_prefix else {}
         with scope:
-            out = model(input_ids=input_ids[:, p:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=input_ids[:, p:], past_key_values=cache, use_cache=True, logits_to_keep=1, **masks)
         logits = out.logits[0, -1].float()  # (V,)
         shape = ModelShape.from_config(model.config)
         stats = ComputeStats(

@@ -29,7 +29,15 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-__all__ = ["ATTENTION_NAME", "SCORER_KWARG", "SCORE_SINK_KWARG", "ScoreFn", "causal_mask", "fastprefill_attention"]
+__all__ = [
+    "ATTENTION_NAME",
+    "MASK_MEMO_KWARG",
+    "SCORER_KWARG",
+    "SCORE_SINK_KWARG",
+    "ScoreFn",
+    "causal_mask",
+    "fastprefill_attention",
+]
 
 ATTENTION_NAME = "fastprefill_sdpa"
 #: Keyword argument, passed through the decoder layer to the attention function, that receives
@@ -37,6 +45,9 @@ ATTENTION_NAME = "fastprefill_sdpa"
 SCORE_SINK_KWARG = "fastprefill_scores"
 #: Keyword argument naming the :data:`ScoreFn` that fills the sink.
 SCORER_KWARG = "fastprefill_scorer"
+#: Keyword argument, passed through the model's forward, of a dict in which the layers of one
+#: forward share the masks :func:`_suffix_causal_sdpa` builds (each built once, not once per layer).
+MASK_MEMO_KWARG = "fastprefill_masks"
 
 #: ``scorer(query, key, attention_mask, scaling) -> (B, N)``: one score per key, computed beside the
 #: fused attention from the rotated queries ``(B, H_q, T, d)``, keys ``(B, H_kv, N, d)`` and the
@@ -69,10 +80,11 @@ def _fastprefill_sdpa(
     """
     sink = kwargs.pop(SCORE_SINK_KWARG, None)
     scorer: ScoreFn | None = kwargs.pop(SCORER_KWARG, None)
+    memo: dict[tuple[int, int], torch.Tensor] | None = kwargs.pop(MASK_MEMO_KWARG, None)
     if dropout == 0.0 and "position_bias" not in kwargs and _gqa_with_shared_mask(query, key, attention_mask):
         out = _gqa_masked_sdpa(query, key, value, attention_mask, scaling)
     elif attention_mask is None and 1 < query.shape[2] < key.shape[2] and dropout == 0.0 and "position_bias" not in kwargs:
-        out = _suffix_causal_sdpa(query, key, value, scaling)
+        out = _suffix_causal_sdpa(query, key, value, scaling, memo)
     else:
         out, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -110,7 +122,8 @@ def _gqa_masked_sdpa(
 
     Args:
         query: ``(B, H_q, T, d)``; key, value: ``(B, H_kv, N, d)`` with ``H_q = G * H_kv``;
-        attention_mask: bool ``(B, 1, T, N)``, True = attend.
+        attention_mask: bool ``(B, 1, T, N)``, True = attend (or the additive mask of the
+            query's dtype that SDPA makes of one: 0 = attend, ``-inf`` = not).
 
     Returns:
         ``(B, T, H_q, d_v)``, the layout transformers' attention functions return.
@@ -126,21 +139,25 @@ def _gqa_masked_sdpa(
 
 def _suffix_causal_sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+    memo: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last ``T`` of ``N`` positions: a prompt's suffix over a cached prefix.
 
     transformers builds no mask for an attention function it does not know, so a model's own
-    forward over a cache of ``P = N - T`` exact tokens arrives here with ``attention_mask=None``
-    and ``T < N``: query row ``t`` may attend keys ``0 .. P + t``. A boolean mask for that costs
-    the fused CPU kernel the whole ``T x N`` rectangle, nearly twice a causal prefill's attention
-    when ``P`` is short (a chat template's system prompt), so such a hit would be slower than no
-    hit. While ``2T > N`` the queries are instead padded at the front with ``P`` zero rows,
-    attended with ``is_causal`` (``N^2 / 2`` pairs, the kernel's skipped upper triangle) and the
-    padding's rows dropped; the kept rows are the same computation. Past that, the lower-right
-    mask is the cheaper one.
+    forward over a cache of ``P = N - T`` exact tokens (a prefix-cache hit, or the next chunk of a
+    chunked prefill) arrives here with ``attention_mask=None`` and ``T < N``: query row ``t`` may
+    attend keys ``0 .. P + t``. A mask for that costs the fused CPU kernel the whole ``T x N``
+    rectangle, nearly twice a causal prefill's attention when ``P`` is short (a chat template's
+    system prompt), so such a hit would be slower than no hit. While ``2T > N`` the queries are
+    instead padded at the front with ``P`` zero rows, attended with ``is_causal`` (``N^2 / 2``
+    pairs, the kernel's skipped upper triangle) and the padding's rows dropped; the kept rows are
+    the same computation. Past that, the lower-right mask is the cheaper one: given to the kernel
+    as the additive mask it would convert a boolean one to, built once per forward in ``memo``
+    (the layers' dict, :data:`MASK_MEMO_KWARG`; without one, once per call).
 
     Args:
         query: ``(B, H_q, T, d)``; key, value: ``(B, H_kv, N, d)``, ``H_q`` a multiple of ``H_kv``.
+        memo: masks already built in this forward, by ``(T, N)``.
 
     Returns:
         ``(B, T, H_q, d_v)``, the layout transformers' attention functions return.
@@ -154,8 +171,13 @@ def _suffix_causal_sdpa(
             padded, key, value, is_causal=True, scale=scaling, enable_gqa=h_q != key.shape[1]
         )[:, :, p:]  # (B, H_q, T, d_v)
         return out.transpose(1, 2).contiguous()
-    positions = torch.arange(n, device=query.device)
-    mask = causal_mask(positions[p:], positions)  # (1, 1, T, N)
+    mask = memo.get((t, n)) if memo is not None else None
+    if mask is None or mask.dtype != query.dtype:
+        positions = torch.arange(n, device=query.device)
+        allowed = causal_mask(positions[p:], positions)  # (1, 1, T, N)
+        mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, float("-inf"))
+        if memo is not None:
+            memo[(t, n)] = mask
     if h_q != key.shape[1]:
         return _gqa_masked_sdpa(query, key, value, mask, scaling)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
