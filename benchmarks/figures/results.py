@@ -11,8 +11,10 @@ to it are rebuilt from the records alone and compared:
 - ``<stem>.summary.jsonl`` (rows paired with full prefill): every committed row key, and the
   header's ``retrieved_by_depth`` and ``selection`` when present.
 
-Also every cache-ablation ``<stem>.json`` against its ``<stem>.md``, and the ``summary`` in the
-header of every selection-ceiling ``<stem>.jsonl`` against its rows. Numbers in a table must
+Also every cache-ablation ``<stem>.json`` against its ``<stem>.md``, the ``summary`` in the
+header of every selection-ceiling ``<stem>.jsonl`` against its rows, and the ``.summary.jsonl``
+and ``.md`` of a blending gate run and of a chunked-prefill run (``benchmarks/prefill_chunks.py``)
+re-made from its rows by the script's own summary. Numbers in a table must
 print the same (to the committed precision); numbers in JSON agree to a relative 1e-9. Files that are not bench records, or have no summary, are listed as skipped.
 """
 
@@ -227,6 +229,18 @@ def _check_ceiling(report: VerifyReport, path: Path, header: Mapping[str, Any], 
     report.checked.append(path.name)
 
 
+def _check_script_summary(report: VerifyReport, path: Path, rows: Sequence[Mapping[str, Any]], table: str) -> None:
+    """The ``.summary.jsonl`` rows and the ``.md`` table beside ``path`` against ``rows`` and
+    ``table``, re-made by a script's own summary."""
+    stem = str(path)[: -len(".jsonl")]
+    sjsonl, md = Path(stem + ".summary.jsonl"), Path(stem + ".md")
+    if sjsonl.exists():
+        report.mismatches += compare_json(sjsonl.name, "rows", read_rows(sjsonl)[1], rows)
+    if md.exists():
+        report.mismatches += compare_tables(md.name, md.read_text(), table)
+    report.checked += [p.name for p in (path, sjsonl, md) if p.exists()]
+
+
 def _check_blend_gate(report: VerifyReport, path: Path) -> None:
     """A blending gate file: its ``.summary.jsonl`` rows and ``.md`` table re-made from its records
     by the gate script's own summary (``benchmarks/blend_gate.py``)."""
@@ -234,13 +248,21 @@ def _check_blend_gate(report: VerifyReport, path: Path) -> None:
 
     header, records = load_records(path)
     rows = summarize_gate(records)
+    _check_script_summary(report, path, rows, table(rows, header))
+
+
+def _check_prefill_chunks(report: VerifyReport, path: Path, header: Mapping[str, Any],
+                          rows: Sequence[Mapping[str, Any]]) -> None:
+    """A chunked-prefill run: its ``.summary.jsonl`` rows and ``.md`` table re-made from its rows by
+    the script's own summary (``benchmarks/prefill_chunks.py``)."""
+    from prefill_chunks import summarize, table
+
     stem = str(path)[: -len(".jsonl")]
-    sjsonl, md = Path(stem + ".summary.jsonl"), Path(stem + ".md")
-    if sjsonl.exists():
-        report.mismatches += compare_json(sjsonl.name, "rows", read_rows(sjsonl)[1], rows)
-    if md.exists():
-        report.mismatches += compare_tables(md.name, md.read_text(), table(rows, header))
-    report.checked += [p.name for p in (path, sjsonl, md) if p.exists()]
+    if not any(Path(stem + suffix).exists() for suffix in (".summary.jsonl", ".md")):
+        report.skipped[path.name] = "no committed summary"
+        return
+    summary = summarize(rows)
+    _check_script_summary(report, path, summary, table(summary, header))
 
 
 def _check_ablation(report: VerifyReport, path: Path) -> None:
@@ -271,6 +293,9 @@ def verify_results(results: str | Path) -> VerifyReport:
             continue
         if header.get("bench") == "blend-gate":
             _check_blend_gate(report, jsonl)
+            continue
+        if header.get("bench") == "prefill-chunks":
+            _check_prefill_chunks(report, jsonl, header, rows)
             continue
         _check_records(report, jsonl)
     for path in sorted(results.glob("*.json")):
