@@ -16,6 +16,12 @@ intervals), the F1 change in points (95% bootstrap interval of the mean), the to
 fraction, the share of passages found in the store, and whether the gate passes: a median ratio
 >= 3 with first-token agreement >= 0.9 and its interval's lower end >= 0.8.
 
+Which seams fail (``research/seams.py``, outside TTFT): every record names its gold passages
+(HotpotQA's supporting facts); every blend record holds its blended K/V's error against full
+prefill's on the same prompt, binned by offset in the passage, per passage, for the glue and the
+question, and at three layers. The ``.md`` adds those errors per method, the gold passages'
+against the others', and first-token agreement by where the gold passages sit.
+
     python benchmarks/blend_gate.py --model qwen2.5-coder-1.5b --n 48
     python benchmarks/blend_gate.py --model smollm2-135m --n 2 --out /tmp/blend-smoke   # a smoke run
 
@@ -49,6 +55,7 @@ from fastprefill.methods.registry import make_method
 from fastprefill.models import load as load_model
 from fastprefill.prompt import ChunkedPrompt, Passage
 from fastprefill.tune import wilson
+from research.seams import SeamPrompt, SeamRecorder, seam_row, seam_tables
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MATCH = ("task", "split", "seed", "n", "length", "max_new_tokens", "model", "dtype", "methods")
@@ -163,7 +170,7 @@ def summarize_gate(records: list[Record]) -> list[dict[str, Any]]:
         row["passes_gate"] = bool(method.startswith("blend") and row["ttft_ratio_median"] >= GATE["ttft_ratio"]
                                   and row["first_token_agreement"] >= GATE["first_token_agreement"]
                                   and row["first_token_agreement_ci95"][0] >= GATE["agreement_low"])
-        rows.append(row)
+        rows.append({**row, **seam_row(pairs)})
     return rows
 
 
@@ -183,15 +190,24 @@ def table(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
                      f"{ci(r, 'first_token_agreement', '.2f')} | {ci(r, 'identical_answers', '.2f')} | "
                      f"{ci(r, 'f1_change', '+.1f')} | {r['token_layer_fraction']:.2f} | {r['chunk_hit_share']:.0%} | "
                      f"{'pass' if r['passes_gate'] else '—'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + seam_tables(rows)
 
 
-def methods_of(args: argparse.Namespace, store: ChunkStore) -> dict[str, Any]:
-    methods: dict[str, Any] = {"blend-floor": Blend(budget=0.0, anchor=args.anchor, store=store)}
+def seam_recorder(samples: list[GateSample]) -> SeamRecorder:
+    """The recorder of the gate's seams: each sample's ids, passages and gold passages."""
+    return SeamRecorder({s.id: SeamPrompt(tuple(s.input_ids.ids), tuple(s.input_ids.chunks),
+                                          tuple(s.source.meta["gold_positions"])) for s in samples})
+
+
+def methods_of(args: argparse.Namespace, store: ChunkStore, seams: SeamRecorder) -> dict[str, Any]:
+    """Full prefill, the floor, each policy at each budget (all keeping their K/V for ``seams``)
+    and the LazyLLM comparators."""
+    methods: dict[str, Any] = {FULL: seams.full(),
+                               "blend-floor": seams.blend("blend-floor", budget=0.0, anchor=args.anchor, store=store)}
     for policy in args.policies:
         for budget in args.budgets:
-            methods[f"blend-{policy}-{round(budget * 100):02d}"] = Blend(policy=policy, budget=budget,
-                                                                         anchor=args.anchor, store=store)
+            name = f"blend-{policy}-{round(budget * 100):02d}"
+            methods[name] = seams.blend(name, policy=policy, budget=budget, anchor=args.anchor, store=store)
     for item in args.lazyllm:
         name, _, spec = item.partition("=")
         methods[name] = make_method(spec)
@@ -224,19 +240,25 @@ def main(argv: list[str] | None = None) -> None:
     task = get_task("multidoc-qa")
     budget = args.max_new_tokens or task.default_max_new_tokens
     store = ChunkStore(args.store_mb << 20)
-    methods = methods_of(args, store)
     samples = gate_samples(tok, task, args)
+    seams = seam_recorder(samples)
+    methods = methods_of(args, store, seams)
     warmed = warm(model, tok, samples, store, args.seed)
     stem = result_name(args.out, f"blend_gate_{args.model}_{args.length}_{dtype}", resume=args.resume)
     header = {"bench": "blend-gate", "task": "multidoc-qa", "split": args.split, "seed": args.seed, "n": args.n,
               "length": args.length, "max_new_tokens": budget, "model": args.model, "anchor": args.anchor,
-              "methods": {FULL: "full prefill", **{k: m.describe() for k, m in methods.items()}},
+              "methods": {FULL: "full prefill", **{k: m.describe() for k, m in methods.items() if k != FULL}},
               "gate": GATE, "warm": warmed, "store_mb": args.store_mb, "warmup": 1,
               **environment(args.threads, model)}
     log = RecordLog(Path(args.out) / f"{stem}.jsonl", header, resume=args.resume, overwrite=False, match=MATCH)
+
+    def on_record(record: Record) -> None:  # between runs: the seams, then the record to the file
+        seams.annotate(record)
+        log.append(record)
+
     run_samples(model, tok, Scored(task), samples, methods, length=args.length, max_new_tokens=budget,
                 desc=f"blend gate {args.model}", done={(r.sample_id, r.method) for r in log.records},
-                on_record=log.append)
+                on_record=on_record)
     rows = summarize_gate(log.records)
     write_rows(Path(args.out) / f"{stem}.summary.jsonl", log.header, rows)
     text = table(rows, log.header)

@@ -124,11 +124,11 @@ def result_tables(results: Path, name: str) -> list[list[dict[str, str]]]:
         header, rows = read_rows(path) if path.read_text().startswith('{"header"') else ({}, [])
         if header.get("bench") == "lazyllm-ceiling":
             return [_ceiling_table(rows)]
-        if header.get("bench") == "blend-gate":  # the gate script's own summary and table
+        if header.get("bench") == "blend-gate":  # the gate script's own summary and tables (seams too)
             from blend_gate import summarize_gate, table
 
             header, records = load_records(path)
-            return [parse_table(table(summarize_gate(records), header))]
+            return parse_tables(table(summarize_gate(records), header))
         try:
             header, records = load_records(path)
         except (ConfigError, TypeError, KeyError, json.JSONDecodeError):

@@ -231,19 +231,24 @@ def _check_ceiling(report: VerifyReport, path: Path, header: Mapping[str, Any], 
 
 def _check_script_summary(report: VerifyReport, path: Path, rows: Sequence[Mapping[str, Any]], table: str) -> None:
     """The ``.summary.jsonl`` rows and the ``.md`` table beside ``path`` against ``rows`` and
-    ``table``, re-made by a script's own summary."""
+    ``table`` (every table of it), re-made by a script's own summary."""
     stem = str(path)[: -len(".jsonl")]
     sjsonl, md = Path(stem + ".summary.jsonl"), Path(stem + ".md")
     if sjsonl.exists():
         report.mismatches += compare_json(sjsonl.name, "rows", read_rows(sjsonl)[1], rows)
     if md.exists():
-        report.mismatches += compare_tables(md.name, md.read_text(), table)
+        committed, remade = parse_tables(md.read_text()), parse_tables(table)
+        if len(committed) != len(remade):
+            report.mismatches.append(Mismatch(md.name, "tables", len(committed), len(remade)))
+        for i, (old, new) in enumerate(zip(committed, remade)):
+            report.mismatches += compare_rows(md.name if i == 0 else f"{md.name} (table {i + 1})", old, new)
     report.checked += [p.name for p in (path, sjsonl, md) if p.exists()]
 
 
 def _check_blend_gate(report: VerifyReport, path: Path) -> None:
-    """A blending gate file: its ``.summary.jsonl`` rows and ``.md`` table re-made from its records
-    by the gate script's own summary (``benchmarks/blend_gate.py``)."""
+    """A blending gate file: its ``.summary.jsonl`` rows and every table of its ``.md`` (the gate's
+    and, for a run that recorded them, the seams') re-made from its records by the gate script's
+    own summary (``benchmarks/blend_gate.py``)."""
     from blend_gate import summarize_gate, table
 
     header, records = load_records(path)

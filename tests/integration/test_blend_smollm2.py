@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastprefill.bench.records import FULL
+from fastprefill.bench.runner import PromptSample, Unscored, run_samples
 from fastprefill.chunk_store import ChunkStore
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
@@ -14,6 +16,7 @@ from fastprefill.methods.blend import Blend
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.kv import key_shift_error
 from fastprefill.prompt import ChunkedPrompt, Passage
+from research.seams import SeamPrompt, SeamRecorder
 
 MB = 1 << 20
 PASSAGES = [
@@ -107,3 +110,28 @@ def test_reordered_passages_through_the_engine(smollm2):
     assert blend.timing.stats.token_layers > stats.token_layers
     assert blend.timing.method.startswith("blend:policy=deviation,budget=0.25")
     assert blend.token_ids[0] == full.token_ids[0]
+
+
+def test_the_seams_of_reordered_passages(smollm2):
+    """The gate's seam record on the real model: the floor's first passage (where it was computed)
+    is exact, its moved passages are off from their first token on and so is the question;
+    recomputing everything gives full prefill's K/V."""
+    model, tok = smollm2
+    store = ChunkStore(64 * MB)
+    generate(model, tok, _prompt(tok, [0, 1, 2]), Blend(budget=0.0, store=store), max_new_tokens=1)
+    prompt = _prompt(tok, [1, 2, 0])
+    recorder = SeamRecorder({"p": SeamPrompt(prompt.ids, prompt.chunks, (3,))})
+    methods = {FULL: recorder.full(), "floor": recorder.blend("floor", budget=0.0, store=store),
+               "all": recorder.blend("all", budget=1.0, store=store)}
+    records = run_samples(model, tok, Unscored(), [PromptSample("p", prompt)], methods, length=None, max_new_tokens=4,
+                          progress=False, on_record=recorder.annotate)
+    seams = {r.method: r.extra.get("seam") for r in records}
+    floor, everything = seams["floor"], seams["all"]
+    assert seams[FULL] is None and floor["passage"]["moved"] == [False, True, True]
+    assert sum(floor["offset"]["tokens"]) == sum(floor["passage"]["tokens"][1:])
+    assert max(floor["passage"]["k"][0], floor["passage"]["v"][0]) <= 1e-3
+    assert min(floor["offset"]["k"][:3] + floor["offset"]["v"][:3]) > 1e-2
+    assert floor["question"]["k"] > 1e-2 and floor["layers"]["v"][0] <= 1e-5  # layer 0's values see no context
+    worst = max(x for part in ("offset", "passage", "layers") for key in ("k", "v") for x in everything[part][key]
+                if isinstance(x, float))
+    assert worst <= 1e-3 and max(everything["question"]["k"], everything["glue"]["v"]) <= 1e-3
