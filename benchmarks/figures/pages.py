@@ -129,6 +129,11 @@ def result_tables(results: Path, name: str) -> list[list[dict[str, str]]]:
 
             header, records = load_records(path)
             return parse_tables(table(summarize_gate(records), header))
+        if header.get("bench") == "prefill-chunks":  # the script's own summary and table
+            from prefill_chunks import summarize as chunk_summary
+            from prefill_chunks import table as chunk_table
+
+            return parse_tables(chunk_table(chunk_summary(rows), header))
         try:
             header, records = load_records(path)
         except (ConfigError, TypeError, KeyError, json.JSONDecodeError):
