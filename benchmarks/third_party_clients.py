@@ -52,7 +52,10 @@ holds lm-eval's scores beside the same scores of the in-process answers, how man
 identical, the largest |log-likelihood difference| each way, the project's own SQuAD F1 and
 exact match of both sides' answers, guidellm's TTFT p50/p99 and output tokens/s per stream
 count, and LangChain's cached tokens per turn (a LazyLLM server stores nothing in the prefix
-cache, docs/prefix-cache.md, so its conversation never hits).
+cache, docs/prefix-cache.md, so its conversation never hits). The in-process side is
+``client_inprocess.py``; every score of a row keeps the per-sample records it is made from
+(``gen.inprocess.samples``, ``ll.inprocess.samples``), and ``python benchmarks/verify.py`` makes
+them again from those and the clients' files in the method's folder (``client_scores.py``).
 
 Smoke run (about 10 minutes on 2 quiet cores; on a machine busy with other work far longer,
 and ``--threads 1`` suffers least there)::
@@ -70,9 +73,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import string
 import subprocess
 import sys
 import time
@@ -80,7 +81,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastprefill.data import metrics
+from client_inprocess import compare_ll, inprocess_gen, inprocess_ll, ll_pair, read_samples
+from client_scores import GEN_METRIC, folder_of, guidellm_summary, langchain_summary, scores_equal
 from fastprefill.data.tasks import build_samples
 from fastprefill.models import zoo
 from serve_load import ServerProcess
@@ -88,7 +90,6 @@ from serve_load import ServerProcess
 HERE = Path(__file__).resolve().parent
 CLIENTS = HERE / "clients"
 GEN, LL = "fastprefill_squad_gen", "fastprefill_squad_ll"
-GEN_METRIC = "exact_match,strip"
 MARK = "\x00FASTPREFILL-USER\x00"
 
 GEN_TASK = """task: {task}
@@ -250,49 +251,13 @@ def guidellm(server: ServerProcess, tokenizer: Path, args: argparse.Namespace, o
             "rows": guidellm_summary(json.loads(report.read_text()))}
 
 
-def guidellm_summary(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per benchmark of a guidellm JSON report."""
-    rows = []
-    for bench in report["benchmarks"]:
-        m = bench["metrics"]
-
-        def ok(name: str, m: dict[str, Any] = m) -> dict[str, Any]:
-            return m[name]["successful"]
-
-        ttft = ok("time_to_first_token_ms")
-        strategy = bench["config"]["strategy"]
-        rows.append({
-            "strategy": strategy.get("type_"), "streams": strategy.get("streams"),
-            "requests": {k: m["request_totals"][k] for k in ("successful", "errored", "incomplete")},
-            "ttft_p50_ms": ttft["percentiles"]["p50"], "ttft_p99_ms": ttft["percentiles"]["p99"],
-            "ttft_mean_ms": ttft["mean"],
-            "output_tokens_per_s": ok("output_tokens_per_second")["mean"],
-            "requests_per_s": ok("requests_per_second")["mean"],
-            "itl_p50_ms": ok("inter_token_latency_ms")["percentiles"]["p50"],
-            "prompt_tokens_p50": ok("prompt_token_count")["percentiles"]["p50"],
-            "output_tokens_p50": ok("output_token_count")["percentiles"]["p50"],
-            "duration_s": bench.get("duration"),
-        })
-    return rows
-
-
 def langchain(server: ServerProcess, venv: Path, out: Path) -> dict[str, Any]:
     """LangChain's ``ChatOpenAI`` conversation; its turns' usage."""
     path = out / "langchain.json"
     cmd = [str(venv / "bin" / "python"), str(CLIENTS / "langchain_chat.py"), "--base-url", server.url,
            "--model", server.model, "--out", str(path)]
     seconds = run_logged(cmd, out / "langchain.log")
-    doc = json.loads(path.read_text())
-    cached = [(t["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") for t in doc["turns"]]
-    return {"seconds": seconds, "request_fields": doc.get("request_fields"), "cached_tokens": cached,
-            "prompt_tokens": [t["usage"].get("prompt_tokens") for t in doc["turns"]],
-            "prefix_cache": [(t["usage"].get("fastprefill") or {}).get("prefix_cache") for t in doc["turns"]],
-            "server_ttft_s": [(t["usage"].get("fastprefill") or {}).get("ttft_s") for t in doc["turns"]],
-            "later_turns_hit": all((c or 0) > 0 for c in cached[1:])}
-
-
-def folder_of(out: Path, spec: str) -> Path:
-    return out / spec.replace(":", "_").replace(",", "_").replace("=", "-")
+    return {"seconds": seconds, **langchain_summary(json.loads(path.read_text()))}
 
 
 def run_clients(spec: str, args: argparse.Namespace, tasks: Path, tokenizer: Path) -> dict[str, Any]:
@@ -334,121 +299,6 @@ def run_clients(spec: str, args: argparse.Namespace, tasks: Path, tokenizer: Pat
 # --------------------------------------------------------------------------- in this process
 
 
-def read_samples(path: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def lm_eval_exact_match(response: str, answers: Sequence[str]) -> float:
-    """lm-eval's score of ``response`` in ``fastprefill_squad_gen``: the ``strip`` filter, then
-    ``exact_match`` with case and punctuation ignored, 1 if any gold answer matches."""
-    table = str.maketrans("", "", string.punctuation)
-    pred = response.strip().lower().translate(table)
-    return float(any(pred == a.lower().translate(table) for a in answers))
-
-
-def messages_of(sample: dict[str, Any]) -> list[dict[str, Any]]:
-    arg = sample["arguments"]["gen_args_0"]["arg_0"]
-    arg = arg[0] if isinstance(arg, list) else arg
-    return json.loads(arg) if isinstance(arg, str) else arg
-
-
-def inprocess_gen(model: Any, tok: Any, spec: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """lm-eval's generation prompts through ``generate`` with the server's method for ``spec``."""
-    from fastprefill.engine import generate
-    from fastprefill.sampling import SamplingParams
-    from fastprefill.serve.config import serving_method
-
-    method = serving_method(spec)
-    per, same, mismatch, em_srv, em_in = [], 0, 0, [], []
-    squad: dict[str, list[float]] = {"f1_server": [], "f1_inprocess": [], "em_server": [], "em_inprocess": []}
-    for s in sorted(samples, key=lambda s: s["doc_id"]):
-        msgs = messages_of(s)
-        if len(msgs) != 1 or msgs[0]["role"] != "user":
-            raise SystemExit(f"lm-eval sent {len(msgs)} messages; one user message expected")
-        kw = s["arguments"]["gen_args_0"]["arg_1"]
-        params = SamplingParams(stop=tuple(kw.get("until") or ()), max_tokens=int(kw["max_gen_toks"]))
-        res = generate(model, tok, msgs[0]["content"], method, chat=True, sampling=params)
-        server_text = s["resps"][0][0]
-        answers = s["doc"]["answers"]
-        ours = lm_eval_exact_match(res.text, answers)
-        mismatch += lm_eval_exact_match(server_text, answers) != s["exact_match"]
-        same += server_text == res.text
-        em_srv.append(s[GEN_METRIC.split(",")[0]])
-        em_in.append(ours)
-        for side, text in (("server", server_text), ("inprocess", res.text)):
-            squad[f"f1_{side}"].append(metrics.qa_f1(text, answers))
-            squad[f"em_{side}"].append(metrics.exact_match(text, answers))
-        per.append({"doc_id": s["doc_id"], "id": s["doc"]["id"], "server": server_text, "inprocess": res.text,
-                    "identical": server_text == res.text, "em_server": em_srv[-1], "em_inprocess": ours,
-                    "ttft_s": res.timing.ttft_s})
-    n = len(per)
-    return {"method_ran": method.describe(), "n": n, "identical": same,
-            "exact_match_rescored_differently": mismatch,  # lm_eval_exact_match vs lm-eval's own, on its answers
-            "exact_match_lm_eval": sum(em_srv) / n, "exact_match_inprocess": sum(em_in) / n,
-            "squad_scores": {k: sum(v) / n for k, v in squad.items()},  # the project's singledoc-qa scoring
-            "samples": per}
-
-
-def inprocess_ll(model: Any, tok: Any, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
-    """Each (context, continuation) tokenized as lm-eval's ``_encode_pair`` does, scored twice
-    with full prefill: by one forward pass of the model over both (``whole``), and by
-    :func:`fastprefill.sampling.prompt_logprobs` (``chunked``: the server's ``echo`` scoring, a
-    forward pass in chunks of 256 tokens over the K/V of the ones before). Each: the
-    continuation's log-likelihood and whether every token of it is the greedy one."""
-    import torch
-
-    from fastprefill.sampling import prompt_logprobs
-
-    out = {}
-    for context, continuation in pairs:
-        ctx, cont = context, continuation
-        spaces = len(ctx) - len(ctx.rstrip())
-        if spaces:
-            ctx, cont = ctx[:-spaces], ctx[-spaces:] + cont
-        whole = tok(ctx + cont, add_special_tokens=False)["input_ids"]
-        n_ctx = len(tok(ctx, add_special_tokens=False)["input_ids"])
-        ids = torch.tensor([whole], dtype=torch.long, device=model.device)
-        with torch.inference_mode():
-            logits = model(input_ids=ids).logits[0, n_ctx - 1: len(whole) - 1].float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        target = ids[0, n_ctx:]
-        chunked = prompt_logprobs(model, ids, 1)[n_ctx:]
-        out[(context, continuation)] = {
-            "whole": (float(logprobs.gather(1, target[:, None]).sum()),
-                      bool((logprobs.argmax(-1) == target).all())),
-            "chunked": (sum(e.logprob for e in chunked),
-                        all(e.logprob >= e.top[0][1] for e in chunked)),  # lm-eval's is_greedy
-            "tokens": len(whole), "continuation_tokens": len(whole) - n_ctx}
-    return out
-
-
-def ll_pair(sample: dict[str, Any]) -> tuple[str, str]:
-    a = sample["arguments"]["gen_args_0"]
-    return a["arg_0"], a["arg_1"]
-
-
-def compare_ll(samples: list[dict[str, Any]], ours: dict[tuple[str, str], dict[str, Any]],
-               results: dict[str, Any]) -> dict[str, Any]:
-    """lm-eval's log-likelihoods (through the server) against this process's, both ways."""
-    n = len(samples)
-    row: dict[str, Any] = {"n": n, "perplexity_lm_eval": results.get("perplexity,none"),
-                           "acc_lm_eval": results.get("acc,none")}
-    for way, suffix in (("whole", ""), ("chunked", "_chunked")):
-        diffs, same_greedy, lls, greedy = [], 0, [], []
-        for s in samples:
-            srv_ll, srv_greedy = float(s["resps"][0][0][0]), s["resps"][0][0][1] in (True, "True")
-            ll, g = ours[ll_pair(s)][way]
-            diffs.append(abs(srv_ll - ll))
-            same_greedy += srv_greedy == g
-            lls.append(ll)
-            greedy.append(g)
-        row.update({f"perplexity_inprocess{suffix}": math.exp(-sum(lls) / n),
-                    f"acc_inprocess{suffix}": sum(greedy) / n,
-                    f"max_abs_loglik_diff{suffix}": max(diffs), f"mean_abs_loglik_diff{suffix}": sum(diffs) / n,
-                    f"same_greedy_flag{suffix}": same_greedy})
-    return row
-
-
 def inprocess(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """The in-process side of every row that ran lm-eval (the servers are closed by now)."""
     from fastprefill import load_model
@@ -469,11 +319,10 @@ def inprocess(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             lm_score = r["gen"]["results"].get(GEN_METRIC)
             assert lm_score is None or abs(lm_score - gen["exact_match_lm_eval"]) < 1e-9, \
                 "lm-eval's aggregate is not the mean of its samples' scores"
-            r["gen"]["scores_equal"] = gen["exact_match_lm_eval"] == gen["exact_match_inprocess"]
+            r["gen"]["scores_equal"] = scores_equal("gen", gen, r["gen"]["results"])
         if "ll" in r:
             ll = r["ll"]["inprocess"] = compare_ll(ll_samples[r["method"]], ours, r["ll"]["results"])
-            r["ll"]["scores_equal"] = (ll["acc_inprocess_chunked"] == r["ll"]["results"].get("acc,none")
-                                       and ll["max_abs_loglik_diff_chunked"] == 0.0)
+            r["ll"]["scores_equal"] = scores_equal("ll", ll, r["ll"]["results"])
     return environment(args.threads, model)
 
 

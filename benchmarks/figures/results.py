@@ -12,10 +12,16 @@ to it are rebuilt from the records alone and compared:
   header's ``retrieved_by_depth`` and ``selection`` when present.
 
 Also every cache-ablation ``<stem>.json`` against its ``<stem>.md``, the ``summary`` in the
-header of every selection-ceiling ``<stem>.jsonl`` against its rows, and the ``.summary.jsonl``
+header of every selection-ceiling ``<stem>.jsonl`` against its rows, the ``.summary.jsonl``
 and ``.md`` of a blending gate run and of a chunked-prefill run (``benchmarks/prefill_chunks.py``)
-re-made from its rows by the script's own summary. Numbers in a table must
-print the same (to the committed precision); numbers in JSON agree to a relative 1e-9. Files that are not bench records, or have no summary, are listed as skipped.
+re-made from its rows by the script's own summary, the ``kind: summary`` row
+and ``.md`` table of every ``n`` answers run (``serve_n_<model>.jsonl``) against its request
+rows, and, in every ``third_party_clients.json`` (in the directory or a folder of it), what the
+per-sample records and the clients' saved files re-derive (:func:`client_scores.rescore_row`:
+the in-process comparison's counts, scores and differences, lm-eval's aggregates, LangChain's
+and guidellm's summaries); the clients' and the model's own numbers are taken as recorded.
+Numbers in a table must print the same (to the committed precision); numbers in JSON agree to a
+relative 1e-9. Files that are not bench records, or have no summary, are listed as skipped.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
 #: ``kind`` in the header of a prefix-cache run (``benchmarks/prefix_bench.py``): its ``.md`` has
 #: a second table, the cache's own costs.
 PREFIX_KINDS = ("questions", "chat", "evict")
+#: The file ``benchmarks/third_party_clients.py`` writes in its ``--out`` (a results directory or
+#: a folder of one).
+CLIENTS = "third_party_clients.json"
 #: Entry keys of a ``.summary.json`` that are measured on the models, not derived from records.
 _MODEL_KEYS = ("rel_error_k", "rel_error_v", "rel_error_prompts")
 
@@ -270,6 +279,52 @@ def _check_prefill_chunks(report: VerifyReport, path: Path, header: Mapping[str,
     _check_script_summary(report, path, summary, table(summary, header))
 
 
+def _check_serve_n(report: VerifyReport, path: Path) -> None:
+    """An ``n`` answers run (``benchmarks/serve_n.py``): its ``kind: summary`` row and ``.md``
+    table re-made from its request rows by the script's own :func:`serve_n.summarize`."""
+    from serve_n import summarize, table
+
+    header, rows = read_rows(path)
+    summary = summarize(rows, header["n"])
+    committed = [r for r in rows if r.get("kind") == "summary"]
+    if len(committed) != 1:
+        report.mismatches.append(Mismatch(path.name, "summary rows", len(committed), 1))
+    report.mismatches += compare_json(path.name, "summary", committed[-1] if committed else {}, summary)
+    md = path.with_suffix(".md")
+    if md.exists():
+        report.mismatches += compare_tables(md.name, md.read_text(), table(summary, header))
+    report.checked += [p.name for p in (path, md) if p.exists()]
+
+
+def _common(committed: Any, recomputed: Any) -> Any:
+    """``committed`` cut to what ``recomputed`` has: the keys of mappings, recursively, and lists
+    of the same length item by item."""
+    if isinstance(committed, Mapping) and isinstance(recomputed, Mapping):
+        return {k: _common(committed[k], v) for k, v in recomputed.items() if k in committed}
+    if isinstance(committed, list) and isinstance(recomputed, list) and len(committed) == len(recomputed):
+        return [_common(a, b) for a, b in zip(committed, recomputed, strict=True)]
+    return committed
+
+
+def _check_clients(report: VerifyReport, path: Path, name: str) -> None:
+    """A ``third_party_clients.json`` (``benchmarks/third_party_clients.py``): per method, what
+    re-derives from its per-sample records and the clients' files beside it
+    (:func:`client_scores.rescore_row`), against the committed values."""
+    from client_scores import rescore_row
+
+    doc = json.loads(path.read_text())
+    for row in doc["rows"]:
+        try:
+            again = rescore_row(row, path.parent)
+        except (KeyError, TypeError) as exc:  # records of a run that saved too little to re-derive
+            report.skipped[f"{name} ({row.get('method')})"] = f"not re-derivable ({type(exc).__name__}: {exc})"
+            continue
+        report.mismatches += compare_json(name, f"rows[{row['method']}]", _common(row, again), again)
+        if gaps := [part for part in ("gen", "ll", "langchain", "guidellm") if part in row and part not in again]:
+            report.skipped[f"{name} ({row['method']})"] = f"{', '.join(gaps)}: no per-sample records or client file"
+    report.checked.append(name)
+
+
 def _check_ablation(report: VerifyReport, path: Path) -> None:
     md = path.with_suffix(".md")
     doc = json.loads(path.read_text())
@@ -302,8 +357,13 @@ def verify_results(results: str | Path) -> VerifyReport:
         if header.get("bench") == "prefill-chunks":
             _check_prefill_chunks(report, jsonl, header, rows)
             continue
+        if header.get("bench") == "serve-n" or jsonl.name.startswith("serve_n_"):  # early runs named no bench
+            _check_serve_n(report, jsonl)
+            continue
         _check_records(report, jsonl)
     for path in sorted(results.glob("*.json")):
-        if not path.name.endswith(".summary.json"):
+        if not path.name.endswith(".summary.json") and path.name != CLIENTS:
             _check_ablation(report, path)
+    for path in sorted([*results.glob(CLIENTS), *results.glob(f"*/{CLIENTS}")]):
+        _check_clients(report, path, str(path.relative_to(results)))
     return report

@@ -89,7 +89,8 @@ class SamplingParams:
         logprobs: return each generated token's log-probability and this many most likely
             alternatives (``0``: the token's only; ``None``: none).
         prompt_logprobs: the same for every prompt token but the first (``None``: none): full
-            prefill's, from one more forward pass over the prompt, outside TTFT.
+            prefill's, from one more forward over the prompt in chunks (:func:`prompt_logprobs`),
+            outside TTFT.
         n: answers to generate from one prefill (``[1, MAX_N]``).
     """
 
@@ -388,8 +389,11 @@ def prompt_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, top: int,
                     chunk: int = 256) -> list[TokenLogprob | None]:
     """Full prefill's log-probability of each prompt token given the ones before it.
 
-    One more forward pass of the model over the ``(1, T)`` prompt, ``chunk`` tokens at a time
-    (so at most ``(chunk, V)`` logits exist at once), with a cache of its own.
+    One more forward of the model over the ``(1, T)`` prompt, ``chunk`` tokens at a time (so at
+    most ``(chunk, V)`` logits exist at once), each chunk over the K/V of the ones before in a
+    cache of its own. In float32 that equals one forward pass over the whole prompt to rounding;
+    in bfloat16 the chunked forward rounds differently from one pass, so the values are close
+    to a single pass's, not bit-for-bit equal.
 
     Returns:
         ``T`` entries: ``None`` for the first token (nothing predicts it, as in OpenAI's and

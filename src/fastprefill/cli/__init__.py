@@ -103,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from fastprefill.engine import generate, stream
     from fastprefill.host import set_threads
-    from fastprefill.methods.base import DistributedMethod
+    from fastprefill.methods.base import runs_on_ranks
     from fastprefill.methods.registry import make_method
 
     prompt = _read_prompt(args)
@@ -113,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = sampling_params(args)
     chat = not args.raw
     warmup_s = None
-    if isinstance(method, DistributedMethod):
+    if runs_on_ranks(method):  # the server's backend choice too (fastprefill.serve.backends)
         from fastprefill.distributed.pool import RankPool
         from fastprefill.distributed.rank import required_ranks
 

@@ -19,7 +19,9 @@ Everything a method does to get the first token (scoring, gathering, an auxiliar
 communication) happens inside ``prefill``, so the engine's TTFT timer includes it.
 
 A method that splits the prefill over several processes also meets :class:`DistributedMethod`:
-the last rank runs the engine, the others :meth:`DistributedMethod.contribute`.
+the last rank runs the engine, the others :meth:`DistributedMethod.contribute`;
+:func:`runs_on_ranks` is the test the server and the CLI use to choose between a rank pool and
+their own model.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
@@ -270,3 +272,10 @@ class DistributedMethod(Method):
         Returns:
             What this rank computed (its counters in ``extra``).
         """
+
+
+def runs_on_ranks(method: Method) -> TypeGuard[DistributedMethod]:
+    """Whether ``method`` runs on a rank pool (a :class:`DistributedMethod`, whatever its
+    ``procs``) rather than on the caller's own model: the one test behind the server's choice
+    of backend (``fastprefill.serve.backends``) and ``fastprefill generate``'s."""
+    return isinstance(method, DistributedMethod)

@@ -6,7 +6,8 @@ it holds a :class:`LocalBackend` over the server's model and prefix cache and, w
 has a rank pool, a :class:`RankBackend` over it (:class:`~fastprefill.serve.ranks.ServedPool`,
 whose links are local processes or torchrun's ranks: the pool hides which).
 :meth:`Backends.for_method` is the one place that asks whether a method runs over several
-ranks; a request's :class:`~fastprefill.serve.worker.Job` carries its backend from then on.
+ranks (:func:`~fastprefill.methods.base.runs_on_ranks`, the test ``fastprefill generate`` uses
+too); a request's :class:`~fastprefill.serve.worker.Job` carries its backend from then on.
 
 A backend turns a job into a unit of :class:`Work` for the scheduler: a local
 :class:`~fastprefill.engine.Generation` (chunked prefill for an exact method, then decode steps
@@ -24,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.batch import DecodeBatch
 from fastprefill.engine import Generation, StreamEvent, generate
-from fastprefill.methods.base import DistributedMethod, Method
+from fastprefill.methods.base import Method, runs_on_ranks
 from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
 from fastprefill.serve.protocol import APIError
@@ -206,13 +207,13 @@ class RankBackend:
             raise ranks_down(self.pool.failure or "closed", fatal=self.pool.fatal)
 
     def begin(self, job: Job) -> RankGeneration:
-        assert isinstance(job.method, DistributedMethod)
+        assert runs_on_ranks(job.method)
         events = self.pool.stream(job.input_ids, job.method, job.max_tokens, sampling=job.sampling)
         note = f"not used: {job.method.name} takes no cached prefix" if self.prefix_cache else None
         return RankGeneration(events, int(job.input_ids.shape[1]), note)
 
     def warm_up(self, method: Method, vocab_size: int) -> None:
-        assert isinstance(method, DistributedMethod)
+        assert runs_on_ranks(method)
         self.pool.warm_up(method, vocab_size)
 
 
@@ -231,7 +232,7 @@ class Backends:
             APIError: 503 when its rank pool has failed; 400 for a multi-rank method on a server
                 without a pool (the method table refuses those first).
         """
-        if not isinstance(method, DistributedMethod):
+        if not runs_on_ranks(method):
             return self.local
         if self.ranks is None:
             raise APIError(400, f"{method.name} runs over several processes; this server has no rank pool",

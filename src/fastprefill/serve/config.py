@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 
 from fastprefill.distributed.rank import check_ranks
 from fastprefill.errors import ConfigError, FastprefillError, check_fields, is_int, is_number
-from fastprefill.methods.base import DistributedMethod, Method
+from fastprefill.methods.base import Method, runs_on_ranks
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import PruneOptions
 from fastprefill.methods.registry import METHODS, make_method, parse_spec
@@ -147,7 +147,7 @@ class MethodTable:
         for spec in (self.default, *(s.strip() for s in allowed)):
             name, _ = parse_spec(spec)
             method = serving_method(spec)
-            if isinstance(method, DistributedMethod):
+            if runs_on_ranks(method):
                 if ranks == 1:
                     raise ConfigError(
                         f"{spec!r} runs over several ranks and this server has no rank pool: `fastprefill serve "

@@ -36,7 +36,7 @@ from fastprefill.distributed.pool import RankPool, RankPoolError
 from fastprefill.distributed.rank import Request
 from fastprefill.engine import StreamEvent
 from fastprefill.errors import ConfigError, FastprefillError
-from fastprefill.methods.base import DistributedMethod
+from fastprefill.methods.base import DistributedMethod, runs_on_ranks
 from fastprefill.sampling import SamplingParams
 from fastprefill.serve.config import ServeConfig, serving_method
 
@@ -204,7 +204,7 @@ def start_ranks(config: ServeConfig, model: str, **pool: Any) -> ServedPool | No
             :class:`RankPool` for a rank that cannot start.
     """
     needs = {spec: m for spec in (config.method, *config.allow_methods)
-             if isinstance(m := serving_method(spec), DistributedMethod)}
+             if runs_on_ranks(m := serving_method(spec))}
     if not needs:
         return None
     procs = {m.procs for m in needs.values()}
