@@ -13,7 +13,8 @@ from typing import Any
 
 from client_scores import gen_server_side, gen_summary, ll_server_side, ll_summary
 
-__all__ = ["compare_ll", "inprocess_gen", "inprocess_ll", "ll_pair", "messages_of", "read_samples"]
+__all__ = ["compare_ll", "inprocess_gen", "inprocess_ll", "ll_pair", "lm_eval_request", "messages_of",
+           "read_samples"]
 
 
 def read_samples(path: str) -> list[dict[str, Any]]:
@@ -47,9 +48,23 @@ def inprocess_gen(model: Any, tok: Any, spec: str, samples: list[dict[str, Any]]
     return {"method_ran": method.describe(), **gen_summary(per)}
 
 
+def lm_eval_request(tok: Any, context: str, continuation: str) -> tuple[list[int], int]:
+    """The ids lm-eval's ``local-completions`` sends for a log-likelihood pair, and its context
+    length: trailing spaces of the context moved to the continuation, then the context's ids
+    followed by the whole text's ids past the context's length (lm-eval's ``_encode_pair``)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    context_ids = tok(context, add_special_tokens=False)["input_ids"]
+    n_ctx = len(context_ids)
+    return context_ids + tok(context + continuation, add_special_tokens=False)["input_ids"][n_ctx:], n_ctx
+
+
 def inprocess_ll(model: Any, tok: Any, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
-    """Each (context, continuation) tokenized as lm-eval's ``_encode_pair`` does, scored twice
-    with full prefill: by one forward pass of the model over both (``whole``), and by
+    """Each (context, continuation) tokenized as lm-eval's ``_encode_pair`` does and sent as its
+    request is (the context's ids, then the ids of the whole text past the context's length: where
+    the two merge across the boundary, as ``Answer:`` + ``p`` into ``:p``, that is not the whole
+    text's tokenization, and the merged token's tail is dropped), scored twice with full prefill: by one forward pass of the model over both (``whole``), and by
     :func:`fastprefill.sampling.prompt_logprobs` (``chunked``: the server's ``echo`` scoring, a
     forward pass in chunks of 256 tokens over the K/V of the ones before). Each: the
     continuation's log-likelihood and whether every token of it is the greedy one."""
@@ -59,12 +74,7 @@ def inprocess_ll(model: Any, tok: Any, pairs: list[tuple[str, str]]) -> dict[tup
 
     out = {}
     for context, continuation in pairs:
-        ctx, cont = context, continuation
-        spaces = len(ctx) - len(ctx.rstrip())
-        if spaces:
-            ctx, cont = ctx[:-spaces], ctx[-spaces:] + cont
-        whole = tok(ctx + cont, add_special_tokens=False)["input_ids"]
-        n_ctx = len(tok(ctx, add_special_tokens=False)["input_ids"])
+        whole, n_ctx = lm_eval_request(tok, context, continuation)
         ids = torch.tensor([whole], dtype=torch.long, device=model.device)
         with torch.inference_mode():
             logits = model(input_ids=ids).logits[0, n_ctx - 1: len(whole) - 1].float()

@@ -377,7 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guidellm-output-tokens", type=int, default=64)
     p.add_argument("--venv", type=Path, default=HERE.parent / ".venv-clients", help="the clients' venv")
     p.add_argument("--out", type=Path, default=HERE / "results" / "third_party_clients")
+    p.add_argument("--inprocess-only", action="store_true",
+                   help="no servers, no clients: run the in-process side again over the lm-eval samples that "
+                        "--out's third_party_clients.json names, and rewrite it (same --model, --threads, --dtype)")
     args = p.parse_args(argv)
+    if args.inprocess_only:
+        return rerun_inprocess(args)
     for tool in ("lm_eval", "guidellm", "python"):
         if not (args.venv / "bin" / tool).exists():
             raise SystemExit(f"no {args.venv}/bin/{tool}: install the clients"
@@ -395,6 +400,23 @@ def main(argv: list[str] | None = None) -> int:
            "clients": client_versions(args.venv), "environment": env,
            "seconds": time.perf_counter() - started, "rows": rows}
     (args.out / "third_party_clients.json").write_text(json.dumps(doc, indent=2, ensure_ascii=False))
+    print("\n".join(summary_lines(doc)))
+    return 0
+
+
+def rerun_inprocess(args: argparse.Namespace) -> int:
+    """The in-process side again, from the lm-eval samples a finished run logged: the clients'
+    records are kept, the in-process ones replaced, and the rerun's command recorded."""
+    path = args.out / "third_party_clients.json"
+    if not path.exists():
+        raise SystemExit(f"no {path}: run the clients first (without --inprocess-only)")
+    doc = json.loads(path.read_text())
+    if doc["model"] != args.model:
+        raise SystemExit(f"{path} was run on {doc['model']}, not {args.model}: pass --model {doc['model']}")
+    started = time.perf_counter()
+    doc["environment"] = inprocess(doc["rows"], args)
+    doc["inprocess_rerun"] = {"command": "python " + " ".join(sys.argv), "seconds": time.perf_counter() - started}
+    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False))
     print("\n".join(summary_lines(doc)))
     return 0
 

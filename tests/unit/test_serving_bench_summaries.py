@@ -169,3 +169,31 @@ def test_verify_finds_a_changed_client_score_or_a_sample_lm_eval_logged_otherwis
         "ll.inprocess.max_abs_loglik_diff",
         "ll.inprocess.acc_lm_eval", "ll.results.acc,none",  # lm-eval's aggregate is not its samples' mean
     }
+
+
+class _MergingTokenizer:
+    """Greedy longest match over a fixed vocabulary that merges ``:`` and ``p`` into ``:p``."""
+
+    vocab: tuple[str, ...] = ("Answer", ":p", ":", "p", " ", "−", "1", " p")
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        ids, i = [], 0
+        while i < len(text):
+            best = max((v for v in self.vocab if text.startswith(v, i)), key=len)
+            ids.append(self.vocab.index(best))
+            i += len(best)
+        return {"input_ids": ids}
+
+
+def test_the_in_process_side_scores_the_ids_lm_eval_sends_where_a_token_merges_across_the_boundary():
+    """``Answer:`` + ``p − 1``: the whole text starts ``Answer``, ``:p``; lm-eval sends the
+    context's ``Answer``, ``:`` and then the whole text's ids past two (``p`` is lost), so the
+    request is not the whole text's tokenization; a trailing space moves to the continuation."""
+    from client_inprocess import lm_eval_request
+
+    tok = _MergingTokenizer()
+    ids, n_ctx = lm_eval_request(tok, "Answer:", "p − 1")
+    assert n_ctx == 2 and [tok.vocab[i] for i in ids] == ["Answer", ":", " ", "−", " ", "1"]
+    assert tok("Answer:p − 1")["input_ids"][:2] == [0, 1]  # the whole text merges
+    ids, n_ctx = lm_eval_request(tok, "Answer: ", "p")
+    assert n_ctx == 2 and [tok.vocab[i] for i in ids] == ["Answer", ":", " p"]
