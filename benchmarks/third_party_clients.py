@@ -395,13 +395,22 @@ def main(argv: list[str] | None = None) -> int:
     questions = write_tasks(tasks, AutoTokenizer.from_pretrained(tokenizer), args.length, args.limit,
                             args.max_tokens)
     rows = [run_clients(spec, args, tasks, tokenizer) for spec in args.methods]
-    env = inprocess(rows, args) if any("gen" in r for r in rows) else None
+    env = inprocess(rows, args) if any("gen" in r for r in rows) else served_environment(args)
     doc = {"model": args.model, "limit": args.limit, "length": args.length, "questions": len(questions),
            "clients": client_versions(args.venv), "environment": env,
            "seconds": time.perf_counter() - started, "rows": rows}
     (args.out / "third_party_clients.json").write_text(json.dumps(doc, indent=2, ensure_ascii=False))
     print("\n".join(summary_lines(doc)))
     return 0
+
+
+def served_environment(args: argparse.Namespace) -> dict[str, Any]:
+    """The environment record of a run without an in-process side (its servers' dtype and
+    threads, the machine's bfloat16 capability, the command), as every timing carries."""
+    from fastprefill.bench.records import environment
+    from fastprefill.host import resolve_dtype
+
+    return environment(args.threads, resolve_dtype(args.dtype))
 
 
 def rerun_inprocess(args: argparse.Namespace) -> int:
