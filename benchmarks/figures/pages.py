@@ -41,6 +41,7 @@ from figures.results import (
     paired_summary_table,
     parse_table,
     parse_tables,
+    script_summary,
 )
 from research.ceiling import ceiling_summary
 
@@ -124,16 +125,8 @@ def result_tables(results: Path, name: str) -> list[list[dict[str, str]]]:
         header, rows = read_rows(path) if path.read_text().startswith('{"header"') else ({}, [])
         if header.get("bench") == "lazyllm-ceiling":
             return [_ceiling_table(rows)]
-        if header.get("bench") == "blend-gate":  # the gate script's own summary and tables (seams too)
-            from blend_gate import summarize_gate, table
-
-            header, records = load_records(path)
-            return parse_tables(table(summarize_gate(records), header))
-        if header.get("bench") == "prefill-chunks":  # the script's own summary and table
-            from prefill_chunks import summarize as chunk_summary
-            from prefill_chunks import table as chunk_table
-
-            return parse_tables(chunk_table(chunk_summary(rows), header))
+        if (remade := script_summary(path, header, rows)) is not None:  # the script's own tables
+            return parse_tables(remade[1])
         try:
             header, records = load_records(path)
         except (ConfigError, TypeError, KeyError, json.JSONDecodeError):

@@ -238,11 +238,36 @@ def _check_ceiling(report: VerifyReport, path: Path, header: Mapping[str, Any], 
     report.checked.append(path.name)
 
 
+def script_summary(path: Path, header: Mapping[str, Any],
+                   rows: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], str] | None:
+    """The summary rows and the ``.md`` text a script writes beside ``path``, re-made from its
+    records by the script's own summary, for the runs whose script makes its own: a blending gate
+    (``benchmarks/blend_gate.py``: the gate's table and, for a run that recorded them, the
+    seams') and a chunked-prefill run (``benchmarks/prefill_chunks.py``); ``None`` for any other
+    bench. ``header`` and ``rows`` are the file's as :func:`read_rows` gives them."""
+    if header.get("bench") == "blend-gate":
+        from blend_gate import summarize_gate, table
+
+        gate_header, records = load_records(path)
+        summary = summarize_gate(records)
+        return summary, table(summary, gate_header)
+    if header.get("bench") == "prefill-chunks":
+        from prefill_chunks import summarize
+        from prefill_chunks import table as chunk_table
+
+        summary = summarize(rows)
+        return summary, chunk_table(summary, header)
+    return None
+
+
 def _check_script_summary(report: VerifyReport, path: Path, rows: Sequence[Mapping[str, Any]], table: str) -> None:
-    """The ``.summary.jsonl`` rows and the ``.md`` table beside ``path`` against ``rows`` and
-    ``table`` (every table of it), re-made by a script's own summary."""
+    """The ``.summary.jsonl`` rows and the ``.md`` beside ``path`` against ``rows`` and every table
+    of ``table`` (:func:`script_summary`); skipped when neither file is committed."""
     stem = str(path)[: -len(".jsonl")]
     sjsonl, md = Path(stem + ".summary.jsonl"), Path(stem + ".md")
+    if not (sjsonl.exists() or md.exists()):
+        report.skipped[path.name] = "no committed summary"
+        return
     if sjsonl.exists():
         report.mismatches += compare_json(sjsonl.name, "rows", read_rows(sjsonl)[1], rows)
     if md.exists():
@@ -252,31 +277,6 @@ def _check_script_summary(report: VerifyReport, path: Path, rows: Sequence[Mappi
         for i, (old, new) in enumerate(zip(committed, remade)):
             report.mismatches += compare_rows(md.name if i == 0 else f"{md.name} (table {i + 1})", old, new)
     report.checked += [p.name for p in (path, sjsonl, md) if p.exists()]
-
-
-def _check_blend_gate(report: VerifyReport, path: Path) -> None:
-    """A blending gate file: its ``.summary.jsonl`` rows and every table of its ``.md`` (the gate's
-    and, for a run that recorded them, the seams') re-made from its records by the gate script's
-    own summary (``benchmarks/blend_gate.py``)."""
-    from blend_gate import summarize_gate, table
-
-    header, records = load_records(path)
-    rows = summarize_gate(records)
-    _check_script_summary(report, path, rows, table(rows, header))
-
-
-def _check_prefill_chunks(report: VerifyReport, path: Path, header: Mapping[str, Any],
-                          rows: Sequence[Mapping[str, Any]]) -> None:
-    """A chunked-prefill run: its ``.summary.jsonl`` rows and ``.md`` table re-made from its rows by
-    the script's own summary (``benchmarks/prefill_chunks.py``)."""
-    from prefill_chunks import summarize, table
-
-    stem = str(path)[: -len(".jsonl")]
-    if not any(Path(stem + suffix).exists() for suffix in (".summary.jsonl", ".md")):
-        report.skipped[path.name] = "no committed summary"
-        return
-    summary = summarize(rows)
-    _check_script_summary(report, path, summary, table(summary, header))
 
 
 def _check_serve_n(report: VerifyReport, path: Path) -> None:
@@ -351,11 +351,8 @@ def verify_results(results: str | Path) -> VerifyReport:
         if header.get("bench") == "lazyllm-ceiling":
             _check_ceiling(report, jsonl, header, rows)
             continue
-        if header.get("bench") == "blend-gate":
-            _check_blend_gate(report, jsonl)
-            continue
-        if header.get("bench") == "prefill-chunks":
-            _check_prefill_chunks(report, jsonl, header, rows)
+        if (remade := script_summary(jsonl, header, rows)) is not None:
+            _check_script_summary(report, jsonl, *remade)
             continue
         if header.get("bench") == "serve-n" or jsonl.name.startswith("serve_n_"):  # early runs named no bench
             _check_serve_n(report, jsonl)
