@@ -146,8 +146,7 @@ def run_scheduler(scheduler: str, model: str, doc: str, plan: list[dict[str, Any
                   sequential_only: bool = False) -> list[dict[str, Any]]:
     """One server: the mixed load, the long prompts alone and the decode cells (``sequential_only``:
     every mixed request one at a time, the reference)."""
-    extra = ["--scheduler", scheduler, "--prefill-chunk", str(args.prefill_chunk), "--max-running",
-             str(max(args.concurrency))]
+    extra = server_flags(scheduler, args.prefill_chunk) + ["--max-running", str(max(args.concurrency))]
     server = ServerProcess(model, args.threads, queue=len(plan) + 8, max_tokens=args.short_max_tokens, extra=extra,
                            prefix_cache_mb=1024, dtype=args.dtype)
     try:
@@ -170,6 +169,23 @@ def run_scheduler(scheduler: str, model: str, doc: str, plan: list[dict[str, Any
         return [{"scheduler": scheduler, **r} for r in rows]
     finally:
         server.close()
+
+
+def server_flags(spec: str, chunk: int) -> list[str]:
+    """The server's flags for a scheduler spec: ``fifo`` or ``interleaved``, optionally with
+    ``:chunk=N`` (else ``--prefill-chunk``) and ``:nopause`` (``--no-prefill-pauses``)."""
+    name, *options = spec.split(":")
+    if name not in ("interleaved", "fifo"):
+        raise ValueError(f"scheduler spec {spec!r}: it starts with interleaved or fifo")
+    flags = ["--scheduler", name]
+    for option in options:
+        if option.startswith("chunk=") and option[6:].isdigit():
+            chunk = int(option[6:])
+        elif option == "nopause":
+            flags.append("--no-prefill-pauses")
+        else:
+            raise ValueError(f"scheduler spec {spec!r}: unknown option {option!r} (chunk=N or nopause)")
+    return flags + ["--prefill-chunk", str(chunk)]
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -208,7 +224,7 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     lines = [f"# Mixed load on fastprefill serve: {header['model']}", "",
              (f"{header['n']} short requests at {header['rate']}/s (every third a prefix-cache follow-up), "
              f"{header['long']} cold prompts of ~{header['long_tokens']} tokens among them, prefill chunk "
-             f"{header['prefill_chunk']}, {header['threads']} threads, {header.get('dtype')}. TTFT: the client's "
+             f"{header['prefill_chunk']} (unless the scheduler names its own), {header['threads']} threads, {header.get('dtype')}. TTFT: the client's "
              "clock. `same_answers`: mixed answers equal to the fifo server's, sent one at a time."), "",
              "| scheduler | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     lines += ["| " + r["scheduler"] + " | " + " | ".join(num(r.get(k)) for k in keys) + " |" for r in rows]
@@ -218,7 +234,9 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--schedulers", nargs="+", default=["interleaved", "fifo"], choices=["interleaved", "fifo"])
+    p.add_argument("--schedulers", nargs="+", default=["interleaved", "fifo"],
+                   help="scheduler specs: interleaved or fifo, with :chunk=N (its own --prefill-chunk) and "
+                        ":nopause (--no-prefill-pauses), e.g. interleaved:chunk=4096")
     p.add_argument("--n", type=int, default=40, help="short requests in the mixed load")
     p.add_argument("--rate", type=float, default=2.0, help="short requests per second")
     p.add_argument("--long", type=int, default=4, help="long cold prompts among them")
@@ -235,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.n, args.long, args.long_tokens, args.decode_tokens, min(args.concurrency)) < 1 or args.rate <= 0:
         p.error("--n, --long, --long-tokens, --decode-tokens and --concurrency must be >= 1, --rate > 0")
+    try:
+        for spec in args.schedulers:
+            server_flags(spec, args.prefill_chunk)
+    except ValueError as exc:
+        p.error(str(exc))
     tok = _tokenizer(args.model)
     doc, plan = _plan(tok, args)
     rows = run_scheduler("fifo", args.model, doc, plan, args, sequential_only=True)

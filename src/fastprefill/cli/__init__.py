@@ -192,7 +192,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          queue_size=args.queue, timeout_s=args.timeout, max_tokens=args.max_tokens,
                          max_body_mb=args.max_body_mb, drain_timeout_s=args.drain_timeout,
                          prefix_cache_mb=args.prefix_cache_mb, prefix_cache_dir=args.prefix_cache_dir,
-                         scheduler=args.scheduler, prefill_chunk=args.prefill_chunk, max_running=args.max_running)
+                         scheduler=args.scheduler, prefill_chunk=args.prefill_chunk, max_running=args.max_running,
+                         prefill_pauses=args.prefill_pauses)
     if under_torchrun():  # every process is a rank; rank 0 serves HTTP (docs/serving.md)
         return serve_torchrun(config, host=args.host, port=args.port, threads=args.threads_per_rank,
                               log_level=args.log_level, control_port=args.control_port, device=args.device,
@@ -356,6 +357,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--prefill-chunk", type=_positive, default=512, metavar="TOKENS",
                    help="interleaved: tokens of prefill between two decode steps; a longer prompt (full prefill) "
                         "is prefilled in chunks of this size (set it by measurement: docs/serving.md)")
+    p.add_argument("--no-prefill-pauses", dest="prefill_pauses", action="store_false",
+                   help="interleaved: never pause a chunk between layers for a new short request (docs/serving.md)")
     p.add_argument("--max-running", type=_positive, default=8, metavar="N",
                    help="interleaved: requests run at once (the largest decode batch)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queue wait included")

@@ -113,6 +113,13 @@ def check_causal_lm(model: Any) -> None:
         )
 
 
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The model's decoder layers in order (``model.model.layers``: every family transformers
+    builds as ``XForCausalLM`` over ``XModel``), or ``[]`` when it keeps them elsewhere."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+
+
 def compile_blocks(model: PreTrainedModel) -> int:
     """Compile the parts of every decoder layer that are not attention (its MLP and its two
     RMSNorms) and the final norm with ``torch.compile`` (inductor, dynamic sequence length).

@@ -35,6 +35,8 @@ __all__ = [
     "SCORER_KWARG",
     "SCORE_SINK_KWARG",
     "ScoreFn",
+    "attention_as",
+    "attention_choices",
     "causal_mask",
     "fastprefill_attention",
 ]
@@ -216,6 +218,27 @@ def _ensure_registered() -> None:
         _registered = True
 
 
+def attention_choices(model: torch.nn.Module) -> dict[int, str | None]:
+    """The attention implementation each config of ``model`` names now, by the config's ``id``."""
+    return {id(m.config): m.config._attn_implementation for m in model.modules() if hasattr(m, "config")}
+
+
+@contextlib.contextmanager
+def attention_as(model: torch.nn.Module, choices: dict[int, str | None] | str) -> Iterator[None]:
+    """Set the attention implementation of every config of ``model`` (one name for all, or each
+    config's own from :func:`attention_choices`) for the duration of a block, restoring the
+    previous choice in ``finally``."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    previous = {key: cfg._attn_implementation for key, cfg in configs.items()}
+    try:
+        for key, cfg in configs.items():
+            cfg._attn_implementation = choices if isinstance(choices, str) else choices.get(key, previous[key])
+        yield
+    finally:
+        for key, cfg in configs.items():
+            cfg._attn_implementation = previous[key]
+
+
 @contextlib.contextmanager
 def fastprefill_attention(model: torch.nn.Module) -> Iterator[None]:
     """Select the fastprefill attention function on ``model``, restoring the old one after.
@@ -224,15 +247,8 @@ def fastprefill_attention(model: torch.nn.Module) -> Iterator[None]:
     with :func:`_suffix_causal_sdpa`; plain full prefill uses it for a cached prefix.
     """
     _ensure_registered()
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
-    previous = {key: cfg._attn_implementation for key, cfg in configs.items()}
-    try:
-        for cfg in configs.values():
-            cfg._attn_implementation = ATTENTION_NAME
+    with attention_as(model, ATTENTION_NAME):
         yield
-    finally:
-        for key, cfg in configs.items():
-            cfg._attn_implementation = previous[key]
 
 
 def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:

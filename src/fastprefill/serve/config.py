@@ -60,6 +60,9 @@ class ServeConfig:
             (>= 16): a longer prompt of an exact method is prefilled in chunks of this size.
         max_running: requests the interleaved scheduler runs at once (>= 1; the largest decode
             batch); more wait in the queue of ``queue_size``.
+        prefill_pauses: the interleaved scheduler pauses a running chunk of prefill between two
+            decoder layers to prefill a request that has just arrived, when that request's prompt
+            is at most one chunk (:mod:`fastprefill.serve.pauses`).
     """
 
     model_name: str
@@ -75,6 +78,7 @@ class ServeConfig:
     scheduler: str = "interleaved"
     prefill_chunk: int = 512
     max_running: int = 8
+    prefill_pauses: bool = True
 
     def __post_init__(self) -> None:
         def count(v: object) -> bool:
@@ -88,6 +92,7 @@ class ServeConfig:
             ("scheduler", isinstance(self.scheduler, str) and self.scheduler in SCHEDULERS, f"one of {sorted(SCHEDULERS)}"),
             ("prefill_chunk", is_int(self.prefill_chunk, 16), "an integer number of tokens >= 16"),
             ("max_running", count(self.max_running), "an integer >= 1"),
+            ("prefill_pauses", isinstance(self.prefill_pauses, bool), "True or False"),
             ("max_tokens", count(self.max_tokens), "an integer >= 1"),
             ("timeout_s", seconds(self.timeout_s, 0) and self.timeout_s > 0, "a finite number of seconds > 0"),
             ("max_body_mb", seconds(self.max_body_mb, 0) and self.max_body_mb > 0, "a finite number > 0"),

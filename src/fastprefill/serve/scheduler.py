@@ -15,6 +15,13 @@ repeats one *iteration*:
    path; any other method (LazyLLM, the KV Prediction methods, the multi-rank methods) runs its
    whole prefill as one unit, started only at the head of an iteration.
 
+**Pauses** (``--prefill-pauses``, on by default). A chunk runs on a thread of its own
+(:class:`~fastprefill.serve.pauses.LayerPauses`); when a request arrives meanwhile, the chunk
+stops before its next decoder layer and the scheduler runs an *interlude*: it admits the new
+requests and prefills, whole, each admitted exact-method request whose prompt needs at most one
+chunk, so a short request waits for one layer of a long chunk, not for the chunk. The chunk then
+resumes, its result the same as unpaused; the new requests decode from the next iteration on.
+
 Between two units the scheduler drops a request whose client has gone or whose deadline has
 passed (its K/V is freed; on the ranks the last rank is told to stop). A multi-rank request
 holds the rank pool from its prefill to its last token, so a second waits until it is done;
@@ -50,6 +57,7 @@ from fastprefill.serve.answers import Collector
 from fastprefill.serve.backends import Work
 from fastprefill.serve.config import ServeConfig, served_name
 from fastprefill.serve.metrics import ServeMetrics
+from fastprefill.serve.pauses import LayerPauses
 from fastprefill.serve.protocol import APIError
 from fastprefill.serve.worker import Job, internal_error, ranks_down, timeout_error
 
@@ -90,11 +98,14 @@ class ShortFirstPolicy:
         max_running: requests admitted at once.
         budget: prompt tokens of prefill per iteration (``--prefill-chunk``).
         max_skips: iterations a prefill may be passed over in a row before it goes first.
+        pause: pause a running chunk between two layers for a request that has just arrived
+            (``--prefill-pauses``; see the module docstring).
     """
 
     max_running: int = 8
     budget: int | None = 512
     max_skips: int = 4
+    pause: bool = True
 
     def order(self, prefilling: Sequence[Running]) -> list[Running]:
         """The aged prefills (oldest first), then the rest by remaining tokens (ties: arrival)."""
@@ -108,7 +119,7 @@ def make_policy(config: ServeConfig) -> FifoPolicy | ShortFirstPolicy:
     """The policy ``config.scheduler`` names."""
     if config.scheduler == "fifo":
         return FifoPolicy()
-    return ShortFirstPolicy(max_running=config.max_running, budget=config.prefill_chunk)
+    return ShortFirstPolicy(max_running=config.max_running, budget=config.prefill_chunk, pause=config.prefill_pauses)
 
 
 class Scheduler:
@@ -133,6 +144,9 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._submitted = self._seen = 0  # submissions, and those an interlude has looked at
+        self.pauses = (LayerPauses(model, self._cv) if isinstance(policy, ShortFirstPolicy) and policy.pause
+                       and LayerPauses.available(model) else None)
         metrics.watch(lambda: self.waiting, lambda: len(self.running))
 
     # --- the queue (any thread) -----------------------------------------------------------------
@@ -173,7 +187,8 @@ class Scheduler:
                 raise APIError(429, f"the server is busy: its queue of {self.capacity} is full ("
                                     f"{self.policy.max_running} run at a time); retry later", kind="rate_limit_error")
             self._waiting.append(job)
-            self._cv.notify()
+            self._submitted += 1
+            self._cv.notify_all()
 
     def close(self, error: APIError) -> None:
         """Refuse new jobs with ``error``, fail the waiting ones with it, and let the thread end
@@ -209,6 +224,7 @@ class Scheduler:
         """Admit what may start, drop what was cancelled, and run one iteration (the thread's
         loop; tests drive the scheduler with it, without a thread)."""
         with self._cv:
+            self._seen = self._submitted  # what an interlude would admit, admitted here
             admitted = self._admissible()
         for job in admitted:
             self._admit(job)
@@ -318,30 +334,62 @@ class Scheduler:
         left, served = budget, set()
         busy = {id(r.job.backend) for r in self.running if r.job.backend.exclusive and r.work.prefilled}
         for run in self.policy.order(runs):
-            if id(run.job.backend) in busy:
-                continue  # its backend runs one request at a time
+            if id(run.job.backend) in busy or run not in self.running or run.work.prefilled:
+                continue  # its backend runs one request at a time; or dropped, or prefilled in an interlude
             if budget is not None and not run.work.chunked and left != budget:
                 continue  # a whole prefill starts an iteration
-            if run.started is None:
-                run.started = time.monotonic()
-                self.metrics.queue_wait.labels(run.job.label).observe(run.started - run.job.arrived)
-            ran = self._guard([run], lambda r=run, n=left: r.work.prefill(n))
+            ran = self._unit(run, left)
             served.add(id(run))
             if ran is None:
                 continue
-            self.metrics.prefill_chunks.labels(run.job.label).inc()
-            if run.work.prefilled:
-                for event in run.work.first_events():
-                    self._emit(run, event)
-                if run.job.backend.exclusive:
-                    busy.add(id(run.job.backend))
+            if run.work.prefilled and run.job.backend.exclusive:
+                busy.add(id(run.job.backend))
             if left is None:
                 break
-            left -= int(ran)  # type: ignore[call-overload]
+            left -= ran
             if left <= 0:
                 break
         for run in runs:
             run.skips = 0 if id(run) in served else run.skips + 1
+
+    def _unit(self, run: Running, budget: int | None, pausable: bool = True) -> int | None:
+        """One unit of ``run``'s prefill (at most ``budget`` tokens when chunked), pausable between
+        layers for an interlude when it is a local chunked prefill; its first tokens once done.
+        Returns the tokens it ran (None: it failed, and was dropped)."""
+        if run.started is None:
+            run.started = time.monotonic()
+            self.metrics.queue_wait.labels(run.job.label).observe(run.started - run.job.arrived)
+        call = (lambda: run.work.prefill(budget))
+        if pausable and self.pauses is not None and run.work.chunked and isinstance(run.work, Generation):
+            pauses = self.pauses
+            call = (lambda: pauses.run(lambda: run.work.prefill(budget), self._wants_pause, self._interlude))
+        ran = self._guard([run], call)
+        if ran is None:
+            return None
+        self.metrics.prefill_chunks.labels(run.job.label).inc()
+        if run.work.prefilled:
+            for event in run.work.first_events():
+                self._emit(run, event)
+        return int(ran)  # type: ignore[call-overload]
+
+    def _wants_pause(self) -> bool:
+        """Whether a request has been submitted since the last interlude (asked under the lock)."""
+        return self._submitted != self._seen
+
+    def _interlude(self) -> None:
+        """While a chunk is paused: admit the new requests and prefill, each whole and in the
+        policy's order, those whose exact prompt needs at most one chunk (their first tokens)."""
+        with self._cv:
+            self._seen = self._submitted
+            admitted = self._admissible()
+        for job in admitted:
+            self._admit(job)
+        budget = self.policy.budget
+        short = [r for r in self.running if r.started is None and isinstance(r.work, Generation) and r.work.chunked
+                 and not r.job.backend.exclusive and (budget is None or r.work.remaining <= budget)]
+        for run in self.policy.order(short):
+            if not run.job.cancelled:
+                self._unit(run, None, pausable=False)
 
     def _emit(self, run: Running, event: StreamEvent) -> None:
         """Send one token's text (an answer's first always: it marks TTFT); finish on the last."""

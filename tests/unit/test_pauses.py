@@ -1,0 +1,121 @@
+"""Pauses between decoder layers (:mod:`fastprefill.serve.pauses`): a request that arrives while
+a long chunk runs gets its first token in a pause of that chunk, and every answer and the paused
+chunk's logits are those of running each request alone (tiny random models, float32)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fastprefill.engine import Generation, generate
+from fastprefill.methods.full import FullPrefill
+from fastprefill.models.adapters import decoder_layers
+from fastprefill.prefix_cache import PrefixCache
+from fastprefill.sampling import SamplingParams
+from fastprefill.serve.answers import Finished
+from fastprefill.serve.backends import LocalBackend
+from fastprefill.serve.metrics import ServeMetrics
+from fastprefill.serve.pauses import LayerPauses
+from fastprefill.serve.scheduler import Scheduler, ShortFirstPolicy
+from fastprefill.serve.worker import Job
+
+from .test_scheduler import MB, loop  # noqa: F401  (the event-loop fixture)
+
+
+def _job(backend, ids, loop, metrics, max_tokens, arrived=0.0) -> Job:  # noqa: F811
+    return Job(ids, FullPrefill(), backend, "full", max_tokens, SamplingParams(ignore_eos=True), True, arrived, 1e12,
+               metrics, loop.loop)
+
+
+def _long_then_short(model, make_ids, loop, pause: bool, cache: PrefixCache | None):  # noqa: F811
+    """A 200-token prompt (one chunk of 256) and a 6-token one submitted from the chunk's thread as
+    its first layer starts; returns the order of first tokens, both jobs, the scheduler and the
+    attention implementation the scheduler's thread saw at each layer it ran meanwhile."""
+    metrics = ServeMetrics()
+    backend = LocalBackend(model, None, cache)
+    sched = Scheduler(model, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=256, pause=pause))
+    long_ids = make_ids(200, 5)
+    long = _job(backend, long_ids, loop, metrics, 4)
+    short = _job(backend, make_ids(6, 6), loop, metrics, 3, 1.0)
+    firsts, seen, submitted = [], [], []
+    emit = sched._emit
+    sched._emit = lambda run, event: (firsts.append(run.job) if event.index == 0 else None, emit(run, event))
+
+    def arrive(module, args):
+        if threading.current_thread() is threading.main_thread():
+            seen.append(model.config._attn_implementation)
+        elif not submitted:
+            submitted.append(True)
+            sched.submit(short)
+
+    hook = decoder_layers(model)[0].register_forward_pre_hook(arrive)
+    try:
+        sched.submit(long)
+        if not pause:
+            sched.run_once()  # the long one's prefill on this thread: nothing submits the short one
+            sched.submit(short)
+        while sched.running or sched.waiting:
+            sched.run_once()
+    finally:
+        hook.remove()
+        if sched.pauses is not None:
+            sched.pauses.remove()
+    return firsts, long, short, sched, seen
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["cold", "over-a-cached-prefix"])
+def test_a_request_arriving_mid_chunk_gets_its_first_token_in_a_pause(tiny_llama, make_ids, loop, cached):  # noqa: F811
+    """The short request's first token comes before the long chunk's; both answers equal
+    generate's; over a cached prefix (fastprefill's attention on the chunk's thread) the
+    interlude's layers still run with the model's own attention."""
+    cache = None
+    if cached:
+        cache = PrefixCache(64 * MB, block_tokens=8)
+        generate(tiny_llama, None, make_ids(200, 5)[:, :120], FullPrefill(), 2, stop_at_eos=False, prefix_cache=cache)
+    firsts, long, short, sched, seen = _long_then_short(tiny_llama, make_ids, loop, True, cache)
+    assert firsts == [short, long]
+    assert sched.pauses is not None and sched.pauses.pauses == 1
+    assert seen and set(seen) == {"sdpa"}  # the short prefill's layers, on the scheduler's thread
+    for job, n in ((long, 4), (short, 3)):
+        (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
+        assert finished.answers[0].token_ids == generate(tiny_llama, None, job.input_ids, FullPrefill(), n,
+                                                         stop_at_eos=False).token_ids
+    assert long.outcome == short.outcome == "ok"
+
+
+def test_without_pauses_the_request_waits_for_the_chunk(tiny_llama, make_ids, loop):  # noqa: F811
+    firsts, long, short, sched, _ = _long_then_short(tiny_llama, make_ids, loop, False, None)
+    assert sched.pauses is None and firsts == [long, short]
+
+
+def test_a_paused_prefill_gives_the_logits_it_gives_unpaused(tiny_qwen2, make_ids):
+    """Pause at every layer and run another prompt's prefill in each pause: the paused
+    prefill's first logits equal, bit for bit, those of the same prefill unpaused."""
+    ids, other = make_ids(90, 7), make_ids(30, 8)
+    alone = Generation(tiny_qwen2, None, ids, FullPrefill(), 1, stop_at_eos=False)
+    alone.prefill()
+    cv = threading.Condition()
+    pauses = LayerPauses(tiny_qwen2, cv)
+    paused = Generation(tiny_qwen2, None, ids, FullPrefill(), 1, stop_at_eos=False)
+    between = []
+    try:
+        pauses.run(paused.prefill, lambda: True,
+                   lambda: between.append(generate(tiny_qwen2, None, other, FullPrefill(), 2, stop_at_eos=False)))
+    finally:
+        pauses.remove()
+    assert pauses.pauses == len(between) == tiny_qwen2.config.num_hidden_layers
+    assert torch.equal(paused.first_logits, alone.first_logits)
+    assert all(g.token_ids == between[0].token_ids for g in between)
+
+
+def test_an_error_in_the_paused_call_reaches_the_caller(tiny_llama):
+    pauses = LayerPauses(tiny_llama, threading.Condition())
+    try:
+        with pytest.raises(ValueError, match="bad unit"):
+            pauses.run(lambda: (_ for _ in ()).throw(ValueError("bad unit")), lambda: False, lambda: None)
+        assert pauses.run(lambda: 7, lambda: False, lambda: None) == 7  # the thread goes on
+    finally:
+        pauses.remove()
+    assert not LayerPauses.available(torch.nn.Linear(2, 2))
