@@ -77,6 +77,9 @@ def test_a_request_arriving_mid_chunk_gets_its_first_token_in_a_pause(tiny_llama
     firsts, long, short, sched, seen = _long_then_short(tiny_llama, make_ids, loop, True, cache)
     assert firsts == [short, long]
     assert sched.pauses is not None and sched.pauses.pauses == 1
+    counted = [s.value for f in sched.metrics.registry.collect() for s in f.samples
+               if s.name == "fastprefill_prefill_pauses_total"]
+    assert counted == [1.0]
     assert seen and set(seen) == {"sdpa"}  # the short prefill's layers, on the scheduler's thread
     for job, n in ((long, 4), (short, 3)):
         (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
@@ -119,3 +122,32 @@ def test_an_error_in_the_paused_call_reaches_the_caller(tiny_llama):
     finally:
         pauses.remove()
     assert not LayerPauses.available(torch.nn.Linear(2, 2))
+
+
+def test_a_decoding_stream_gets_its_tokens_in_pauses_of_a_long_chunk(tiny_llama, make_ids, loop):  # noqa: F811
+    """A stream past its first token and a 200-token prompt prefilled in one unit: with a decode
+    step due at every layer, the stream's whole answer comes in the unit's pauses, before the long
+    prompt's first token; both answers equal generate's."""
+    metrics = ServeMetrics()
+    backend = LocalBackend(tiny_llama, None, None)
+    policy = ShortFirstPolicy(max_running=4, budget=256, decode_interval_s=1e-9)
+    sched = Scheduler(tiny_llama, None, metrics, 8, policy)
+    stream, long = _job(backend, make_ids(6, 6), loop, metrics, 3), _job(backend, make_ids(200, 5), loop, metrics, 2)
+    order = []
+    emit = sched._emit
+    sched._emit = lambda run, event: (order.append((run.job, event.index)), emit(run, event))
+    try:
+        sched.submit(stream)
+        sched.run_once()  # its first token
+        sched.submit(long)
+        sched.run_once()  # the stream's second token, then the long prompt's unit, paused at every layer
+        assert order == [(stream, 0), (stream, 1), (stream, 2), (long, 0)]
+        assert sched.pauses is not None and sched.pauses.pauses == 1  # the third token ended the stream
+        while sched.running:
+            sched.run_once()
+    finally:
+        sched.pauses.remove()
+    for job, n in ((stream, 3), (long, 2)):
+        (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
+        assert finished.answers[0].token_ids == generate(tiny_llama, None, job.input_ids, FullPrefill(), n,
+                                                         stop_at_eos=False).token_ids

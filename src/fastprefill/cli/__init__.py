@@ -193,7 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_body_mb=args.max_body_mb, drain_timeout_s=args.drain_timeout,
                          prefix_cache_mb=args.prefix_cache_mb, prefix_cache_dir=args.prefix_cache_dir,
                          scheduler=args.scheduler, prefill_chunk=args.prefill_chunk, max_running=args.max_running,
-                         prefill_pauses=args.prefill_pauses)
+                         prefill_pauses=args.prefill_pauses, decode_interval_s=args.decode_interval)
     if under_torchrun():  # every process is a rank; rank 0 serves HTTP (docs/serving.md)
         return serve_torchrun(config, host=args.host, port=args.port, threads=args.threads_per_rank,
                               log_level=args.log_level, control_port=args.control_port, device=args.device,
@@ -359,6 +359,8 @@ def _add_serve(sub: Any) -> None:
                         "is prefilled in chunks of this size (set it by measurement: docs/serving.md)")
     p.add_argument("--no-prefill-pauses", dest="prefill_pauses", action="store_false",
                    help="interleaved: never pause a chunk between layers for a new short request (docs/serving.md)")
+    p.add_argument("--decode-interval", type=float, default=0.5, metavar="S", help="interleaved: a chunk also "
+                   "pauses for the running streams' next tokens S seconds after their last (docs/serving.md)")
     p.add_argument("--max-running", type=_positive, default=8, metavar="N",
                    help="interleaved: requests run at once (the largest decode batch)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queue wait included")

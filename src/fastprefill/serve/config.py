@@ -63,6 +63,9 @@ class ServeConfig:
         prefill_pauses: the interleaved scheduler pauses a running chunk of prefill between two
             decoder layers to prefill a request that has just arrived, when that request's prompt
             is at most one chunk (:mod:`fastprefill.serve.pauses`).
+        decode_interval_s: with pauses, the running streams' longest wait for their next token
+            while a chunk runs (> 0): the chunk also pauses for a decode step that long after
+            the last one.
     """
 
     model_name: str
@@ -79,6 +82,7 @@ class ServeConfig:
     prefill_chunk: int = 512
     max_running: int = 8
     prefill_pauses: bool = True
+    decode_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         def count(v: object) -> bool:
@@ -93,6 +97,8 @@ class ServeConfig:
             ("prefill_chunk", is_int(self.prefill_chunk, 16), "an integer number of tokens >= 16"),
             ("max_running", count(self.max_running), "an integer >= 1"),
             ("prefill_pauses", isinstance(self.prefill_pauses, bool), "True or False"),
+            ("decode_interval_s", seconds(self.decode_interval_s, 0) and self.decode_interval_s > 0,
+             "a finite number of seconds > 0"),
             ("max_tokens", count(self.max_tokens), "an integer >= 1"),
             ("timeout_s", seconds(self.timeout_s, 0) and self.timeout_s > 0, "a finite number of seconds > 0"),
             ("max_body_mb", seconds(self.max_body_mb, 0) and self.max_body_mb > 0, "a finite number > 0"),

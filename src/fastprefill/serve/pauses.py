@@ -40,13 +40,16 @@ class LayerPauses:
         model: the model whose decoder layers get the pause points.
         cv: the scheduler's condition (its lock guards the pause state; the scheduler notifies it
             when a request arrives, so a pause is asked for at once).
+        poll_s: how often a running call asks ``wants_pause`` again unnotified (a pause that is
+            due by the clock).
 
     Attributes:
         pauses: pauses so far (the chunk stopped at a layer for an interlude).
     """
 
-    def __init__(self, model: PreTrainedModel, cv: threading.Condition) -> None:
+    def __init__(self, model: PreTrainedModel, cv: threading.Condition, poll_s: float = 0.05) -> None:
         self.model = model
+        self.poll_s = poll_s
         self.cv = cv
         self.pauses = 0
         self._startup = attention_choices(model)
@@ -80,7 +83,7 @@ class LayerPauses:
         while True:
             with self.cv:
                 while not (self._done or self._paused or (not self._want and wants_pause())):
-                    self.cv.wait()
+                    self.cv.wait(self.poll_s)
                 if self._done:
                     self._want = False
                     break

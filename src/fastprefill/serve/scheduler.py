@@ -20,7 +20,9 @@ repeats one *iteration*:
 stops before its next decoder layer and the scheduler runs an *interlude*: it admits the new
 requests and prefills, whole, each admitted exact-method request whose prompt needs at most one
 chunk, so a short request waits for one layer of a long chunk, not for the chunk. The chunk then
-resumes, its result the same as unpaused; the new requests decode from the next iteration on.
+resumes, its result the same as unpaused. A chunk also pauses for a decode step of the running
+streams ``--decode-interval`` seconds after their last one, so a long chunk does not hold their
+next tokens.
 
 Between two units the scheduler drops a request whose client has gone or whose deadline has
 passed (its K/V is freed; on the ranks the last rank is told to stop). A multi-rank request
@@ -98,14 +100,16 @@ class ShortFirstPolicy:
         max_running: requests admitted at once.
         budget: prompt tokens of prefill per iteration (``--prefill-chunk``).
         max_skips: iterations a prefill may be passed over in a row before it goes first.
-        pause: pause a running chunk between two layers for a request that has just arrived
-            (``--prefill-pauses``; see the module docstring).
+        pause: pause a running chunk between two layers for a request that has just arrived,
+            and for a decode step ``decode_interval_s`` after the last (``--prefill-pauses``,
+            ``--decode-interval``; see the module docstring).
     """
 
     max_running: int = 8
     budget: int | None = 512
     max_skips: int = 4
     pause: bool = True
+    decode_interval_s: float = 0.5
 
     def order(self, prefilling: Sequence[Running]) -> list[Running]:
         """The aged prefills (oldest first), then the rest by remaining tokens (ties: arrival)."""
@@ -119,7 +123,8 @@ def make_policy(config: ServeConfig) -> FifoPolicy | ShortFirstPolicy:
     """The policy ``config.scheduler`` names."""
     if config.scheduler == "fifo":
         return FifoPolicy()
-    return ShortFirstPolicy(max_running=config.max_running, budget=config.prefill_chunk, pause=config.prefill_pauses)
+    return ShortFirstPolicy(max_running=config.max_running, budget=config.prefill_chunk, pause=config.prefill_pauses,
+                            decode_interval_s=config.decode_interval_s)
 
 
 class Scheduler:
@@ -145,6 +150,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._submitted = self._seen = 0  # submissions, and those an interlude has looked at
+        self._last_decode = time.monotonic()
         self.pauses = (LayerPauses(model, self._cv) if isinstance(policy, ShortFirstPolicy) and policy.pause
                        and LayerPauses.available(model) else None)
         metrics.watch(lambda: self.waiting, lambda: len(self.running))
@@ -313,6 +319,7 @@ class Scheduler:
     def _decode(self, runs: list[Running]) -> None:
         """One decode step for every answer of every stream in ``runs``."""
         assert self.batch is not None
+        self._last_decode = time.monotonic()
         local = [r for r in runs if isinstance(r.work, Generation)]
         with TimingWindow(self.batch.model.device) as window:
             events = self._guard(local, lambda: self.batch.step([r.work for r in local])) if local else []
@@ -373,12 +380,20 @@ class Scheduler:
         return int(ran)  # type: ignore[call-overload]
 
     def _wants_pause(self) -> bool:
-        """Whether a request has been submitted since the last interlude (asked under the lock)."""
-        return self._submitted != self._seen
+        """Whether a request has been submitted since the last interlude, or a decode step is due
+        (asked under the lock, on the scheduler's thread)."""
+        return self._submitted != self._seen or self._decode_due()
+
+    def _decode_due(self) -> bool:
+        interval = getattr(self.policy, "decode_interval_s", None)
+        return (interval is not None and time.monotonic() - self._last_decode >= interval
+                and any(r.work.prefilled for r in self.running))
 
     def _interlude(self) -> None:
         """While a chunk is paused: admit the new requests and prefill, each whole and in the
-        policy's order, those whose exact prompt needs at most one chunk (their first tokens)."""
+        policy's order, those whose exact prompt needs at most one chunk (their first tokens);
+        then a decode step, if one is due."""
+        self.metrics.prefill_pauses.inc()
         with self._cv:
             self._seen = self._submitted
             admitted = self._admissible()
@@ -390,6 +405,8 @@ class Scheduler:
         for run in self.policy.order(short):
             if not run.job.cancelled:
                 self._unit(run, None, pausable=False)
+        if self._decode_due():
+            self._decode([r for r in self.running if r.work.prefilled and not r.job.cancelled])
 
     def _emit(self, run: Running, event: StreamEvent) -> None:
         """Send one token's text (an answer's first always: it marks TTFT); finish on the last."""
