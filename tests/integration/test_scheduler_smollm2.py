@@ -111,3 +111,41 @@ def test_a_short_request_is_answered_during_a_long_prefill(smollm2):
         assert seen["short_done"] < seen["long_first"]
         assert metric_value(url, "fastprefill_prefill_chunks_total") >= math.ceil(n_long / 64) + 1
         assert metric_value(url, "fastprefill_decode_batch_size_count") >= 1
+
+
+def test_a_short_request_gets_its_first_token_in_a_pause_of_a_whole_prefill(smollm2):
+    """A ~3k-token prompt prefilled as one unit (``prefill_chunk`` above its length) and a
+    one-line question sent once that unit has started: the question's first token comes before
+    the long prompt's, in a pause of the unit between two layers; both answers equal the
+    engine's (the paused unit is the unpaused computation)."""
+    model, tok = smollm2
+    long_prompt = "\n".join([DOC] * 10) + "\nWhich station opened in 1940?"
+    config = ServeConfig(MODEL, prefill_chunk=8192, prefix_cache_mb=0, timeout_s=600)
+    want_long = generate(model, tok, long_prompt, FullPrefill(), 4, chat=True).text
+    want_short = generate(model, tok, "Say hello.", FullPrefill(), 3, chat=True).text
+    with background(create_app(model, tok, config)) as url:
+        client = openai_client(url)
+        wait_health(url, is_idle)
+        seen: dict[str, float] = {}
+        texts: dict[str, list[str]] = {"long": [], "short": []}
+
+        def ask(name: str, prompt: str, n: int) -> None:
+            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                    max_tokens=n, stream=True)
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content is not None:
+                    seen.setdefault(name, time.monotonic())
+                    texts[name].append(chunk.choices[0].delta.content)
+
+        thread = threading.Thread(target=ask, args=("long", long_prompt, 4))
+        thread.start()
+        deadline = time.monotonic() + 120
+        while metric_value(url, "fastprefill_queue_wait_seconds_count") < 1:  # its unit has started
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        ask("short", "Say hello.", 3)
+        thread.join(300)
+        assert "".join(texts["short"]) == want_short and "".join(texts["long"]) == want_long
+        assert seen["short"] < seen["long"]
+        assert metric_value(url, "fastprefill_prefill_pauses_total") >= 1
+        assert metric_value(url, "fastprefill_prefill_chunks_total") == 2  # one unit each
