@@ -171,9 +171,9 @@ SUMMARY_ROWS: tuple[SummaryRow, ...] = (
                "lazyllm-cut30k20+snap", 2048),
     SummaryRow("LazyLLM, late cut (needle)", "lazyllm_needle_qwen2.5-coder-0.5b_2048-4096_bfloat16.jsonl",
                "lazyllm-cut30k20+snap", 2048),
-    SummaryRow("kvp-prefix", "kvp_prefix_singledoc-qa_1024.jsonl", "kvp-prefix-l14-t32", 1024),
-    SummaryRow("KV Prediction (KVP-C)", "kvp_singledoc-qa_1024.jsonl", "kvp-c", 1024),
-    SummaryRow("smaller model alone", "kvp_singledoc-qa_1024.jsonl", "qwen-0.5b", 1024),
+    SummaryRow("kvp-prefix", "kvp_prefix_singledoc-qa_1024_bfloat16.jsonl", "kvp-prefix-l14-t32", 1024),
+    SummaryRow("KV Prediction (KVP-C)", "kvp_singledoc-qa_1024_bfloat16.jsonl", "kvp-c", 1024),
+    SummaryRow("smaller model alone", "kvp_singledoc-qa_1024_bfloat16.jsonl", "qwen-0.5b", 1024),
 )
 
 #: The summary table's columns that hold figures, by the :func:`headline_cells` key they print.

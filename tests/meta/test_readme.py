@@ -210,5 +210,5 @@ def test_a_missing_row_or_a_wrong_link_is_found():
     text = readme()
     line = _row_line(text, "kvp-prefix")
     assert check_summary_table(text.replace(line + "\n", ""), RESULTS)[0].where == "summary table rows"
-    wrong = text.replace(line, line.replace("kvp_prefix_singledoc-qa_1024.jsonl", "kvp_singledoc-qa_1024.jsonl"))
+    wrong = text.replace(line, line.replace("kvp_prefix_singledoc-qa_1024_bfloat16.jsonl", "kvp_singledoc-qa_1024_bfloat16.jsonl"))
     assert "summary row 'kvp-prefix': result link" in {m.where for m in check_summary_table(wrong, RESULTS)}
