@@ -167,7 +167,7 @@ SUMMARY_ROWS: tuple[SummaryRow, ...] = (
                "lazyllm-four-stage", 2048),
     SummaryRow("LazyLLM, late cut", "lazyllm_curve_fidelity_qwen2.5-coder-0.5b_2048_bfloat16.jsonl",
                "lazyllm-cut30k20+snap", 2048),
-    SummaryRow("LazyLLM, late cut (1.5B)", "lazyllm_curve_fidelity_qwen2.5-coder-1.5b_2048.jsonl",
+    SummaryRow("LazyLLM, late cut (1.5B)", "lazyllm_curve_fidelity_qwen2.5-coder-1.5b_2048_bfloat16.jsonl",
                "lazyllm-cut30k20+snap", 2048),
     SummaryRow("LazyLLM, late cut (needle)", "lazyllm_needle_qwen2.5-coder-0.5b_2048-4096_bfloat16.jsonl",
                "lazyllm-cut30k20+snap", 2048),
