@@ -151,3 +151,21 @@ def test_a_decoding_stream_gets_its_tokens_in_pauses_of_a_long_chunk(tiny_llama,
         (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
         assert finished.answers[0].token_ids == generate(tiny_llama, None, job.input_ids, FullPrefill(), n,
                                                          stop_at_eos=False).token_ids
+
+
+def test_pause_points_leave_the_model_copyable_and_come_off_when_collected(tiny_llama):
+    import copy
+    import gc
+
+    layer = decoder_layers(tiny_llama)[0]
+    before = len(layer._forward_pre_hooks)
+    pauses = LayerPauses(tiny_llama, threading.Condition())
+    assert pauses.run(lambda: 3, lambda: False, lambda: None) == 3  # its thread started
+    thread = pauses._thread
+    assert len(layer._forward_pre_hooks) == before + 1
+    copy.deepcopy(tiny_llama)  # no lock in the hooks
+    del pauses
+    gc.collect()
+    assert len(layer._forward_pre_hooks) == before
+    thread.join(5)
+    assert not thread.is_alive()

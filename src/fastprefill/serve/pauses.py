@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +54,7 @@ class LayerPauses:
         self.cv = cv
         self.pauses = 0
         self._startup = attention_choices(model)
-        self._tasks: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
         self._ident: int | None = None
         self._want = False  # the scheduler asks the running call to stop at its next layer
         self._paused = False
@@ -61,7 +62,18 @@ class LayerPauses:
         self._done = True
         self._result: Any = None
         self._error: BaseException | None = None
-        self._hooks = [layer.register_forward_pre_hook(self._at_layer) for layer in decoder_layers(model)]
+        ref = weakref.ref(self)
+
+        def pause_point(module: Any, args: Any) -> None:
+            # a closure over a weak reference, not a bound method: a copy of the model
+            # (``copy.deepcopy``) copies no lock, and the model keeps nothing here alive
+            pauses = ref()
+            if pauses is not None:
+                pauses._at_layer(module, args)
+
+        hooks = [layer.register_forward_pre_hook(pause_point) for layer in decoder_layers(model)]
+        # collected or removed: the hooks come off and the thread ends
+        self._release = weakref.finalize(self, _release, hooks, self._tasks)
         self._thread: threading.Thread | None = None
 
     @staticmethod
@@ -70,10 +82,9 @@ class LayerPauses:
         return model is not None and bool(decoder_layers(model))
 
     def remove(self) -> None:
-        """Take the pause points off the model's layers."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Take the pause points off the model's layers and end the pausable thread (also done
+        when this object is garbage-collected)."""
+        self._release()
 
     def run(self, call: Callable[[], Any], wants_pause: Callable[[], bool], interlude: Callable[[], None]) -> Any:
         """``call()`` on the pausable thread; whenever ``wants_pause()`` (asked under :attr:`cv`,
@@ -107,24 +118,24 @@ class LayerPauses:
     # --- the pausable thread ------------------------------------------------------------------
     def _start(self, call: Callable[[], Any]) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._serve, name="fastprefill-prefill", daemon=True)
+            self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._tasks),
+                                            name="fastprefill-prefill", daemon=True)
             self._thread.start()
         with self.cv:
             self._done, self._want, self._paused = False, False, False
         self._tasks.put(call)
 
-    def _serve(self) -> None:
+    def _run_task(self, call: Callable[[], Any]) -> None:
+        """Run ``call`` on the pausable thread and hand its outcome to :meth:`run`."""
         self._ident = threading.get_ident()
-        while True:
-            call = self._tasks.get()
-            result, error = None, None
-            try:
-                result = call()
-            except BaseException as exc:  # noqa: BLE001  (handed to the scheduler's thread, which raises it)
-                error = exc
-            with self.cv:
-                self._result, self._error, self._done = result, error, True
-                self.cv.notify_all()
+        result, error = None, None
+        try:
+            result = call()
+        except BaseException as exc:  # noqa: BLE001  (handed to the scheduler's thread, which raises it)
+            error = exc
+        with self.cv:
+            self._result, self._error, self._done = result, error, True
+            self.cv.notify_all()
 
     def _at_layer(self, module: Any, args: Any) -> None:
         """The pause point before a decoder layer (a forward pre-hook; only on the pausable thread)."""
@@ -139,3 +150,20 @@ class LayerPauses:
             resumed = self._resumed
             while self._resumed == resumed:  # not ``while self._want``: the next pause may be asked already
                 self.cv.wait()
+
+
+def _serve(ref: weakref.ref[LayerPauses], tasks: queue.SimpleQueue[Callable[[], Any] | None]) -> None:
+    """The pausable thread: runs each task of ``tasks`` until ``None`` (its :class:`LayerPauses`
+    removed or collected). Holds its object only while a task runs, so it does not keep it alive."""
+    while (call := tasks.get()) is not None:
+        pauses = ref()
+        if pauses is None:
+            return
+        pauses._run_task(call)
+        del pauses
+
+
+def _release(hooks: list[Any], tasks: queue.SimpleQueue[Callable[[], Any] | None]) -> None:
+    for hook in hooks:
+        hook.remove()
+    tasks.put(None)

@@ -223,6 +223,8 @@ class Scheduler:
                 while not self._waiting and not self.running and self.closed is None:
                     self._cv.wait()
                 if not self._waiting and not self.running:
+                    if self.pauses is not None:
+                        self.pauses.remove()
                     return  # closed, and nothing left
             self.run_once()
 
