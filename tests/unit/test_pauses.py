@@ -161,11 +161,8 @@ def test_pause_points_leave_the_model_copyable_and_come_off_when_collected(tiny_
     before = len(layer._forward_pre_hooks)
     pauses = LayerPauses(tiny_llama, threading.Condition())
     assert pauses.run(lambda: 3, lambda: False, lambda: None) == 3  # its thread started
-    thread = pauses._thread
     assert len(layer._forward_pre_hooks) == before + 1
     copy.deepcopy(tiny_llama)  # no lock in the hooks
     del pauses
     gc.collect()
     assert len(layer._forward_pre_hooks) == before
-    thread.join(5)
-    assert not thread.is_alive()

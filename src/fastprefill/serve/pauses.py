@@ -54,7 +54,7 @@ class LayerPauses:
         self.cv = cv
         self.pauses = 0
         self._startup = attention_choices(model)
-        self._tasks: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
         self._ident: int | None = None
         self._want = False  # the scheduler asks the running call to stop at its next layer
         self._paused = False
@@ -72,8 +72,9 @@ class LayerPauses:
                 pauses._at_layer(module, args)
 
         hooks = [layer.register_forward_pre_hook(pause_point) for layer in decoder_layers(model)]
-        # collected or removed: the hooks come off and the thread ends
-        self._release = weakref.finalize(self, _release, hooks, self._tasks)
+        # collected or removed: the hooks come off (the idle thread stays blocked: a thread that
+        # has run torch work and ends while the interpreter exits can abort the process)
+        self._release = weakref.finalize(self, _release, hooks)
         self._thread: threading.Thread | None = None
 
     @staticmethod
@@ -82,8 +83,8 @@ class LayerPauses:
         return model is not None and bool(decoder_layers(model))
 
     def remove(self) -> None:
-        """Take the pause points off the model's layers and end the pausable thread (also done
-        when this object is garbage-collected)."""
+        """Take the pause points off the model's layers (also done when this object is
+        garbage-collected)."""
         self._release()
 
     def run(self, call: Callable[[], Any], wants_pause: Callable[[], bool], interlude: Callable[[], None]) -> Any:
@@ -152,10 +153,12 @@ class LayerPauses:
                 self.cv.wait()
 
 
-def _serve(ref: weakref.ref[LayerPauses], tasks: queue.SimpleQueue[Callable[[], Any] | None]) -> None:
-    """The pausable thread: runs each task of ``tasks`` until ``None`` (its :class:`LayerPauses`
-    removed or collected). Holds its object only while a task runs, so it does not keep it alive."""
-    while (call := tasks.get()) is not None:
+def _serve(ref: weakref.ref[LayerPauses], tasks: queue.SimpleQueue[Callable[[], Any]]) -> None:
+    """The pausable thread: runs each task of ``tasks``. Holds its object only while a task runs,
+    so it does not keep it alive; once the object is collected no task comes, and the thread stays
+    blocked (a daemon)."""
+    while True:
+        call = tasks.get()
         pauses = ref()
         if pauses is None:
             return
@@ -163,7 +166,6 @@ def _serve(ref: weakref.ref[LayerPauses], tasks: queue.SimpleQueue[Callable[[], 
         del pauses
 
 
-def _release(hooks: list[Any], tasks: queue.SimpleQueue[Callable[[], Any] | None]) -> None:
+def _release(hooks: list[Any]) -> None:
     for hook in hooks:
         hook.remove()
-    tasks.put(None)
