@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-max-tokens", type=int, default=16)
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8])
     p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=list(DTYPES))
     p.add_argument("--out", default="benchmarks/results")

@@ -29,16 +29,17 @@ def _job(backend, ids, loop, metrics, max_tokens, arrived=0.0) -> Job:  # noqa: 
                metrics, loop.loop)
 
 
-def _long_then_short(model, make_ids, loop, pause: bool, cache: PrefixCache | None):  # noqa: F811
+def _long_then_short(model, make_ids, loop, pause: bool, cache: PrefixCache | None,  # noqa: F811
+                     second: int = 6, budget: int = 256):
     """A 200-token prompt (one chunk of 256) and a 6-token one submitted from the chunk's thread as
     its first layer starts; returns the order of first tokens, both jobs, the scheduler and the
     attention implementation the scheduler's thread saw at each layer it ran meanwhile."""
     metrics = ServeMetrics()
     backend = LocalBackend(model, None, cache)
-    sched = Scheduler(model, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=256, pause=pause))
+    sched = Scheduler(model, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=budget, pause=pause))
     long_ids = make_ids(200, 5)
     long = _job(backend, long_ids, loop, metrics, 4)
-    short = _job(backend, make_ids(6, 6), loop, metrics, 3, 1.0)
+    short = _job(backend, make_ids(second, 6), loop, metrics, 3, 1.0)
     firsts, seen, submitted = [], [], []
     emit = sched._emit
     sched._emit = lambda run, event: (firsts.append(run.job) if event.index == 0 else None, emit(run, event))
@@ -166,3 +167,11 @@ def test_pause_points_leave_the_model_copyable_and_come_off_when_collected(tiny_
     del pauses
     gc.collect()
     assert len(layer._forward_pre_hooks) == before
+
+
+def test_a_long_request_arriving_mid_chunk_waits_for_the_chunk(tiny_llama, make_ids, loop):  # noqa: F811
+    """A second prompt above INTERLUDE_TOKENS (here 600, with chunks of 8192) is admitted in the
+    pause but prefilled after the running chunk, not inside the interlude."""
+    firsts, long, second, sched, _ = _long_then_short(tiny_llama, make_ids, loop, True, None, second=600, budget=8192)
+    assert firsts == [long, second]
+    assert sched.pauses is not None and sched.pauses.pauses >= 1

@@ -354,9 +354,9 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--scheduler", choices=["interleaved", "fifo"], default="interleaved",
                    help="interleaved: requests run side by side (chunked prefill, short work first, batched "
                         "decode); fifo: one request at a time, start to end (docs/serving.md)")
-    p.add_argument("--prefill-chunk", type=_positive, default=512, metavar="TOKENS",
-                   help="interleaved: tokens of prefill between two decode steps; a longer prompt (full prefill) "
-                        "is prefilled in chunks of this size (set it by measurement: docs/serving.md)")
+    p.add_argument("--prefill-chunk", type=_positive, default=8192, metavar="TOKENS",
+                   help="interleaved: the largest unit of prefill; a longer prompt (full prefill) is prefilled in "
+                        "chunks of this size (set it by measurement: docs/serving.md)")
     p.add_argument("--no-prefill-pauses", dest="prefill_pauses", action="store_false",
                    help="interleaved: never pause a chunk between layers for a new short request (docs/serving.md)")
     p.add_argument("--decode-interval", type=float, default=0.5, metavar="S", help="interleaved: a chunk also "

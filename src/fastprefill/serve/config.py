@@ -56,13 +56,16 @@ class ServeConfig:
         scheduler: ``"interleaved"`` (requests run side by side: chunked prefill, short work
             first, batched decode; :mod:`fastprefill.serve.scheduler`) or ``"fifo"`` (one request
             at a time, start to end, in arrival order).
-        prefill_chunk: tokens of prefill the interleaved scheduler runs between two decode steps
-            (>= 16): a longer prompt of an exact method is prefilled in chunks of this size.
+        prefill_chunk: the largest unit of prefill of the interleaved scheduler (>= 16): a longer
+            prompt of an exact method is prefilled in chunks of this size. With pauses, short
+            requests and decode steps run between two layers of a chunk, so it bounds memory and
+            the chunking overhead rather than their wait.
         max_running: requests the interleaved scheduler runs at once (>= 1; the largest decode
             batch); more wait in the queue of ``queue_size``.
         prefill_pauses: the interleaved scheduler pauses a running chunk of prefill between two
-            decoder layers to prefill a request that has just arrived, when that request's prompt
-            is at most one chunk (:mod:`fastprefill.serve.pauses`).
+            decoder layers to prefill a request that has just arrived, when that request's
+            uncached prompt is short (:data:`~fastprefill.serve.scheduler.INTERLUDE_TOKENS`;
+            :mod:`fastprefill.serve.pauses`).
         decode_interval_s: with pauses, the running streams' longest wait for their next token
             while a chunk runs (> 0): the chunk also pauses for a decode step that long after
             the last one.
@@ -79,7 +82,7 @@ class ServeConfig:
     prefix_cache_mb: float = 1024.0
     prefix_cache_dir: str | None = None
     scheduler: str = "interleaved"
-    prefill_chunk: int = 512
+    prefill_chunk: int = 8192
     max_running: int = 8
     prefill_pauses: bool = True
     decode_interval_s: float = 0.5

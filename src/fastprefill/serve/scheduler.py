@@ -18,11 +18,13 @@ repeats one *iteration*:
 **Pauses** (``--prefill-pauses``, on by default). A chunk runs on a thread of its own
 (:class:`~fastprefill.serve.pauses.LayerPauses`); when a request arrives meanwhile, the chunk
 stops before its next decoder layer and the scheduler runs an *interlude*: it admits the new
-requests and prefills, whole, each admitted exact-method request whose prompt needs at most one
-chunk, so a short request waits for one layer of a long chunk, not for the chunk. The chunk then
-resumes, its result the same as unpaused. A chunk also pauses for a decode step of the running
-streams ``--decode-interval`` seconds after their last one, so a long chunk does not hold their
-next tokens.
+requests and prefills, whole, each admitted exact-method request whose uncached prompt is at
+most :data:`INTERLUDE_TOKENS` (512) and one chunk, so a short request waits for one layer of a
+long chunk, not for the chunk. The chunk then resumes, its result the same as unpaused. A chunk
+also pauses for a decode step of the running streams ``--decode-interval`` seconds after their
+last one, so a long chunk does not hold their next tokens. With pauses the chunk
+(``--prefill-chunk``, 8192 tokens by default) bounds memory and the chunking overhead, not the
+others' wait.
 
 Between two units the scheduler drops a request whose client has gone or whose deadline has
 passed (its K/V is freed; on the ranks the last rank is told to stop). A multi-rank request
@@ -63,7 +65,11 @@ from fastprefill.serve.pauses import LayerPauses
 from fastprefill.serve.protocol import APIError
 from fastprefill.serve.worker import Job, internal_error, ranks_down, timeout_error
 
-__all__ = ["FifoPolicy", "Running", "Scheduler", "ShortFirstPolicy", "make_policy"]
+__all__ = ["INTERLUDE_TOKENS", "FifoPolicy", "Running", "Scheduler", "ShortFirstPolicy", "make_policy"]
+
+#: The most uncached prompt tokens a request may have to be prefilled in an interlude (and at
+#: most one chunk): an interlude holds the paused chunk, so it takes only a short request's work.
+INTERLUDE_TOKENS = 512
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +112,7 @@ class ShortFirstPolicy:
     """
 
     max_running: int = 8
-    budget: int | None = 512
+    budget: int | None = 8192
     max_skips: int = 4
     pause: bool = True
     decode_interval_s: float = 0.5
@@ -393,7 +399,8 @@ class Scheduler:
 
     def _interlude(self) -> None:
         """While a chunk is paused: admit the new requests and prefill, each whole and in the
-        policy's order, those whose exact prompt needs at most one chunk (their first tokens);
+        policy's order, those whose exact prompt needs at most :data:`INTERLUDE_TOKENS` and one
+        chunk (their first tokens);
         then a decode step, if one is due."""
         self.metrics.prefill_pauses.inc()
         with self._cv:
@@ -403,7 +410,7 @@ class Scheduler:
             self._admit(job)
         budget = self.policy.budget
         short = [r for r in self.running if r.started is None and isinstance(r.work, Generation) and r.work.chunked
-                 and not r.job.backend.exclusive and (budget is None or r.work.remaining <= budget)]
+                 and not r.job.backend.exclusive and r.work.remaining <= min(budget or INTERLUDE_TOKENS, INTERLUDE_TOKENS)]
         for run in self.policy.order(short):
             if not run.job.cancelled:
                 self._unit(run, None, pausable=False)
