@@ -5,6 +5,7 @@ chunk's logits are those of running each request alone (tiny random models, floa
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -175,3 +176,34 @@ def test_a_long_request_arriving_mid_chunk_waits_for_the_chunk(tiny_llama, make_
     firsts, long, second, sched, _ = _long_then_short(tiny_llama, make_ids, loop, True, None, second=600, budget=8192)
     assert firsts == [long, second]
     assert sched.pauses is not None and sched.pauses.pauses >= 1
+
+
+def test_an_interlude_never_decodes_the_request_whose_unit_it_paused(tiny_llama, make_ids, loop):  # noqa: F811
+    """A prefill that scores its prompt (``prompt_logprobs``: a forward after the prompt's last
+    token, so the run is prefilled before its unit returns), with a decode step due at every
+    layer: its tokens still come in order, the first carrying the prompt's scores."""
+    metrics = ServeMetrics()
+    backend = LocalBackend(tiny_llama, None, None)
+    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=256, decode_interval_s=1e-9))
+    ids = make_ids(40, 3)
+    job = Job(ids, FullPrefill(), backend, "full", 3, SamplingParams(ignore_eos=True, prompt_logprobs=1), True, 0.0,
+              1e12, metrics, loop.loop)
+    indices = []
+    emit = sched._emit
+    sched._emit = lambda run, event: (indices.append((event.index, event.prompt_logprobs is not None)), emit(run, event))
+
+    def slow_scoring(module, args):  # the scoring forward outlasts the scheduler's poll, so a pause comes
+        if threading.current_thread().name == "fastprefill-prefill" and sched.running[0].work.prefilled:
+            time.sleep(0.2)
+
+    hook = decoder_layers(tiny_llama)[0].register_forward_pre_hook(slow_scoring)
+    try:
+        sched.submit(job)
+        while sched.running or sched.waiting:
+            sched.run_once()
+    finally:
+        hook.remove()
+        sched.pauses.remove()
+    assert indices == [(0, True), (1, False), (2, False)]
+    (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
+    assert finished.answers[0].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 3, stop_at_eos=False).token_ids

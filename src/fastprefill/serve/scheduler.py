@@ -15,16 +15,11 @@ repeats one *iteration*:
    path; any other method (LazyLLM, the KV Prediction methods, the multi-rank methods) runs its
    whole prefill as one unit, started only at the head of an iteration.
 
-**Pauses** (``--prefill-pauses``, on by default). A chunk runs on a thread of its own
-(:class:`~fastprefill.serve.pauses.LayerPauses`); when a request arrives meanwhile, the chunk
-stops before its next decoder layer and the scheduler runs an *interlude*: it admits the new
-requests and prefills, whole, each admitted exact-method request whose uncached prompt is at
-most :data:`INTERLUDE_TOKENS` (512) and one chunk, so a short request waits for one layer of a
-long chunk, not for the chunk. The chunk then resumes, its result the same as unpaused. A chunk
-also pauses for a decode step of the running streams ``--decode-interval`` seconds after their
-last one, so a long chunk does not hold their next tokens. With pauses the chunk
-(``--prefill-chunk``, 8192 tokens by default) bounds memory and the chunking overhead, not the
-others' wait.
+**Pauses** (on by default; :mod:`fastprefill.serve.pauses`). A chunk runs on a thread of its
+own and stops before its next decoder layer when a request arrives, or when a decode step is
+due (``--decode-interval``); the *interlude* then admits the new requests, prefills those of at
+most :data:`INTERLUDE_TOKENS` uncached tokens to their first token and steps the decoding
+streams, and the chunk resumes. The chunk (8192 tokens) bounds memory, not the others' wait.
 
 Between two units the scheduler drops a request whose client has gone or whose deadline has
 passed (its K/V is freed; on the ranks the last rank is told to stop). A multi-rank request
@@ -76,8 +71,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Running:
-    """An admitted request: its job, its work, its answers so far (``collected``), and how often
-    the policy passed its prefill over in a row (``skips``)."""
+    """An admitted request: job, work, answers so far, prefills passed over in a row (``skips``)."""
 
     job: Job
     work: Work
@@ -157,6 +151,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._submitted = self._seen = 0  # submissions, and those an interlude has looked at
         self._last_decode = time.monotonic()
+        self._pausable: Running | None = None  # whose unit may pause: its interludes do not decode it
         self.pauses = (LayerPauses(model, self._cv) if isinstance(policy, ShortFirstPolicy) and policy.pause
                        and LayerPauses.available(model) else None)
         metrics.watch(lambda: self.waiting, lambda: len(self.running))
@@ -378,7 +373,11 @@ class Scheduler:
         if pausable and self.pauses is not None and run.work.chunked and isinstance(run.work, Generation):
             pauses = self.pauses
             call = (lambda: pauses.run(lambda: run.work.prefill(budget), self._wants_pause, self._interlude))
-        ran = self._guard([run], call)
+            self._pausable = run
+        try:
+            ran = self._guard([run], call)
+        finally:
+            self._pausable = None
         if ran is None:
             return None
         self.metrics.prefill_chunks.labels(run.job.label).inc()
@@ -388,20 +387,21 @@ class Scheduler:
         return int(ran)  # type: ignore[call-overload]
 
     def _wants_pause(self) -> bool:
-        """Whether a request has been submitted since the last interlude, or a decode step is due
-        (asked under the lock, on the scheduler's thread)."""
+        """Whether a request came since the last interlude, or a decode step is due (under the lock)."""
         return self._submitted != self._seen or self._decode_due()
 
     def _decode_due(self) -> bool:
         interval = getattr(self.policy, "decode_interval_s", None)
         return (interval is not None and time.monotonic() - self._last_decode >= interval
-                and any(r.work.prefilled for r in self.running))
+                and bool(self._decodable()))
+
+    def _decodable(self) -> list[Running]:
+        """The prefilled runs but the one whose unit runs (``prefilled`` before its first tokens)."""
+        return [r for r in self.running if r.work.prefilled and r is not self._pausable and not r.job.cancelled]
 
     def _interlude(self) -> None:
-        """While a chunk is paused: admit the new requests and prefill, each whole and in the
-        policy's order, those whose exact prompt needs at most :data:`INTERLUDE_TOKENS` and one
-        chunk (their first tokens);
-        then a decode step, if one is due."""
+        """While a chunk is paused: admit the new requests, prefill whole (policy order) those of at
+        most :data:`INTERLUDE_TOKENS` uncached tokens and one chunk, then a decode step if due."""
         self.metrics.prefill_pauses.inc()
         with self._cv:
             self._seen = self._submitted
@@ -415,7 +415,7 @@ class Scheduler:
             if not run.job.cancelled:
                 self._unit(run, None, pausable=False)
         if self._decode_due():
-            self._decode([r for r in self.running if r.work.prefilled and not r.job.cancelled])
+            self._decode(self._decodable())
 
     def _emit(self, run: Running, event: StreamEvent) -> None:
         """Send one token's text (an answer's first always: it marks TTFT); finish on the last."""
