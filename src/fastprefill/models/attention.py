@@ -218,9 +218,14 @@ def _ensure_registered() -> None:
         _registered = True
 
 
+def _configs(model: torch.nn.Module) -> dict[int, Any]:
+    """Every config of ``model``'s modules, by its ``id``."""
+    return {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+
+
 def attention_choices(model: torch.nn.Module) -> dict[int, str | None]:
     """The attention implementation each config of ``model`` names now, by the config's ``id``."""
-    return {id(m.config): m.config._attn_implementation for m in model.modules() if hasattr(m, "config")}
+    return {key: cfg._attn_implementation for key, cfg in _configs(model).items()}
 
 
 @contextlib.contextmanager
@@ -228,8 +233,8 @@ def attention_as(model: torch.nn.Module, choices: dict[int, str | None] | str) -
     """Set the attention implementation of every config of ``model`` (one name for all, or each
     config's own from :func:`attention_choices`) for the duration of a block, restoring the
     previous choice in ``finally``."""
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
-    previous = {key: cfg._attn_implementation for key, cfg in configs.items()}
+    configs = _configs(model)
+    previous = attention_choices(model)
     try:
         for key, cfg in configs.items():
             cfg._attn_implementation = choices if isinstance(choices, str) else choices.get(key, previous[key])

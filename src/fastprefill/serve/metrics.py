@@ -36,8 +36,8 @@ class ServeMetrics:
                                     "(the scheduler admitting the request)", m, buckets=_SECONDS, registry=r)
         self.prefill_chunks = Counter("fastprefill_prefill_chunks", "units of prefill run (a chunk of a chunked "
                                       "prefill, or a whole prompt)", m, registry=r)
-        self.prefill_pauses = Counter("fastprefill_prefill_pauses", "chunks of prefill paused between two layers "
-                                      "for requests that had just arrived (interludes)", registry=r)
+        self.prefill_pauses = Counter("fastprefill_prefill_pauses", "pauses of a chunk of prefill between two "
+                                      "layers (interludes: requests that had just arrived, or a decode step due)", registry=r)
         self.decode_batch = Histogram("fastprefill_decode_batch_size", "streams decoded by one scheduler step",
                                       buckets=_BATCH, registry=r)
         self.decode_step = Histogram("fastprefill_decode_step_seconds", "seconds of one scheduler decode step (every "

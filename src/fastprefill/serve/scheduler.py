@@ -232,14 +232,18 @@ class Scheduler:
     def run_once(self) -> None:
         """Admit what may start, drop what was cancelled, and run one iteration (the thread's
         loop; tests drive the scheduler with it, without a thread)."""
-        with self._cv:
-            self._seen = self._submitted  # what an interlude would admit, admitted here
-            admitted = self._admissible()
-        for job in admitted:
-            self._admit(job)
+        self._admit_waiting()
         self._reap()
         if self.running:
             self._iteration()
+
+    def _admit_waiting(self) -> None:
+        """Admit the waiting jobs that may start now (the submissions so far are then looked at)."""
+        with self._cv:
+            self._seen = self._submitted
+            admitted = self._admissible()
+        for job in admitted:
+            self._admit(job)
 
     def _admissible(self) -> list[Job]:
         """Take the waiting jobs that may start now, in arrival order, up to ``max_running``: a
@@ -403,11 +407,7 @@ class Scheduler:
         """While a chunk is paused: admit the new requests, prefill whole (policy order) those of at
         most :data:`INTERLUDE_TOKENS` uncached tokens and one chunk, then a decode step if due."""
         self.metrics.prefill_pauses.inc()
-        with self._cv:
-            self._seen = self._submitted
-            admitted = self._admissible()
-        for job in admitted:
-            self._admit(job)
+        self._admit_waiting()
         budget = self.policy.budget
         short = [r for r in self.running if r.started is None and isinstance(r.work, Generation) and r.work.chunked
                  and not r.job.backend.exclusive and r.work.remaining <= min(budget or INTERLUDE_TOKENS, INTERLUDE_TOKENS)]
