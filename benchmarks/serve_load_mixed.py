@@ -34,6 +34,7 @@ Smoke run (a few minutes)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import threading
@@ -95,10 +96,11 @@ def _ask(client: openai.OpenAI, model: str, content: str, max_tokens: int, ignor
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
                                             max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
                                             extra_body={"fastprefill": {"ignore_eos": ignore_eos}})
-    ttft, parts, usage = None, [], None
+    ttft, parts, usage, arrivals = None, [], None, []
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content is not None:
-            ttft = time.perf_counter() - t0 if ttft is None else ttft
+            arrivals.append(time.perf_counter())
+            ttft = arrivals[0] - t0 if ttft is None else ttft
             parts.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
@@ -106,7 +108,8 @@ def _ask(client: openai.OpenAI, model: str, content: str, max_tokens: int, ignor
     fp = usage.model_extra["fastprefill"]
     return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "completion_tokens": usage.completion_tokens,
             "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.prompt_tokens_details.cached_tokens,
-            "server_ttft_s": fp["ttft_s"], "queue_wait_s": fp["queue_wait_s"], "text": "".join(parts)}
+            "server_ttft_s": fp["ttft_s"], "queue_wait_s": fp["queue_wait_s"], "text": "".join(parts),
+            "max_gap_s": max((b - a for a, b in itertools.pairwise(arrivals)), default=None)}
 
 
 def _mixed(server: ServerProcess, model: str, plan: list[dict[str, Any]], args: argparse.Namespace) -> list[dict]:
@@ -173,7 +176,8 @@ def run_scheduler(scheduler: str, model: str, doc: str, plan: list[dict[str, Any
 
 def server_flags(spec: str, chunk: int) -> list[str]:
     """The server's flags for a scheduler spec: ``fifo`` or ``interleaved``, optionally with
-    ``:chunk=N`` (else ``--prefill-chunk``) and ``:nopause`` (``--no-prefill-pauses``)."""
+    ``:chunk=N`` (else ``--prefill-chunk``), ``:nopause`` (``--no-prefill-pauses``) and
+    ``:decode=S`` (``--decode-interval S``)."""
     name, *options = spec.split(":")
     if name not in ("interleaved", "fifo"):
         raise ValueError(f"scheduler spec {spec!r}: it starts with interleaved or fifo")
@@ -183,8 +187,11 @@ def server_flags(spec: str, chunk: int) -> list[str]:
             chunk = int(option[6:])
         elif option == "nopause":
             flags.append("--no-prefill-pauses")
+        elif option.startswith("decode=") and option[7:].replace(".", "", 1).isdigit():
+            flags += ["--decode-interval", option[7:]]
         else:
-            raise ValueError(f"scheduler spec {spec!r}: unknown option {option!r} (chunk=N or nopause)")
+            raise ValueError(f"scheduler spec {spec!r}: unknown option {option!r} "
+                             "(chunk=N, nopause or decode=S)")
     return flags + ["--prefill-chunk", str(chunk)]
 
 
@@ -193,8 +200,9 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def summarize(rows: list[dict[str, Any]], schedulers: list[str]) -> list[dict[str, Any]]:
-    """Per scheduler: TTFT p50/p99 by kind, the long requests' TTFT growth against alone, decode
-    tokens/s by concurrency, answers equal to the sequential reference."""
+    """Per scheduler: TTFT p50/p99 by kind, the short streams' longest wait between two tokens
+    (where recorded), the long requests' TTFT growth against alone, decode tokens/s by
+    concurrency, answers equal to the sequential reference."""
     ref = {(r["kind"], r["i"]): r["text"] for r in rows if r["phase"] == "sequential"}
     out = []
     for s in schedulers:
@@ -203,6 +211,10 @@ def summarize(rows: list[dict[str, Any]], schedulers: list[str]) -> list[dict[st
         for kind in ("short", "followup", "long"):
             ttft = [r["ttft_s"] for r in mine if r["phase"] == "mixed" and r["kind"] == kind]
             row[f"{kind}_ttft_p50_s"], row[f"{kind}_ttft_p99_s"] = _pct(ttft, 50), _pct(ttft, 99)
+        gaps = [r["max_gap_s"] for r in mine if r["phase"] == "mixed" and r["kind"] != "long"
+                and r.get("max_gap_s") is not None]
+        if gaps:  # recorded since the decode interval was varied
+            row["short_max_gap_p50_s"], row["short_max_gap_p99_s"] = _pct(gaps, 50), _pct(gaps, 99)
         alone = [r["ttft_s"] for r in mine if r["phase"] == "long_alone"]
         row["long_alone_ttft_p50_s"] = _pct(alone, 50)
         if alone and row["long_ttft_p50_s"] is not None:
@@ -225,7 +237,9 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
              (f"{header['n']} short requests at {header['rate']}/s (every third a prefix-cache follow-up), "
              f"{header['long']} cold prompts of ~{header['long_tokens']} tokens among them, prefill chunk "
              f"{header['prefill_chunk']} (unless the scheduler names its own), {header['threads']} threads, {header.get('dtype')}. TTFT: the client's "
-             "clock. `same_answers`: mixed answers equal to the fifo server's, sent one at a time."), "",
+             "clock. `same_answers`: mixed answers equal to the fifo server's, sent one at a time."
+              + (" `short_max_gap`: each short stream's longest wait between two tokens." if any(
+                  "short_max_gap_p50_s" in r for r in rows) else "")), "",
              "| scheduler | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     lines += ["| " + r["scheduler"] + " | " + " | ".join(num(r.get(k)) for k in keys) + " |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -236,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--schedulers", nargs="+", default=["interleaved", "fifo"],
                    help="scheduler specs: interleaved or fifo, with :chunk=N (its own --prefill-chunk) and "
-                        ":nopause (--no-prefill-pauses), e.g. interleaved:chunk=4096")
+                        ":nopause (--no-prefill-pauses) and :decode=S (--decode-interval), e.g. interleaved:decode=1")
     p.add_argument("--n", type=int, default=40, help="short requests in the mixed load")
     p.add_argument("--rate", type=float, default=2.0, help="short requests per second")
     p.add_argument("--long", type=int, default=4, help="long cold prompts among them")

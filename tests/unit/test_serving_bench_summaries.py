@@ -197,3 +197,31 @@ def test_the_in_process_side_scores_the_ids_lm_eval_sends_where_a_token_merges_a
     assert tok("Answer:p − 1")["input_ids"][:2] == [0, 1]  # the whole text merges
     ids, n_ctx = lm_eval_request(tok, "Answer: ", "p")
     assert n_ctx == 2 and [tok.vocab[i] for i in ids] == ["Answer", ":", " p"]
+
+
+def test_mixed_load_scheduler_specs_map_to_server_flags():
+    from serve_load_mixed import server_flags
+
+    assert server_flags("fifo", 8192) == ["--scheduler", "fifo", "--prefill-chunk", "8192"]
+    assert server_flags("interleaved:chunk=512:nopause:decode=1.5", 8192) == [
+        "--scheduler", "interleaved", "--no-prefill-pauses", "--decode-interval", "1.5",
+        "--prefill-chunk", "512"]
+    for bad in ("eager", "interleaved:decode=fast", "interleaved:chunk=-1", "fifo:pause"):
+        with pytest.raises(ValueError, match="scheduler spec"):
+            server_flags(bad, 512)
+
+
+def test_mixed_load_summary_reports_stream_gaps_only_where_recorded():
+    from serve_load_mixed import summarize
+
+    def row(kind, i, ttft, gap=None, phase="mixed", text="a"):
+        r = {"scheduler": "interleaved", "phase": phase, "kind": kind, "i": i, "ttft_s": ttft, "text": text}
+        return r if gap is None else {**r, "max_gap_s": gap}
+
+    ref = [{"scheduler": "fifo", "phase": "sequential", "kind": k, "i": 0, "text": "a"} for k in ("short", "long")]
+    old = summarize(ref + [row("short", 0, 0.1), row("long", 0, 4.0), row("long", 0, 2.0, phase="long_alone")],
+                    ["interleaved"])[0]
+    assert "short_max_gap_p50_s" not in old and old["long_ttft_growth"] == 2.0 and old["same_answers"] == "2/2"
+    new = summarize(ref + [row("short", 0, 0.1, gap=0.4), row("long", 0, 4.0, gap=9.0, text="b")], ["interleaved"])[0]
+    assert new["short_max_gap_p50_s"] == new["short_max_gap_p99_s"] == 0.4  # the long stream's gap is not a short's
+    assert new["same_answers"] == "1/2"
