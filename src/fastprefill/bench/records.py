@@ -128,12 +128,13 @@ def environment(threads: int, model: Any) -> dict[str, Any]:
     """Where and how a benchmark ran (recorded in every result header): threads, versions, the
     CPU, the precision of ``model`` (a model, or its ``torch.dtype``) with the CPU's bfloat16
     capability (:func:`fastprefill.host.precision_report`), and whether its decoder blocks are
-    compiled (``None`` when only a dtype is given)."""
+    compiled and its linear weights packed (``None`` when only a dtype is given)."""
     import torch
     import transformers
 
     from fastprefill.host import precision_report
     from fastprefill.models.adapters import blocks_compiled
+    from fastprefill.models.packed import linears_packed
 
     dtype = model if isinstance(model, torch.dtype) else model.dtype
     device = "cpu" if isinstance(model, torch.dtype) else model.device
@@ -141,6 +142,7 @@ def environment(threads: int, model: Any) -> dict[str, Any]:
         "threads": threads,
         **precision_report(dtype, device),
         "compiled": None if isinstance(model, torch.dtype) else blocks_compiled(model),
+        "packed": None if isinstance(model, torch.dtype) else linears_packed(model),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

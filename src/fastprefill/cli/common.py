@@ -39,22 +39,23 @@ def model_args(p: argparse.ArgumentParser, default_model: bool = True, dtype: st
                    help="auto: bfloat16 where the CPU (AMX-BF16, AVX512-BF16) or GPU multiplies it natively, "
                         f"float32 elsewhere (default: {dtype})")
     p.add_argument("--no-compile", dest="compile", action="store_const", const=False, default=None,
-                   help="run the model uncompiled (by default each decoder layer's MLP and norms are compiled "
-                        "with torch.compile on the CPU: faster prefill, a few seconds more at the first run)")
+                   help="run the model as transformers builds it (by default, on the CPU, each decoder layer's MLP "
+                        "and norms are compiled with torch.compile, a few seconds more at the first run, and a "
+                        "bfloat16 model's linear weights are prepacked for oneDNN: faster prefill and decode)")
     p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1, help="torch threads")
 
 
 def _load(model: str, device: str, dtype: str, compile: bool | None = None):
     """Load ``model`` in ``dtype`` (``"auto"``: see :func:`fastprefill.host.resolve_dtype`) for a
-    command that runs it, its decoder blocks compiled unless ``compile=False`` (see
-    :func:`fastprefill.models.load`); the process keeps freed memory for reuse from here on
+    command that runs it, its decoder blocks compiled and its linear weights packed unless
+    ``compile=False`` (see :func:`fastprefill.models.load`); the process keeps freed memory for reuse from here on
     (:func:`fastprefill.host.keep_freed_memory`)."""
     from fastprefill.host import keep_freed_memory
     from fastprefill.models import load
 
     keep_freed_memory()
     with console.status(f"loading {model} ..."):
-        return load(model, device=device, dtype=dtype, compile=compile)
+        return load(model, device=device, dtype=dtype, compile=compile, pack=compile)
 
 
 def _print_json(data: Any) -> None:

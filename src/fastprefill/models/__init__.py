@@ -1,6 +1,6 @@
 """Models: the zoo of packaged real models (``zoo``), any transformers causal LM (``pretrained``),
-seeded random test models (``random``), the family adapters (``adapters``) and fastprefill's
-attention function (``attention``).
+seeded random test models (``random``), the family adapters (``adapters``), fastprefill's
+attention function (``attention``) and prepacked linear layers (``packed``).
 
 :func:`load` is the one loader every process calls with a model name (the CLI, rank-pool
 workers, torchrun ranks, calibration): a zoo name, a local folder or Hugging Face id, or
@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from fastprefill.errors import ConfigError
 from fastprefill.host import resolve_dtype
 from fastprefill.models import random as random_models
 from fastprefill.models.adapters import compile_blocks
+from fastprefill.models.packed import can_pack, pack_linears
 from fastprefill.models.pretrained import load_pretrained
 from fastprefill.models.zoo import (
     DEFAULT_MODEL,
@@ -48,6 +50,7 @@ def load(
     dtype: str | torch.dtype = "auto",
     *,
     compile: bool | None = None,
+    pack: bool | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
 ) -> tuple[Any, Any]:
@@ -65,20 +68,34 @@ def load(
             ``None`` (the default): on the CPU when a C++ compiler is on the PATH for inductor
             (without one, a warning says the model runs uncompiled), never for ``random:``
             test models.
+        pack: prepack every linear layer's weight for oneDNN
+            (:func:`fastprefill.models.packed.pack_linears`: faster bfloat16 matrix products, the
+            linear weights' memory once more). ``None`` (the default): for a bfloat16 model on a
+            CPU that multiplies bfloat16 natively (:func:`~fastprefill.models.packed.can_pack`),
+            never for ``random:`` test models. ``True`` where it cannot apply raises ConfigError.
         cache_dir, progress: for zoo models (see :func:`~fastprefill.models.pretrained.load_pretrained`).
 
     Raises:
-        ConfigError: an unknown ``dtype``.
+        ConfigError: an unknown ``dtype``; ``pack=True`` off the CPU, or for a model that is
+            not bfloat16, or without oneDNN.
         ModelNotFoundError, UnsupportedModelError, MissingPackageError, ChecksumError: see
             :func:`~fastprefill.models.pretrained.load_pretrained`.
     """
     torch_dtype = resolve_dtype(dtype, device)
     if random_models.is_random_spec(spec):
         model, tokenizer = random_models.load(str(spec), device=device, dtype=torch_dtype)
-        compile = bool(compile)
+        compile, pack = bool(compile), bool(pack)
     else:
         model, tokenizer = load_pretrained(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir,
                                            progress=progress)
+    if pack is None:
+        pack = can_pack(device, model.dtype)
+    elif pack and not (torch.device(device).type == "cpu" and model.dtype == torch.bfloat16
+                       and torch.backends.mkldnn.is_available()):
+        raise ConfigError(f"pack=True needs a bfloat16 model on the CPU with oneDNN (got {model.dtype} on {device}); "
+                          "pass pack=None (auto) or False")
+    if pack:
+        pack_linears(model)
     if compile is None:
         compile = torch.device(device).type == "cpu" and _inductor_can_compile()
     if compile:

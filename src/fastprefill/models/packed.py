@@ -1,0 +1,105 @@
+"""Linear layers whose weights are prepacked for oneDNN's bfloat16 matrix products on the CPU.
+
+``torch.nn.functional.linear`` hands oneDNN a plain ``(out, in)`` weight on every call, which it
+reads in that layout; a weight reordered once into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, the same prepacking inductor's freezing pass and
+IPEX apply) multiplies faster on CPUs with AMX or AVX512-BF16 units, for prompt-sized and
+one-row inputs alike (measured in ``docs/results/native-precision.md``). oneDNN may pick another
+kernel for a packed weight than for a plain one, so a result can differ in its last bits.
+
+:func:`pack_linears` turns every ``torch.nn.Linear`` of a model into a :class:`PackedLinear`
+in place: the same module (its ``weight`` and ``bias`` parameters stay, so fingerprints,
+``state_dict`` and the methods that read a projection's weight see nothing new), plus the packed
+copy it multiplies with. The copy costs the linear weights' memory once more. It is re-made
+when the weight changes in place (outside ``torch.inference_mode``), and the plain call is used wherever the packed one does not
+apply (another device or dtype, autograd on the weight).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+__all__ = ["PackedLinear", "can_pack", "linears_packed", "pack_linears"]
+
+
+def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether packing pays: a bfloat16 model on a CPU whose torch has oneDNN and whose cores
+    multiply bfloat16 natively (:func:`fastprefill.host.cpu_info`)."""
+    from fastprefill.host import cpu_info
+
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available() and cpu_info().bf16_native)
+
+
+class PackedLinear(torch.nn.Linear):
+    """A ``torch.nn.Linear`` that multiplies with a oneDNN-packed copy of its weight.
+
+    ``forward`` maps ``(..., in_features)`` to ``(..., out_features)`` as ``Linear`` does; on the
+    CPU, without autograd on the weight and in the weight's dtype it calls
+    ``torch.ops.mkldnn._linear_pointwise`` on the packed copy, otherwise ``F.linear``.
+    Make one with :func:`pack_linears`.
+    """
+
+    _packed: torch.Tensor | None
+    _packed_for: tuple[int, int]
+
+    def repack(self, rows: int = 2048) -> None:
+        """(Re)make the packed copy of ``weight`` (oneDNN picks its layout for ``rows`` input rows;
+        any row count works)."""
+        with torch.no_grad():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
+        self._packed_for = _stamp(self.weight)
+
+    @torch.compiler.disable  # dynamo cannot trace oneDNN's opaque tensors; compiled blocks call out to it
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype
+                or (torch.is_grad_enabled() and weight.requires_grad)):
+            return torch.nn.functional.linear(x, weight, self.bias)
+        if self._packed is None or self._packed_for != _stamp(weight):
+            self.repack()
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [None], "")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PackedLinear:
+        """A deep copy packs its own weight (oneDNN's packed tensors have no storage to copy)."""
+        packed, self._packed = self._packed, None
+        try:
+            clone = copy.copy(self)
+            clone.__dict__ = copy.deepcopy(self.__dict__, memo)
+        finally:
+            self._packed = packed
+        return clone
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_packed": None}  # pickled without the packed copy; re-made on use
+
+
+def _stamp(weight: torch.Tensor) -> tuple[int, int]:
+    """What identifies a weight's values: its storage and in-place version (an inference tensor,
+    made under ``torch.inference_mode``, keeps no version: -1)."""
+    return weight.data_ptr(), -1 if weight.is_inference() else weight._version
+
+
+def pack_linears(model: torch.nn.Module, rows: int = 2048) -> int:
+    """Turn every ``torch.nn.Linear`` of ``model`` (exactly that class, not subclasses) into a
+    :class:`PackedLinear` in place, packing each weight for ``rows`` input rows. A weight shared
+    with another module (tied embeddings) is packed as a copy; the parameter stays shared.
+
+    Returns:
+        The number of layers packed.
+    """
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = PackedLinear
+            module.repack(rows)  # type: ignore[attr-defined]
+            count += 1
+    return count
+
+
+def linears_packed(model: Any) -> bool:
+    """Whether :func:`pack_linears` packed ``model``'s linear layers."""
+    return isinstance(model, torch.nn.Module) and any(isinstance(m, PackedLinear) for m in model.modules())

@@ -1,0 +1,121 @@
+"""Prepacked linear layers: the loader packs a bfloat16 model's linear weights for oneDNN where the
+CPU multiplies bfloat16 natively; the packed layers compute what ``F.linear`` computes (to bfloat16
+rounding), the model's forward and the layer loop stay identical to each other (the same packed
+modules), compiled blocks call out to them, a weight changed in place is repacked, and a deep copy
+or a pickle of a packed layer works."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from fastprefill import models
+from fastprefill.bench.records import environment
+from fastprefill.engine import generate
+from fastprefill.errors import ConfigError
+from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.models.packed import PackedLinear, can_pack, linears_packed, pack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _layer(seed: int = 0, out: int = 48, inp: int = 32) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(inp, out).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_a_packed_layer_computes_what_f_linear_computes(rows):
+    plain = _layer()
+    packed = copy.deepcopy(plain)
+    assert pack_linears(packed) == 1 and isinstance(packed, PackedLinear)
+    x = torch.randn(2, rows, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        ref, got = plain(x), packed(x)
+        strided = packed(torch.randn(2, 32, rows).to(torch.bfloat16).transpose(1, 2))  # not contiguous
+    assert got.shape == ref.shape == (2, rows, 48) and got.dtype == torch.bfloat16
+    assert float((got.float() - ref.float()).abs().max()) <= 0.02 * float(ref.float().abs().max())
+    assert strided.shape == (2, rows, 48)
+
+
+def test_a_weight_changed_in_place_is_repacked():
+    layer = _layer()
+    pack_linears(layer)
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(-1)
+    with torch.inference_mode():
+        after = layer(x)
+        ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert not torch.allclose(after.float(), before.float())
+    assert float((after.float() - ref.float()).abs().max()) <= 0.02 * float(ref.float().abs().max())
+
+
+def test_autograd_on_the_weight_takes_the_plain_path():
+    layer = _layer()
+    pack_linears(layer)
+    layer(torch.randn(3, 32).to(torch.bfloat16)).float().sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == (48, 32)
+
+
+def test_a_packed_layer_deep_copies_and_pickles():
+    layer = _layer()
+    pack_linears(layer)
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        ref = layer(x)
+        twin = copy.deepcopy(layer)
+        assert twin.weight.data_ptr() != layer.weight.data_ptr() and torch.equal(twin(x), ref)
+        thawed = pickle.loads(pickle.dumps(layer))
+        assert isinstance(thawed, PackedLinear) and torch.equal(thawed(x), ref)
+        assert layer(x) is not None  # the original keeps its packed copy
+
+
+def test_a_packed_model_keeps_the_layer_loop_exact_and_matches_the_plain_model(make_ids):
+    packed, _ = models.load("random:qwen2", dtype="bfloat16", pack=True)
+    plain, _ = models.load("random:qwen2", dtype="bfloat16")  # random test models are not packed by default
+    assert linears_packed(packed) and not linears_packed(plain)
+    assert isinstance(packed.lm_head, PackedLinear) and isinstance(packed.model.layers[0].mlp.up_proj, PackedLinear)
+    ids = make_ids(40, 3)
+    with torch.inference_mode():
+        full = FullPrefill().prefill(packed, ids).logits
+        loop = LazyLLM(preset="keep-all").prefill(packed, ids).logits
+        ref = FullPrefill().prefill(plain, ids).logits
+    assert torch.equal(loop, full)  # the same packed modules on the same shapes
+    assert float((full - ref).abs().max()) <= 0.05 * float(ref.abs().max())
+    a = generate(packed, None, ids, max_new_tokens=6, stop_at_eos=False)
+    b = generate(packed, None, ids, LazyLLM(preset="keep-all"), max_new_tokens=6, stop_at_eos=False)
+    assert a.token_ids == b.token_ids
+    assert environment(1, packed)["packed"] is True and environment(1, plain)["packed"] is False
+
+
+def test_packed_and_compiled_blocks_work_together(make_ids):
+    both, _ = models.load("random:llama", dtype="bfloat16", pack=True, compile=True)
+    ids = make_ids(24, 1)
+    with torch.inference_mode():
+        full = FullPrefill().prefill(both, ids).logits
+        loop = LazyLLM(preset="keep-all").prefill(both, ids).logits
+    assert torch.equal(loop, full) and torch.isfinite(full).all()
+
+
+def test_pack_true_where_it_cannot_apply_says_why():
+    with pytest.raises(ConfigError, match="pack=True needs a bfloat16 model on the CPU"):
+        models.load("random:llama", dtype="float32", pack=True)
+    assert not can_pack("cpu", torch.float32) and not can_pack("cuda", torch.bfloat16)
+
+
+def test_auto_packs_a_real_model_only_where_bfloat16_is_native(monkeypatch):
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: models.random_models.load(
+        "random:llama", dtype=k.get("dtype", torch.float32)))
+    monkeypatch.setattr(models, "can_pack", lambda device, dtype: True)
+    model, _ = models.load("smollm2-135m", dtype="bfloat16", compile=False)
+    assert linears_packed(model)
+    monkeypatch.setattr(models, "can_pack", lambda device, dtype: False)
+    model, _ = models.load("smollm2-135m", dtype="bfloat16", compile=False)
+    assert not linears_packed(model)
