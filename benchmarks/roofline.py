@@ -3,13 +3,14 @@
 For each model and prompt length, in one process and with the same threads:
 
 - **GEMMs alone**: every linear map of a decoder layer (q, k, v, o, gate, up, down: the model's
-  own weights and biases, ``torch.nn.functional.linear`` on a ``(T, D_in)`` input in the model's
-  dtype) timed alone, after the prefill runs, median of twice ``--repeats``; their rate per shape, and their sum over the layers:
+  own modules, packed where the loader packed them, on a ``(T, D_in)`` input in the model's
+  dtype; where packed, ``torch.nn.functional.linear`` on the plain weight beside it) timed alone, after the prefill runs, median of twice ``--repeats``; their rate per shape, and their sum over the layers:
   the time the model's matrix products take with nothing else.
 - **attention alone**: SDPA's causal kernel on ``(1, H_q, T, d)`` queries over ``(1, H_kv, T, d)``
   keys (GQA), times the layers.
 - **prefill**: full prefill as fastprefill loads the model (compiled blocks unless
-  ``--no-compile``) and the same model uncompiled, and LazyLLM at keep-all (the layer loop at its
+  ``--no-compile``, linear weights packed where the loader packs them), the same model
+  uncompiled and, where packed, unpacked, and LazyLLM at keep-all (the layer loop at its
   lossless setting); runs interleaved, warm-up excluded, medians.
 
 Results: ``benchmarks/results/roofline_<model>.json`` (every run) and ``.md`` (the table).
@@ -34,6 +35,7 @@ from fastprefill.engine import generate
 from fastprefill.host import DTYPES, dtype_name, keep_freed_memory, set_threads
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.models import load as load_model
+from fastprefill.models.packed import PackedLinear, linears_packed
 from fastprefill.models.shape import ModelShape, causal_pairs
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -56,17 +58,22 @@ def _linears(model: Any) -> dict[str, torch.nn.Linear]:
             "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
 
 
-def gemms_alone(model: Any, length: int, repeats: int) -> dict[str, dict[str, float]]:
-    """Each linear map of one layer timed alone on ``length`` rows: seconds and GFLOP/s."""
+def gemms_alone(model: Any, length: int, repeats: int) -> dict[str, dict[str, Any]]:
+    """Each linear map of one layer timed alone on ``length`` rows, as the model calls it (its
+    packed weight where the loader packed it): seconds and GFLOP/s; where packed, also the plain
+    ``F.linear`` on the same weight (``plain_*``)."""
     out = {}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name, lin in _linears(model).items():
             x = torch.randn(length, lin.in_features, generator=gen).to(lin.weight.dtype)
-            seconds = _median_time(lambda x=x, lin=lin: torch.nn.functional.linear(x, lin.weight, lin.bias), repeats)
             flops = 2.0 * length * lin.in_features * lin.out_features
+            seconds = _median_time(lambda x=x, lin=lin: lin(x), repeats)
             out[name] = {"shape": f"{length}x{lin.in_features} by {lin.in_features}x{lin.out_features}",
                          "seconds": seconds, "gflops_per_s": flops / seconds / 1e9}
+            if isinstance(lin, PackedLinear):
+                plain = _median_time(lambda x=x, lin=lin: torch.nn.functional.linear(x, lin.weight, lin.bias), repeats)
+                out[name] |= {"plain_seconds": plain, "plain_gflops_per_s": flops / plain / 1e9}
     return out
 
 
@@ -101,6 +108,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     models = {"as loaded": compiled}
     if not args.no_compile:
         models["uncompiled"], _ = load_model(name, dtype=args.dtype, compile=False)  # the same weights
+    if linears_packed(compiled):
+        models["unpacked"], _ = load_model(name, dtype=args.dtype, compile=not args.no_compile, pack=False)
     shape = ModelShape.from_config(compiled.config)
     rows = []
     for length in args.lengths:
@@ -122,9 +131,10 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "layer_loop_over_forward": statistics.median(
                 [b / a for a, b in zip(runs["full:as loaded"], runs["lazyllm-keep-all:as loaded"], strict=True)]),
         }
-        if "full:uncompiled" in runs:
-            row["compiled_speedup"] = statistics.median(
-                [b / a for a, b in zip(runs["full:as loaded"], runs["full:uncompiled"], strict=True)])
+        for other, key in (("uncompiled", "compiled_speedup"), ("unpacked", "packed_speedup")):
+            if f"full:{other}" in runs:
+                row[key] = statistics.median(
+                    [b / a for a, b in zip(runs["full:as loaded"], runs[f"full:{other}"], strict=True)])
         rows.append(row)
         print(f"{name} {length}: prefill {full:.3f} s ({row['prefill_tflops_per_s']:.2f} TFLOP/s), GEMMs alone "
               f"{gemm_s:.3f} s ({row['gemm_tflops_per_s']:.2f} TFLOP/s), attention alone {attn_s:.3f} s; "
@@ -138,20 +148,27 @@ def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     about = (f"{env['threads']} threads, CPU {env['cpu']} (bfloat16 units: {env['bf16_units']}), torch "
              f"{env['torch']}, blocks compiled: {env['compiled']}. Medians of the runs in the JSON file.")
+    packed = any("packed_speedup" in r for r in result["rows"])  # recorded since weights are packed
+    if env.get("packed") is not None:
+        about = about.replace(". Medians", f", linear weights packed: {env['packed']}. Medians")
     head = ("| T | prefill (s) | TFLOP/s | GEMMs alone (s) | TFLOP/s | attention alone (s) | prefill / GEMMs | "
-            "prefill / (GEMMs + attention) | uncompiled / compiled | layer loop / forward |")
+            "prefill / (GEMMs + attention) | uncompiled / compiled | " + ("unpacked / packed | " if packed else "")
+            + "layer loop / forward |")
     lines = [f"# Prefill against the matrix-product limit: {result['model']}, {result['dtype']}", "", about, "",
-             head, "|---|---|---|---|---|---|---|---|---|---|"]
+             head, "|---" * (11 if packed else 10) + "|"]
     for r in result["rows"]:
         lines.append(f"| {r['length']} | {r['medians']['full:as loaded']:.3f} | {r['prefill_tflops_per_s']:.2f} | "
                      f"{r['gemm_s']:.3f} | {r['gemm_tflops_per_s']:.2f} | {r['attention_s']:.3f} | "
                      f"{r['prefill_over_gemms']:.2f} | {r['prefill_over_gemms_and_attention']:.2f} | "
-                     f"{r.get('compiled_speedup', float('nan')):.3f} | {r['layer_loop_over_forward']:.3f} |")
+                     f"{r.get('compiled_speedup', float('nan')):.3f} | "
+                     + (f"{r.get('packed_speedup', float('nan')):.3f} | " if packed else "")
+                     + f"{r['layer_loop_over_forward']:.3f} |")
     lines += ["", "GEMM rates per shape (GFLOP/s, one layer's maps timed alone):", "",
               "| T | " + " | ".join(result["rows"][0]["gemms"]) + " |", "|---" * (1 + len(result["rows"][0]["gemms"])) + "|"]
     for r in result["rows"]:
-        lines.append(f"| {r['length']} | " + " | ".join(f"{g['gflops_per_s']:.0f} ({g['shape'].split(' by ')[1]})"
-                                                       for g in r["gemms"].values()) + " |")
+        lines.append(f"| {r['length']} | " + " | ".join(
+            f"{g['gflops_per_s']:.0f}" + (f" (plain {g['plain_gflops_per_s']:.0f})" if "plain_gflops_per_s" in g else "")
+            + f" ({g['shape'].split(' by ')[1]})" for g in r["gemms"].values()) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -164,12 +181,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto", choices=list(DTYPES))
     p.add_argument("--no-compile", action="store_true", help="time the uncompiled model only")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--tag", default="", help="appended to the result name: roofline_<model>_<dtype>_<tag>")
     args = p.parse_args(argv)
     set_threads(args.threads)
     keep_freed_memory()
     for name in args.model:
         result = run_model(name, args)
-        stem = str(Path(args.out) / result_name(args.out, f"roofline_{name}_{result['dtype']}"))
+        base = f"roofline_{name}_{result['dtype']}" + (f"_{args.tag}" if args.tag else "")
+        stem = str(Path(args.out) / result_name(args.out, base))
         write_json(stem + ".json", result)
         Path(stem + ".md").write_text(markdown(result))
         print(markdown(result))
