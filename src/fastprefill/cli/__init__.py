@@ -139,8 +139,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tok = _load(args.model, args.device, args.dtype, args.compile)
     if args.verbose:
         from fastprefill.host import precision_line
-
-        err_console.print(f"[dim]{precision_line(model.dtype, args.device, args.dtype)}[/dim]", highlight=False)
+        from fastprefill.models.packed import linears_packed
+        packed = "; linear weights packed for oneDNN" if linears_packed(model) else ""
+        err_console.print(f"[dim]{precision_line(model.dtype, args.device, args.dtype)}{packed}[/dim]", highlight=False)
     if not args.no_warmup:
         t0 = time.perf_counter()
         generate(model, tok, prompt, method, 2, chat=chat)
@@ -418,7 +419,7 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--device")
     p.add_argument("--dtype", choices=list(DTYPES), help="default auto (see generate --help)")
     p.add_argument("--no-compile", dest="compile", action="store_const", const=False, default=None,
-                   help="run the model uncompiled (see generate --help)")
+                   help="run the model as transformers builds it: not compiled, not packed (see generate --help)")
     p.set_defaults(func=cmd_bench)
 
 

@@ -1,0 +1,129 @@
+"""What prepacked linear weights (``fastprefill.models.packed``) change: the same model loaded
+packed and unpacked in one process, timed interleaved on the same random prompts.
+
+For each prompt length ``T``:
+
+- **cold**: full prefill of ``T`` tokens (one forward, ``logits_to_keep=1``);
+- **hit**: the last ``--suffix`` tokens over the K/V of the ``T - suffix`` before them (the
+  computation of a prefix-cache hit: the cache is cropped back after each run);
+- **decode**: one single-token step over the ``T``-token cache.
+
+Each setting runs once as a warm-up, then ``--repeats`` times, packed and unpacked alternating.
+Reported: medians, ``unpacked / packed`` per setting, and whether the greedy next token agrees.
+
+    python benchmarks/packed_bench.py --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b --lengths 2048 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastprefill.bench.records import environment, result_name, write_json
+from fastprefill.host import DTYPES, keep_freed_memory, set_threads
+from fastprefill.models import load as load_model
+from fastprefill.models.packed import linears_packed
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SETTINGS = ("cold", "hit", "decode")
+
+
+def _timed(fn) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def _runs(model: Any, ids: torch.Tensor, suffix: int) -> dict[str, tuple[float, int]]:
+    """Seconds and greedy next token of each setting on ``model`` for ``ids`` ``(1, T)``."""
+    t = ids.shape[1]
+    out: dict[str, tuple[float, int]] = {}
+    with torch.inference_mode():
+        s, res = _timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1))
+        out["cold"] = (s, int(res.logits[0, -1].argmax()))
+        cache = res.past_key_values
+        nxt = res.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+        s, res = _timed(lambda: model(input_ids=nxt, past_key_values=cache, use_cache=True))
+        out["decode"] = (s, int(res.logits[0, -1].argmax()))
+        cache.crop(t - suffix)
+        s, res = _timed(lambda: model(input_ids=ids[:, t - suffix:], past_key_values=cache, use_cache=True,
+                                      logits_to_keep=1))
+        out["hit"] = (s, int(res.logits[0, -1].argmax()))
+    return out
+
+
+def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    packed, _ = load_model(name, dtype=args.dtype, progress=False)
+    unpacked, _ = load_model(name, dtype=args.dtype, pack=False, progress=False)
+    if not linears_packed(packed):
+        raise SystemExit(f"{name} in {args.dtype} is not packed on this machine: nothing to compare")
+    models = {"packed": packed, "unpacked": unpacked}
+    rows = []
+    for length in args.lengths:
+        ids = torch.randint(100, 20000, (1, length), generator=torch.Generator().manual_seed(length))
+        for m in models.values():
+            _runs(m, ids, args.suffix)  # warm-up (compiles on the first call)
+        times: dict[str, dict[str, list[float]]] = {k: {s: [] for s in SETTINGS} for k in models}
+        tokens: dict[str, dict[str, int]] = {}
+        for r in range(args.repeats):
+            order = list(models) if r % 2 == 0 else list(models)[::-1]
+            for key in order:
+                for setting, (seconds, token) in _runs(models[key], ids, args.suffix).items():
+                    times[key][setting].append(seconds)
+                    tokens.setdefault(key, {})[setting] = token
+        med = {k: {s: statistics.median(v) for s, v in d.items()} for k, d in times.items()}
+        row = {"length": length, "times": times, "medians": med,
+               "unpacked_over_packed": {s: med["unpacked"][s] / med["packed"][s] for s in SETTINGS},
+               "same_token": {s: tokens["packed"][s] == tokens["unpacked"][s] for s in SETTINGS}}
+        rows.append(row)
+        print(f"{name} {length}: " + ", ".join(
+            f"{s} {med['packed'][s] * 1000:.1f} ms packed / {med['unpacked'][s] * 1000:.1f} unpacked" for s in SETTINGS),
+            flush=True)
+    return {"model": name, "suffix": args.suffix, "repeats": args.repeats, "rows": rows,
+            "environment": environment(args.threads, packed)}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    lines = [f"# Packed against unpacked linear weights: {result['model']}, {env['dtype']}", "",
+             (f"{env['threads']} threads, CPU {env['cpu']} (bfloat16 units: {env['bf16_units']}), torch {env['torch']}, "
+              f"blocks compiled: {env['compiled']}. Medians of {result['repeats']} runs each, packed and unpacked "
+              f"alternating; hit: the last {result['suffix']} tokens over the cached rest."), "",
+             "| T | setting | packed (ms) | unpacked (ms) | unpacked / packed | same next token |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        for s in SETTINGS:
+            lines.append(f"| {r['length']} | {s} | {r['medians']['packed'][s] * 1000:.1f} | "
+                         f"{r['medians']['unpacked'][s] * 1000:.1f} | {r['unpacked_over_packed'][s]:.2f} | "
+                         f"{'yes' if r['same_token'][s] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--suffix", type=int, default=32, help="tokens of the hit's uncached suffix")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES))
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if min(args.lengths) <= args.suffix or args.suffix < 1 or args.repeats < 1:
+        p.error("every length must exceed --suffix >= 1, and --repeats >= 1")
+    set_threads(args.threads)
+    keep_freed_memory()
+    for name in args.model:
+        result = run_model(name, args)
+        stem = str(Path(args.out) / result_name(args.out, f"packed_{name}"))
+        write_json(stem + ".json", result)
+        Path(stem + ".md").write_text(markdown(result))
+        print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
