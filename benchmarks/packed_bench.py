@@ -50,7 +50,7 @@ def _runs(model: Any, ids: torch.Tensor, suffix: int) -> dict[str, tuple[float, 
         nxt = res.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
         s, res = _timed(lambda: model(input_ids=nxt, past_key_values=cache, use_cache=True))
         out["decode"] = (s, int(res.logits[0, -1].argmax()))
-        cache.crop(t - suffix)
+        cache.crop(-(suffix + 1))  # back to the first t - suffix tokens (transformers crops by a negative count)
         s, res = _timed(lambda: model(input_ids=ids[:, t - suffix:], past_key_values=cache, use_cache=True,
                                       logits_to_keep=1))
         out["hit"] = (s, int(res.logits[0, -1].argmax()))
