@@ -206,7 +206,7 @@ def _random_attention(h_q, h_kv, t, n=11, seed=0):
     return q, k, v, mask
 
 
-@pytest.mark.parametrize("t", [1, 2, 5])
+@pytest.mark.parametrize("t", [1, 2, 5, 32, 40])
 @pytest.mark.parametrize("h_q,h_kv", [(6, 2), (4, 1)])
 def test_gqa_masked_attention_equals_transformers_sdpa(h_q, h_kv, t):
     """One query row (the new token) or several (revived rows + the new token), each with its own mask."""
@@ -225,11 +225,26 @@ def test_gqa_masked_attention_equals_transformers_sdpa(h_q, h_kv, t):
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
     assert got.shape == ref.shape == (1, t, h_q, 8)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
-    # the packed layout (taken off CPU for several rows) gives the same on CPU
+    # the packed layout (taken on CPU up to PACKED_GQA_MAX_QUERIES rows, off CPU always) gives the same
     torch.testing.assert_close(_packed_gqa_sdpa(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
     assert sink[3].shape == (1, 11) and float(sink[3][0, ~mask[0, 0, -1]].abs().max()) == 0.0
     # no GQA (as many KV heads as query heads): transformers' own path
     assert not _gqa_with_shared_mask(q, q, mask)
+
+
+@pytest.mark.parametrize("t,packed", [(1, True), (32, True), (33, False)])
+def test_a_few_query_rows_read_each_kv_head_once(monkeypatch, t, packed):
+    """Up to PACKED_GQA_MAX_QUERIES rows (a decode step, a short question over a cached document)
+    the query heads of a KV group become rows of one head; more rows use SDPA's enable_gqa."""
+    from fastprefill.models import attention
+
+    assert attention.PACKED_GQA_MAX_QUERIES == 32
+    calls = []
+    real = attention._packed_gqa_sdpa
+    monkeypatch.setattr(attention, "_packed_gqa_sdpa", lambda *a: calls.append(a[0].shape) or real(*a))
+    q, k, v, mask = _random_attention(6, 2, t)
+    out = attention._gqa_masked_sdpa(q, k, v, mask, 0.3)
+    assert out.shape == (1, t, 6, 8) and bool(calls) == packed
 
 
 def test_gqa_masked_attention_does_not_copy_kv_per_query_head():

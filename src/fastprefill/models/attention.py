@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 __all__ = [
     "ATTENTION_NAME",
     "MASK_MEMO_KWARG",
+    "PACKED_GQA_MAX_QUERIES",
     "SCORER_KWARG",
     "SCORE_SINK_KWARG",
     "ScoreFn",
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "fastprefill_sdpa"
+#: Masked grouped-query attention with at most this many query rows packs a KV group's query heads
+#: into one head's rows (:func:`_gqa_masked_sdpa`); more rows use SDPA's ``enable_gqa`` on CPU.
+PACKED_GQA_MAX_QUERIES = 32
 #: Keyword argument, passed through the decoder layer to the attention function, that receives
 #: the last query's scores: a dict ``{layer_idx: (B, N) float32}``.
 SCORE_SINK_KWARG = "fastprefill_scores"
@@ -116,11 +120,13 @@ def _gqa_masked_sdpa(
     CPU, a copy of the layer's whole cache at every masked call (LazyLLM's decode steps, with or
     without revived rows). Instead:
 
-    - on CPU with several query rows, SDPA's ``enable_gqa``: the CPU kernel reads each query
-      head's KV head in place and takes the mask as it is;
-    - otherwise (one query row, or a device whose masked kernels need equal head counts) the
-      ``G`` query heads of a KV group are laid out as ``G * T`` query rows of that group, with the
-      ``(T, N)`` mask repeated ``G`` times (one row: the mask broadcasts as it is).
+    - on CPU with more than :data:`PACKED_GQA_MAX_QUERIES` query rows, SDPA's ``enable_gqa``: the
+      CPU kernel reads each query head's KV head in place and takes the mask as it is;
+    - otherwise (a few query rows, such as a decode step or a short question over a cached
+      document, or a device whose masked kernels need equal head counts) the ``G`` query heads of
+      a KV group are laid out as ``G * T`` query rows of that group, with the ``(T, N)`` mask
+      repeated ``G`` times (one row: the mask broadcasts as it is). Each KV head is then read
+      once rather than once per query head, which is what a few rows over a long cache wait on.
 
     Args:
         query: ``(B, H_q, T, d)``; key, value: ``(B, H_kv, N, d)`` with ``H_q = G * H_kv``;
@@ -131,7 +137,7 @@ def _gqa_masked_sdpa(
         ``(B, T, H_q, d_v)``, the layout transformers' attention functions return.
     """
     t = query.shape[2]
-    if t > 1 and query.device.type == "cpu":
+    if t > PACKED_GQA_MAX_QUERIES and query.device.type == "cpu":
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
         )  # (B, H_q, T, d_v)
