@@ -42,6 +42,16 @@ def test_a_packed_layer_computes_what_f_linear_computes(rows):
     assert strided.shape == (2, rows, 48)
 
 
+def test_a_layer_built_as_packed_packs_itself_on_first_use():
+    torch.manual_seed(1)
+    layer = PackedLinear(32, 48).to(torch.bfloat16)
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        got, ref = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert layer._packed is not None
+    assert float((got.float() - ref.float()).abs().max()) <= 0.02 * float(ref.float().abs().max())
+
+
 def test_a_weight_changed_in_place_is_repacked():
     layer = _layer()
     pack_linears(layer)

@@ -43,8 +43,8 @@ class PackedLinear(torch.nn.Linear):
     Make one with :func:`pack_linears`.
     """
 
-    _packed: torch.Tensor | None
-    _packed_for: tuple[int, int]
+    _packed: torch.Tensor | None = None  # made on first use by a layer built as PackedLinear directly
+    _packed_for: tuple[int, int] = (0, -2)
 
     def repack(self, rows: int = 2048) -> None:
         """(Re)make the packed copy of ``weight`` (oneDNN picks its layout for ``rows`` input rows;
