@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random decoder models (`random:llama`, `random:qwen2` of
-fastprefill.models.random; no download), prompts for them (`make_ids`) and the real
-smollm2-135m."""
+fastprefill.models.random; no download), prompts for them (`make_ids`), the check that the layer
+loop equals the model's forward (`loop_matches_forward`) and the real smollm2-135m."""
 
 from __future__ import annotations
 
@@ -28,6 +28,31 @@ def make_ids():
     generator seeded with ``seed``, the same on every machine (:func:`random_ids`). A helper that
     needs prompts takes it as its first argument."""
     return random_ids
+
+
+def _loop_matches_forward(model, ids: torch.Tensor, new_tokens: int = 0) -> torch.Tensor:
+    from fastprefill.engine import generate
+    from fastprefill.methods.full import FullPrefill
+    from fastprefill.methods.lazyllm import LazyLLM
+
+    with torch.inference_mode():
+        full = FullPrefill().prefill(model, ids).logits
+        loop = LazyLLM(preset="keep-all").prefill(model, ids).logits
+    assert torch.equal(loop, full)  # the same modules on the same shapes
+    if new_tokens:  # decode steps too
+        a = generate(model, None, ids, max_new_tokens=new_tokens, stop_at_eos=False)
+        b = generate(model, None, ids, LazyLLM(preset="keep-all"), max_new_tokens=new_tokens, stop_at_eos=False)
+        assert a.token_ids == b.token_ids
+    return full
+
+
+@pytest.fixture(scope="session")
+def loop_matches_forward():
+    """``check(model, ids, new_tokens=0) -> logits``: asserts that LazyLLM at keep-all (the layer
+    loop the methods drive) gives full prefill's logits bit for bit and, with ``new_tokens``, the
+    same greedy tokens; returns full prefill's ``(1, T, V)`` float32 logits. For a model whose
+    modules the loader changed (compiled blocks, packed weights)."""
+    return _loop_matches_forward
 
 
 @pytest.fixture(params=["llama", "qwen2"])

@@ -20,7 +20,7 @@ from fastprefill.errors import ConfigError
 from fastprefill.host import resolve_dtype
 from fastprefill.models import random as random_models
 from fastprefill.models.adapters import compile_blocks
-from fastprefill.models.packed import can_pack, pack_linears
+from fastprefill.models.packed import can_pack, pack_linears, packable
 from fastprefill.models.pretrained import load_pretrained
 from fastprefill.models.zoo import (
     DEFAULT_MODEL,
@@ -90,8 +90,7 @@ def load(
                                            progress=progress)
     if pack is None:
         pack = can_pack(device, model.dtype)
-    elif pack and not (torch.device(device).type == "cpu" and model.dtype == torch.bfloat16
-                       and torch.backends.mkldnn.is_available()):
+    elif pack and not packable(device, model.dtype):
         raise ConfigError(f"pack=True needs a bfloat16 model on the CPU with oneDNN (got {model.dtype} on {device}); "
                           "pass pack=None (auto) or False")
     if pack:

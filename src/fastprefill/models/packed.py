@@ -22,16 +22,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["PackedLinear", "can_pack", "linears_packed", "pack_linears"]
+__all__ = ["PackedLinear", "can_pack", "linears_packed", "pack_linears", "packable"]
+
+
+def packable(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether packing applies at all: a bfloat16 model on the CPU, with a torch built with oneDNN."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
 def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """Whether packing pays: a bfloat16 model on a CPU whose torch has oneDNN and whose cores
-    multiply bfloat16 natively (:func:`fastprefill.host.cpu_info`)."""
+    """Whether packing pays: it applies (:func:`packable`) and the CPU's cores multiply bfloat16
+    natively (:func:`fastprefill.host.cpu_info`)."""
     from fastprefill.host import cpu_info
 
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and cpu_info().bf16_native)
+    return packable(device, dtype) and cpu_info().bf16_native
 
 
 class PackedLinear(torch.nn.Linear):
