@@ -88,11 +88,16 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "environment": environment(args.threads, packed)}
 
 
+def machine(env: dict[str, Any]) -> str:
+    """The first words of a result page: threads, CPU and its bfloat16 units, torch, compiled blocks."""
+    return (f"{env['threads']} threads, CPU {env['cpu']} (bfloat16 units: {env['bf16_units']}), torch {env['torch']}, "
+            f"blocks compiled: {env['compiled']}")
+
+
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     lines = [f"# Packed against unpacked linear weights: {result['model']}, {env['dtype']}", "",
-             (f"{env['threads']} threads, CPU {env['cpu']} (bfloat16 units: {env['bf16_units']}), torch {env['torch']}, "
-              f"blocks compiled: {env['compiled']}. Medians of {result['repeats']} runs each, packed and unpacked "
+             (f"{machine(env)}. Medians of {result['repeats']} runs each, packed and unpacked "
               f"alternating; hit: the last {result['suffix']} tokens over the cached rest."), "",
              "| T | setting | packed (ms) | unpacked (ms) | unpacked / packed | same next token |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -103,26 +108,39 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The options this benchmark and ``kv_room_bench.py`` share (models, lengths, the hit's suffix,
+    repeats, threads, dtype, output directory)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--suffix", type=int, default=32, help="tokens of the hit's uncached suffix")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=list(DTYPES))
     p.add_argument("--out", default=str(RESULTS))
-    args = p.parse_args(argv)
-    if min(args.lengths) <= args.suffix or args.suffix < 1 or args.repeats < 1:
-        p.error("every length must exceed --suffix >= 1, and --repeats >= 1")
+    return p
+
+
+def run_all(args: argparse.Namespace, prefix: str, run: Any, render: Any) -> None:
+    """``run(name, args)`` for each ``--model`` on ``--threads`` threads; each result written as
+    ``<prefix>_<model>.json`` and ``render(result)`` as its ``.md`` (a new name if taken), and printed."""
     set_threads(args.threads)
     keep_freed_memory()
     for name in args.model:
-        result = run_model(name, args)
-        stem = str(Path(args.out) / result_name(args.out, f"packed_{name}"))
+        result = run(name, args)
+        stem = str(Path(args.out) / result_name(args.out, f"{prefix}_{name}"))
         write_json(stem + ".json", result)
-        Path(stem + ".md").write_text(markdown(result))
-        print(markdown(result))
+        Path(stem + ".md").write_text(render(result))
+        print(render(result))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser(__doc__, repeats=5)
+    args = p.parse_args(argv)
+    if min(args.lengths) <= args.suffix or args.suffix < 1 or args.repeats < 1:
+        p.error("every length must exceed --suffix >= 1, and --repeats >= 1")
+    run_all(args, "packed", run_model, markdown)
 
 
 if __name__ == "__main__":

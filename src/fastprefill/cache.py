@@ -20,13 +20,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
 
-__all__ = ["AuxCache", "DenseKVCache", "LayerCache", "LayerKV", "PositionKVCache", "ReplayCache", "fork_cache",
-           "layer_kv", "pad_caches", "unpad_row", "wrap_dynamic_cache"]
+__all__ = ["AuxCache", "DenseKVCache", "LayerCache", "LayerKV", "PositionKVCache", "ReplayCache", "RoomyLayer",
+           "fork_cache", "layer_kv", "make_roomy", "pad_caches", "roomy_from_blocks", "unpad_row",
+           "wrap_dynamic_cache"]
 
 
 @runtime_checkable
@@ -206,6 +208,113 @@ class DenseKVCache:
         return wrap_dynamic_cache(config, list(zip(self.keys, self.values, strict=True)))
 
 
+#: Positions a :class:`RoomyLayer` allocates past what it needs (at least; a long cache gets an
+#: eighth of its length more), so that decode steps and prompt chunks write in place.
+ROOM_TOKENS = 256
+
+
+class RoomyLayer(DynamicLayer):
+    """A ``DynamicCache`` layer whose keys and values are the leading positions of storage with room
+    for more, so that appending writes in place.
+
+    transformers' ``DynamicLayer`` concatenates on every update: each decode step and each prompt
+    chunk copies the layer's whole K/V, a cost that grows with the cached length. Here
+    ``keys`` / ``values`` are views ``(B, H_kv, N, d)`` of ``(B, H_kv, C, d)`` buffers; an update of
+    ``T`` rows copies only those rows while ``N + T <= C``, else moves to new buffers with room
+    again (:data:`ROOM_TOKENS`, or ``N / 8``). Everything else of ``DynamicLayer`` applies as is
+    (``crop`` narrows the view; the next update overwrites the rows cut). Keys or values replaced
+    from outside (a tensor that is not the leading view of the buffers) are moved to new buffers
+    at the next update, so no caller's tensor is ever written to.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kbuf: torch.Tensor | None = None  # (B, H_kv, C, d)
+        self._vbuf: torch.Tensor | None = None
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor) -> None:
+        """Hold ``keys`` / ``values`` ``(B, H_kv, N, d)``, the leading ``N`` positions of ``kbuf`` / ``vbuf``."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        self.keys, self.values, self._kbuf, self._vbuf = keys, values, kbuf, vbuf
+
+    def _in_place(self, n: int, key_states: torch.Tensor) -> bool:
+        """Whether ``key_states``' rows fit after the ``n`` held, in the buffers the views lead."""
+        kbuf, vbuf = self._kbuf, self._vbuf
+        return (kbuf is not None and vbuf is not None and n + key_states.shape[-2] <= kbuf.shape[-2]
+                and self.keys.data_ptr() == kbuf.data_ptr() and self.values.data_ptr() == vbuf.data_ptr()
+                and self.keys.stride() == kbuf.stride() and self.values.stride() == vbuf.stride()
+                and kbuf.shape[:2] == key_states.shape[:2] and kbuf.shape[3] == key_states.shape[3]
+                and kbuf.dtype == key_states.dtype and kbuf.device == key_states.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``(B, H_kv, T, d)`` rows; return the layer's ``(K, V)`` ``(B, H_kv, N + T, d)`` (views)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = self.get_seq_length()
+        end = n + key_states.shape[-2]
+        if not self._in_place(n, key_states):
+            shape = (*key_states.shape[:2], end + max(ROOM_TOKENS, end // 8), key_states.shape[3])
+            kbuf, vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
+            if n:
+                kbuf[:, :, :n].copy_(self.keys)
+                vbuf[:, :, :n].copy_(self.values)
+            self._kbuf, self._vbuf = kbuf, vbuf
+        assert self._kbuf is not None and self._vbuf is not None
+        self._kbuf[:, :, n:end].copy_(key_states)
+        self._vbuf[:, :, n:end].copy_(value_states)
+        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        super().reset()
+        self._kbuf = self._vbuf = None
+
+
+CacheT = TypeVar("CacheT", bound=Cache)
+
+
+def make_roomy(cache: CacheT) -> CacheT:
+    """Turn every plain ``DynamicLayer`` of a transformers cache into a :class:`RoomyLayer` holding
+    the same keys and values (in place; returns ``cache``). Nothing is copied now: the first
+    update moves a layer's K/V into storage with room (the copy ``DynamicLayer`` would make
+    anyway), and later ones write in place. Other layer kinds (sliding windows) are left alone."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return cache
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer:
+            roomy = RoomyLayer()
+            if layer.is_initialized:
+                roomy.lazy_initialization(layer.keys, layer.values)
+                roomy.keys, roomy.values = layer.keys, layer.values
+            layers[i] = roomy
+    return cache
+
+
+def roomy_from_blocks(config: PretrainedConfig, blocks: Sequence[torch.Tensor], tokens: int, upto: int,
+                      device: torch.device | str) -> DynamicCache:
+    """A new ``DynamicCache`` of :class:`RoomyLayer` s holding the first ``tokens`` positions of
+    ``blocks`` (each ``(2, L, H_kv, B_i, d)``, in order), with room for ``upto`` positions and some
+    decoding: the blocks are copied once, into that storage (a prefix-cache hit, whose suffix then
+    appends without another copy of the prefix)."""
+    first = blocks[0]
+    held = sum(b.shape[3] for b in blocks)
+    need = max(held, upto)
+    storage = first.new_empty((*first.shape[:3], need + max(ROOM_TOKENS, need // 8), first.shape[4]),
+                              device=device)  # (2, L, H_kv, C, d)
+    if first.device == storage.device:
+        torch.cat(list(blocks), dim=3, out=storage[:, :, :, :held])
+    else:
+        storage[:, :, :, :held].copy_(torch.cat(list(blocks), dim=3))
+    cache = make_roomy(DynamicCache(config=config))
+    for i, layer in enumerate(cache.layers[:first.shape[1]]):
+        kbuf, vbuf = storage[0, i][None], storage[1, i][None]  # (1, H_kv, C, d)
+        layer.adopt(kbuf[:, :, :tokens], vbuf[:, :, :tokens], kbuf, vbuf)
+    return cache
+
+
 def layer_kv(cache: DynamicCache, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``idx``'s keys and values ``(B, H_kv, N, d)`` held by a transformers ``DynamicCache``.
 
@@ -257,17 +366,17 @@ def pad_caches(config: PretrainedConfig, caches: Sequence[DynamicCache]) -> tupl
     lengths = [c.get_seq_length() for c in caches]
     n_max = max(lengths)
     pads = [n_max - n for n in lengths]
-    kv = []
-    for idx in range(len(caches[0].layers)):
+    cache = make_roomy(DynamicCache(config=config))
+    for idx, layer in enumerate(cache.layers[:len(caches[0].layers)]):
         rows = [layer_kv(c, idx) for c in caches]
         k0 = rows[0][0]
-        keys = k0.new_zeros((len(rows), k0.shape[1], n_max, k0.shape[3]))  # (B, H_kv, N_max, d)
-        values = torch.zeros_like(keys)
+        kbuf = k0.new_zeros((len(rows), k0.shape[1], n_max + ROOM_TOKENS, k0.shape[3]))  # (B, H_kv, C, d)
+        vbuf = torch.zeros_like(kbuf)
         for i, ((k, v), pad) in enumerate(zip(rows, pads, strict=True)):
-            keys[i, :, pad:] = k[0]
-            values[i, :, pad:] = v[0]
-        kv.append((keys, values))
-    return wrap_dynamic_cache(config, kv), pads
+            kbuf[i, :, pad:n_max] = k[0]
+            vbuf[i, :, pad:n_max] = v[0]
+        layer.adopt(kbuf[:, :, :n_max], vbuf[:, :, :n_max], kbuf, vbuf)  # decode steps append in place
+    return cache, pads
 
 
 def unpad_row(batched: DynamicCache, row: int, pad: int, target: DynamicCache) -> None:

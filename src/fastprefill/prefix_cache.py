@@ -52,7 +52,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from fastprefill.cache import layer_kv, wrap_dynamic_cache
+from fastprefill.cache import layer_kv, roomy_from_blocks
 from fastprefill.errors import ConfigError, FastprefillError, is_int
 from fastprefill.models.fingerprint import file_sha256, weights_fingerprint
 from fastprefill.models.shape import ModelShape
@@ -247,9 +247,7 @@ class PrefixCache:
             self.stats.miss_tokens += len(ids) - p
         if not p:
             return PrefixHit(0, None)
-        joined = torch.cat(kv, dim=3)[:, :, :, :p].to(model.device)  # (2, L, H_kv, P, d)
-        layers = [(joined[0, i][None], joined[1, i][None]) for i in range(joined.shape[1])]
-        return PrefixHit(p, wrap_dynamic_cache(model.config, layers))
+        return PrefixHit(p, roomy_from_blocks(model.config, kv, p, len(ids), model.device))
 
     def store(self, model: PreTrainedModel, token_ids: Sequence[int] | torch.Tensor, cache: DynamicCache,
               exact_tokens: int) -> int:

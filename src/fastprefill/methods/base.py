@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Protocol, TypeGuard, runtime_checkable
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
+from fastprefill.cache import make_roomy
 from fastprefill.errors import ConfigError, UnsupportedModelError
 from fastprefill.models.adapters import LAYER_LOOP_FAMILIES, DecoderAdapter, supports_layer_loop
 
@@ -122,7 +123,7 @@ class ModelDecoder:
 
     def __init__(self, model: PreTrainedModel, out: PrefillOutput) -> None:
         self.model = model
-        self.cache = out.cache
+        self.cache = make_roomy(out.cache)  # each step's K/V written in place, not the cache copied
         self.position = out.next_position
         # a ragged cache: one query attending every key of each layer, with no mask built from
         # layer 0's length (the adapter's attention function takes mask=None)

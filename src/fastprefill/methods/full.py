@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from fastprefill.cache import make_roomy
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput, prefix_length
 from fastprefill.models.adapters import supports_layer_loop
 from fastprefill.models.attention import MASK_MEMO_KWARG, fastprefill_attention
@@ -35,7 +36,7 @@ class FullPrefill(Method):
 
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
         n, p = int(input_ids.shape[1]), prefix_length(prefix)
-        cache = prefix if prefix is not None else DynamicCache(config=model.config)
+        cache = make_roomy(prefix if prefix is not None else DynamicCache(config=model.config))  # K/V appended in place
         # over a cached prefix (layer-loop families), the suffix's causal attention by fastprefill's
         # function, its mask built once for all the layers
         over_prefix = bool(p) and supports_layer_loop(model.config)
