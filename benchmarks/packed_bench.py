@@ -10,8 +10,12 @@ For each prompt length ``T``:
 
 Each setting runs once as a warm-up, then ``--repeats`` times, packed and unpacked alternating.
 Reported: medians, ``unpacked / packed`` per setting, and whether the greedy next token agrees.
+With ``--against unfused`` the baseline is the same model packed with its MLPs left unfused
+(``pack_linears`` without ``fuse_mlps``, its MLPs compiled as before), so the comparison is what
+fusing the SwiGLU into the products adds: ``fused`` against ``unfused``.
 
     python benchmarks/packed_bench.py --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b --lengths 2048 4096
+    python benchmarks/packed_bench.py --against unfused
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from fastprefill.bench.records import environment, result_name, write_json
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.models import load as load_model
-from fastprefill.models.packed import linears_packed
+from fastprefill.models.packed import linears_packed, pack_linears
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SETTINGS = ("cold", "hit", "decode")
@@ -57,12 +61,20 @@ def _runs(model: Any, ids: torch.Tensor, suffix: int) -> dict[str, tuple[float, 
     return out
 
 
+def _labels(args: argparse.Namespace) -> tuple[str, str]:
+    """What the default load and its baseline are called: packed / unpacked, or fused / unfused."""
+    return ("packed", "unpacked") if args.against == "unpacked" else ("fused", "unfused")
+
+
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    new, base = _labels(args)
     packed, _ = load_model(name, dtype=args.dtype, progress=False)
-    unpacked, _ = load_model(name, dtype=args.dtype, pack=False, progress=False)
+    baseline, _ = load_model(name, dtype=args.dtype, pack=False, progress=False)
     if not linears_packed(packed):
         raise SystemExit(f"{name} in {args.dtype} is not packed on this machine: nothing to compare")
-    models = {"packed": packed, "unpacked": unpacked}
+    if args.against == "unfused":
+        pack_linears(baseline)  # packed, MLPs as the model has them (compiled)
+    models = {new: packed, base: baseline}
     rows = []
     for length in args.lengths:
         ids = torch.randint(100, 20000, (1, length), generator=torch.Generator().manual_seed(length))
@@ -78,13 +90,12 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                     tokens.setdefault(key, {})[setting] = token
         med = {k: {s: statistics.median(v) for s, v in d.items()} for k, d in times.items()}
         row = {"length": length, "times": times, "medians": med,
-               "unpacked_over_packed": {s: med["unpacked"][s] / med["packed"][s] for s in SETTINGS},
-               "same_token": {s: tokens["packed"][s] == tokens["unpacked"][s] for s in SETTINGS}}
+               f"{base}_over_{new}": {s: med[base][s] / med[new][s] for s in SETTINGS},
+               "same_token": {s: tokens[new][s] == tokens[base][s] for s in SETTINGS}}
         rows.append(row)
         print(f"{name} {length}: " + ", ".join(
-            f"{s} {med['packed'][s] * 1000:.1f} ms packed / {med['unpacked'][s] * 1000:.1f} unpacked" for s in SETTINGS),
-            flush=True)
-    return {"model": name, "suffix": args.suffix, "repeats": args.repeats, "rows": rows,
+            f"{s} {med[new][s] * 1000:.1f} ms {new} / {med[base][s] * 1000:.1f} {base}" for s in SETTINGS), flush=True)
+    return {"model": name, "against": args.against, "suffix": args.suffix, "repeats": args.repeats, "rows": rows,
             "environment": environment(args.threads, packed)}
 
 
@@ -96,14 +107,17 @@ def machine(env: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
-    lines = [f"# Packed against unpacked linear weights: {result['model']}, {env['dtype']}", "",
-             (f"{machine(env)}. Medians of {result['repeats']} runs each, packed and unpacked "
+    new, base = _labels(argparse.Namespace(against=result.get("against", "unpacked")))
+    title = ("Packed against unpacked linear weights" if base == "unpacked"
+             else "SwiGLU fused into the packed products against packed unfused MLPs")
+    lines = [f"# {title}: {result['model']}, {env['dtype']}", "",
+             (f"{machine(env)}. Medians of {result['repeats']} runs each, {new} and {base} "
               f"alternating; hit: the last {result['suffix']} tokens over the cached rest."), "",
-             "| T | setting | packed (ms) | unpacked (ms) | unpacked / packed | same next token |", "|---|---|---|---|---|---|"]
+             f"| T | setting | {new} (ms) | {base} (ms) | {base} / {new} | same next token |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         for s in SETTINGS:
-            lines.append(f"| {r['length']} | {s} | {r['medians']['packed'][s] * 1000:.1f} | "
-                         f"{r['medians']['unpacked'][s] * 1000:.1f} | {r['unpacked_over_packed'][s]:.2f} | "
+            lines.append(f"| {r['length']} | {s} | {r['medians'][new][s] * 1000:.1f} | "
+                         f"{r['medians'][base][s] * 1000:.1f} | {r[f'{base}_over_{new}'][s]:.2f} | "
                          f"{'yes' if r['same_token'][s] else 'no'} |")
     return "\n".join(lines) + "\n"
 
@@ -137,10 +151,12 @@ def run_all(args: argparse.Namespace, prefix: str, run: Any, render: Any) -> Non
 
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__, repeats=5)
+    p.add_argument("--against", choices=("unpacked", "unfused"), default="unpacked",
+                   help="the baseline: the model unpacked, or packed with its MLPs unfused")
     args = p.parse_args(argv)
     if min(args.lengths) <= args.suffix or args.suffix < 1 or args.repeats < 1:
         p.error("every length must exceed --suffix >= 1, and --repeats >= 1")
-    run_all(args, "packed", run_model, markdown)
+    run_all(args, "packed" if args.against == "unpacked" else "fused", run_model, markdown)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,14 @@ from fastprefill import models
 from fastprefill.bench.records import environment
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
-from fastprefill.models.adapters import blocks_compiled
-from fastprefill.models.packed import PackedLinear, can_pack, linears_packed, pack_linears
+from fastprefill.models.adapters import blocks_compiled, fuse_mlps, swiglu_mlps
+from fastprefill.models.packed import (
+    PackedLinear,
+    PackedSwiGLU,
+    can_pack,
+    linears_packed,
+    pack_linears,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -128,3 +134,44 @@ def test_auto_packs_a_real_model_only_where_bfloat16_is_native(monkeypatch):
     monkeypatch.setattr(models, "can_pack", lambda device, dtype: False)
     model, _ = models.load("smollm2-135m", dtype="bfloat16", compile=False)
     assert not linears_packed(model)
+
+
+def _op_names(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+def test_a_fused_mlp_computes_the_swiglu_inside_the_products(make_ids):
+    """The loader replaces each packed SwiGLU MLP by one whose gate product applies SiLU and whose
+    up product multiplies by it (oneDNN post-ops, counted in a profile: no separate element-wise
+    op runs); the result is the MLP's to bfloat16 rounding, the state dict's keys are unchanged,
+    and with autograd on the weights it computes the formula through its layers exactly."""
+    fused, _ = models.load("random:llama", dtype="bfloat16", pack=True)
+    plain, _ = models.load("random:llama", dtype="bfloat16")
+    assert all(isinstance(layer.mlp, PackedSwiGLU) for layer in fused.model.layers)
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    assert fuse_mlps(fused) == 0  # already fused
+    mlp, ref_mlp = fused.model.layers[0].mlp, plain.model.layers[0].mlp
+    x = torch.randn(1, 7, fused.config.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = mlp(x)
+        _assert_bf16_close(got, ref_mlp(x))
+        names = _op_names(lambda: mlp(x))
+    assert "mkldnn::_linear_pointwise" in names and not names & {"aten::silu", "aten::mul"}, names
+    with torch.enable_grad():
+        grad_path = mlp(x)
+        assert torch.equal(grad_path, mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)))
+    thawed = pickle.loads(pickle.dumps(mlp))
+    with torch.inference_mode():
+        assert isinstance(thawed, PackedSwiGLU) and torch.equal(thawed(x), got)
+
+
+def test_only_packed_swiglu_mlps_are_fused():
+    """Unpacked layers, a float32 model and a family outside the layer-loop ones keep their MLPs."""
+    unpacked, _ = models.load("random:qwen2", dtype="bfloat16")
+    assert fuse_mlps(unpacked) == 0 and not isinstance(unpacked.model.layers[0].mlp, PackedSwiGLU)
+    gpt2, _ = models.load("random:gpt2", dtype="bfloat16", pack=True)
+    assert swiglu_mlps(gpt2) == [] and fuse_mlps(gpt2) == 0
+    f32, _ = models.load("random:llama", dtype="float32")
+    assert len(swiglu_mlps(f32)) == 4 and fuse_mlps(f32) == 0  # SwiGLUs, but not packed

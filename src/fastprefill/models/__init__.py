@@ -19,7 +19,7 @@ import torch
 from fastprefill.errors import ConfigError
 from fastprefill.host import resolve_dtype
 from fastprefill.models import random as random_models
-from fastprefill.models.adapters import compile_blocks
+from fastprefill.models.adapters import compile_blocks, fuse_mlps
 from fastprefill.models.packed import can_pack, pack_linears, packable
 from fastprefill.models.pretrained import load_pretrained
 from fastprefill.models.zoo import (
@@ -70,7 +70,8 @@ def load(
             test models.
         pack: prepack every linear layer's weight for oneDNN
             (:func:`fastprefill.models.packed.pack_linears`: faster bfloat16 matrix products, the
-            linear weights' memory once more). ``None`` (the default): for a bfloat16 model on a
+            linear weights' memory once more), and run each SwiGLU MLP's activation and product
+            inside its products (:func:`~fastprefill.models.adapters.fuse_mlps`; Llama and Qwen2). ``None`` (the default): for a bfloat16 model on a
             CPU that multiplies bfloat16 natively (:func:`~fastprefill.models.packed.can_pack`),
             never for ``random:`` test models. ``True`` where it cannot apply raises ConfigError.
         cache_dir, progress: for zoo models (see :func:`~fastprefill.models.pretrained.load_pretrained`).
@@ -95,6 +96,7 @@ def load(
                           "pass pack=None (auto) or False")
     if pack:
         pack_linears(model)
+        fuse_mlps(model)
     if compile is None:
         compile = torch.device(device).type == "cpu" and _inductor_can_compile()
     if compile:

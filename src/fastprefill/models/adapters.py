@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 
 from fastprefill.errors import UnsupportedModelError
 from fastprefill.models.attention import SCORE_SINK_KWARG, SCORER_KWARG, ScoreFn, fastprefill_attention
+from fastprefill.models.packed import PackedLinear, PackedSwiGLU
 from fastprefill.models.shape import ModelShape
 
 #: Families whose decoder layers have the Llama calling convention
@@ -120,9 +121,35 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 
+def swiglu_mlps(model: Any) -> list[torch.nn.Module]:
+    """The decoder layers whose ``mlp`` is a SwiGLU, ``down_proj(silu(gate_proj(x)) * up_proj(x))``:
+    every layer of a :data:`LAYER_LOOP_FAMILIES` model whose ``hidden_act`` is ``silu`` and whose
+    MLP has those three projections (``[]`` otherwise)."""
+    config = getattr(model, "config", None)
+    if config is None or not supports_layer_loop(config) or getattr(config, "hidden_act", None) != "silu":
+        return []
+    return [layer for layer in decoder_layers(model)
+            if all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))]
+
+
+def fuse_mlps(model: Any) -> int:
+    """Replace each SwiGLU MLP (:func:`swiglu_mlps`) whose three layers are packed by a
+    :class:`~fastprefill.models.packed.PackedSwiGLU` over the same layers (the activation and
+    the product inside oneDNN's matrix products). Returns how many were replaced."""
+    count = 0
+    for layer in swiglu_mlps(model):
+        mlp = layer.mlp
+        if not isinstance(mlp, PackedSwiGLU) and all(
+                isinstance(m, PackedLinear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            layer.mlp = PackedSwiGLU(mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
+            count += 1
+    return count
+
+
 def compile_blocks(model: PreTrainedModel) -> int:
-    """Compile the parts of every decoder layer that are not attention (its MLP and its two
-    RMSNorms) and the final norm with ``torch.compile`` (inductor, dynamic sequence length).
+    """Compile the parts of every decoder layer that are not attention (its MLP, unless
+    :func:`~fastprefill.models.packed.fuse_mlps` made it one fused call, and its two RMSNorms) and
+    the final norm with ``torch.compile`` (inductor, dynamic sequence length).
 
     Inductor fuses what eager runs as separate element-wise passes over ``(T, D)`` and ``(T, I)``
     tensors (the norms' float32 statistics, SwiGLU's ``silu(gate) * up``); the matrix products
@@ -140,7 +167,8 @@ def compile_blocks(model: PreTrainedModel) -> int:
     inner = model.model
     modules: list[torch.nn.Module] = [inner.norm]
     for layer in inner.layers:
-        modules += [layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
+        fused = isinstance(layer.mlp, PackedSwiGLU)  # its element-wise work is inside oneDNN's products
+        modules += [layer.input_layernorm, layer.post_attention_layernorm] + ([] if fused else [layer.mlp])
     for module in modules:
         module.compile(dynamic=True)
     return len(modules)
@@ -150,7 +178,7 @@ def blocks_compiled(model: Any) -> bool:
     """Whether :func:`compile_blocks` compiled this model's decoder blocks."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    return bool(layers) and getattr(layers[0].mlp, "_compiled_call_impl", None) is not None
+    return bool(layers) and getattr(layers[0].input_layernorm, "_compiled_call_impl", None) is not None
 
 
 class DecoderAdapter:

@@ -13,6 +13,10 @@ in place: the same module (its ``weight`` and ``bias`` parameters stay, so finge
 copy it multiplies with. The copy costs the linear weights' memory once more. It is re-made
 when the weight changes in place (outside ``torch.inference_mode``), and the plain call is used wherever the packed one does not
 apply (another device or dtype, autograd on the weight).
+
+:class:`PackedSwiGLU` goes one step further for a SwiGLU MLP over packed layers: its activation
+and product run inside the gate and up products (oneDNN post-ops) instead of as two passes over
+the ``(T, I)`` intermediate.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PackedLinear", "can_pack", "linears_packed", "pack_linears", "packable"]
+__all__ = ["PackedLinear", "PackedSwiGLU", "can_pack", "linears_packed", "pack_linears", "packable"]
 
 
 def packable(device: str | torch.device, dtype: torch.dtype) -> bool:
@@ -57,15 +61,25 @@ class PackedLinear(torch.nn.Linear):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
         self._packed_for = _stamp(self.weight)
 
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether the packed product serves input ``x``: both on the CPU, ``x`` in the weight's
+        dtype, and no autograd on the weight."""
+        weight = self.weight
+        return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
+                and not (torch.is_grad_enabled() and weight.requires_grad))
+
+    def packed_weight(self) -> torch.Tensor:
+        """The packed copy of ``weight``, re-made first if the weight changed since."""
+        if self._packed is None or self._packed_for != _stamp(self.weight):
+            self.repack()
+        assert self._packed is not None
+        return self._packed
+
     @torch.compiler.disable  # dynamo cannot trace oneDNN's opaque tensors; compiled blocks call out to it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype
-                or (torch.is_grad_enabled() and weight.requires_grad)):
-            return torch.nn.functional.linear(x, weight, self.bias)
-        if self._packed is None or self._packed_for != _stamp(weight):
-            self.repack()
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [None], "")
+        if not self.applies(x):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight(), self.bias, "none", [None], "")
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackedLinear:
         """A deep copy packs its own weight (oneDNN's packed tensors have no storage to copy)."""
@@ -79,6 +93,38 @@ class PackedLinear(torch.nn.Linear):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_packed": None}  # pickled without the packed copy; re-made on use
+
+
+class PackedSwiGLU(torch.nn.Module):
+    """A decoder layer's SwiGLU MLP, ``down(silu(gate(x)) * up(x))``, with the activation and the
+    product inside oneDNN's matrix products.
+
+    The same three :class:`PackedLinear` modules under the same names (``gate_proj``, ``up_proj``,
+    ``down_proj``: parameters, ``state_dict`` and fingerprints unchanged). Where the packed
+    products apply, the gate's product applies SiLU to its float32 accumulator before rounding
+    (oneDNN's ``swish`` post-op) and the up product multiplies its accumulator by that (the
+    ``mul`` binary post-op), so the two ``(B, T, I)`` element-wise passes the MLP would make over
+    memory are not made; otherwise (another device, dtype or autograd) it computes the formula
+    with the layers' own calls. Rounding once instead of three times, it can differ from the
+    unfused MLP in the last bits. Made by :func:`fastprefill.models.adapters.fuse_mlps`.
+
+    Shapes: ``(..., D)`` -> ``(..., D)``, through ``(..., I)``.
+    """
+
+    def __init__(self, gate_proj: PackedLinear, up_proj: PackedLinear, down_proj: PackedLinear,
+                 act_fn: torch.nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = gate_proj, up_proj, down_proj, act_fn
+
+    @torch.compiler.disable  # opaque oneDNN tensors, as PackedLinear
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj, self.up_proj
+        if not (gate.applies(x) and up.applies(x)):
+            return self.down_proj(self.act_fn(gate(x)) * up(x))
+        x = x.contiguous()
+        linear = torch.ops.mkldnn._linear_pointwise
+        gated = linear(x, gate.packed_weight(), gate.bias, "swish", [None], "")  # silu(x Wg + bg)
+        return self.down_proj(linear.binary(x, gated, up.packed_weight(), up.bias, "mul"))  # (x Wu + bu) * gated
 
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:
