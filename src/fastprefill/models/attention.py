@@ -9,9 +9,7 @@ full prefill over a cached prefix use it. Inside, the fused SDPA kernel computes
 - with a boolean mask shared by the heads of a grouped-query layer, without copying K and V per
   query head (:func:`_gqa_masked_sdpa`);
 - for a prompt's suffix over a cached prefix (no mask, fewer queries than keys), causal by
-  original position: on the CPU as two fused calls merged by their log-sum-exp, the cached keys
-  unmasked and the suffix's own causally (:func:`_split_suffix_sdpa`), elsewhere at the cost
-  of a causal prefill (:func:`_suffix_causal_sdpa`);
+  original position at the cost of a causal prefill (:func:`_suffix_causal_sdpa`);
 - otherwise as transformers' own SDPA attention.
 
 Beside it, a caller may ask for one score per key from the last query rows (:data:`ScoreFn`,
@@ -156,8 +154,7 @@ def _suffix_causal_sdpa(
     transformers builds no mask for an attention function it does not know, so a model's own
     forward over a cache of ``P = N - T`` exact tokens (a prefix-cache hit, or the next chunk of a
     chunked prefill) arrives here with ``attention_mask=None`` and ``T < N``: query row ``t`` may
-    attend keys ``0 .. P + t``. On the CPU, :func:`_split_suffix_sdpa` computes exactly those
-    pairs. Elsewhere: a mask would cost the fused kernel the whole ``T x N``
+    attend keys ``0 .. P + t``. A mask for that costs the fused CPU kernel the whole ``T x N``
     rectangle, nearly twice a causal prefill's attention when ``P`` is short (a chat template's
     system prompt), so such a hit would be slower than no hit. While ``2T > N`` the queries are
     instead padded at the front with ``P`` zero rows, attended with ``is_causal`` (``N^2 / 2``
@@ -173,16 +170,6 @@ def _suffix_causal_sdpa(
     Returns:
         ``(B, T, H_q, d_v)``, the layout transformers' attention functions return.
     """
-    if query.device.type == "cpu":
-        return _split_suffix_sdpa(query, key, value, scaling)
-    return _suffix_masked_sdpa(query, key, value, scaling, memo)
-
-
-def _suffix_masked_sdpa(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-    memo: dict[tuple[int, int], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """:func:`_suffix_causal_sdpa` off the CPU: padded-causal or lower-right masked (see there)."""
     b, h_q, t, d = query.shape
     n = key.shape[2]
     p = n - t
@@ -203,47 +190,6 @@ def _suffix_masked_sdpa(
         return _gqa_masked_sdpa(query, key, value, mask, scaling)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     return out.transpose(1, 2).contiguous()
-
-
-def _split_suffix_sdpa(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-) -> torch.Tensor:
-    """:func:`_suffix_causal_sdpa` on the CPU: the ``T`` queries over the ``P`` cached keys with no
-    mask (every one is visible) and over their own ``T`` keys causally, each by the fused flash
-    kernel, which also returns each row's log-sum-exp; the two partial softmaxes are then merged
-    exactly (weighted by ``exp(lse - max)``, in float32). That computes the ``P * T + T^2 / 2``
-    pairs the suffix needs, where a mask costs the kernel the whole ``T x N`` rectangle and padding
-    the whole ``N^2 / 2`` triangle: a prompt prefilled in chunks then costs little more than
-    whole. Over the cache, a few query rows of a grouped-query layer are laid out as rows of their
-    KV head (no mask, so nothing to repeat), each KV head read once.
-
-    Shapes as in :func:`_suffix_causal_sdpa`; returns ``(B, T, H_q, d_v)``.
-    """
-    t = query.shape[2]
-    p = key.shape[2] - t
-    own, own_lse = _flash(query, key[:, :, p:], value[:, :, p:], scaling, causal=True)  # (B,H_q,T,d), (B,H_q,T)
-    if p == 0:
-        return own.transpose(1, 2).contiguous()
-    past, past_lse = _flash(query, key[:, :, :p], value[:, :, :p], scaling, causal=False)
-    top = torch.maximum(own_lse, past_lse)
-    w_own, w_past = (own_lse - top).exp()[..., None], (past_lse - top).exp()[..., None]  # (B, H_q, T, 1)
-    out = (own.float() * w_own + past.float() * w_past) / (w_own + w_past)
-    return out.to(query.dtype).transpose(1, 2).contiguous()
-
-
-def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU flash kernel's output ``(B, H_q, T, d_v)`` and row log-sum-exp ``(B, H_q, T)`` float32.
-    Without a causal mask and with at most :data:`PACKED_GQA_MAX_QUERIES` rows per head, a KV
-    group's query heads go in as rows of one head."""
-    b, h_q, t, d = query.shape
-    h_kv = key.shape[1]
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    if not causal and h_q != h_kv and t <= PACKED_GQA_MAX_QUERIES:
-        g = h_q // h_kv
-        out, lse = flash(query.reshape(b, h_kv, g * t, d), key, value, 0.0, False, scale=scaling)
-        return out.reshape(b, h_q, t, -1), lse.reshape(b, h_q, t)
-    return flash(query, key, value, 0.0, causal, scale=scaling)
 
 
 def _packed_gqa_sdpa(
