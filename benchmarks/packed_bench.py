@@ -61,13 +61,13 @@ def _runs(model: Any, ids: torch.Tensor, suffix: int) -> dict[str, tuple[float, 
     return out
 
 
-def _labels(args: argparse.Namespace) -> tuple[str, str]:
+def _labels(against: str) -> tuple[str, str]:
     """What the default load and its baseline are called: packed / unpacked, or fused / unfused."""
-    return ("packed", "unpacked") if args.against == "unpacked" else ("fused", "unfused")
+    return ("packed", "unpacked") if against == "unpacked" else ("fused", "unfused")
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    new, base = _labels(args)
+    new, base = _labels(args.against)
     packed, _ = load_model(name, dtype=args.dtype, progress=False)
     baseline, _ = load_model(name, dtype=args.dtype, pack=False, progress=False)
     if not linears_packed(packed):
@@ -107,7 +107,7 @@ def machine(env: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
-    new, base = _labels(argparse.Namespace(against=result.get("against", "unpacked")))
+    new, base = _labels(result.get("against", "unpacked"))
     title = ("Packed against unpacked linear weights" if base == "unpacked"
              else "SwiGLU fused into the packed products against packed unfused MLPs")
     lines = [f"# {title}: {result['model']}, {env['dtype']}", "",

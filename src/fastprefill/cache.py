@@ -208,35 +208,36 @@ class DenseKVCache:
         return wrap_dynamic_cache(config, list(zip(self.keys, self.values, strict=True)))
 
 
-#: Positions a :class:`RoomyLayer` allocates past what it needs (at least; a long cache gets an
-#: eighth of its length more), so that decode steps and prompt chunks write in place.
+#: Positions a :class:`RoomyLayer` allocates at least past what it holds (see :func:`_with_room`).
 ROOM_TOKENS = 256
 
 
-class RoomyLayer(DynamicLayer):
-    """A ``DynamicCache`` layer whose keys and values are the leading positions of storage with room
-    for more, so that appending writes in place.
+def _with_room(n: int) -> int:
+    """The positions to allocate for ``n`` held: ``n`` plus :data:`ROOM_TOKENS` or ``n / 8``, whichever is more."""
+    return n + max(ROOM_TOKENS, n // 8)
 
-    transformers' ``DynamicLayer`` concatenates on every update: each decode step and each prompt
-    chunk copies the layer's whole K/V, a cost that grows with the cached length. Here
-    ``keys`` / ``values`` are views ``(B, H_kv, N, d)`` of ``(B, H_kv, C, d)`` buffers; an update of
-    ``T`` rows copies only those rows while ``N + T <= C``, else moves to new buffers with room
-    again (:data:`ROOM_TOKENS`, or ``N / 8``). Everything else of ``DynamicLayer`` applies as is
-    (``crop`` narrows the view; the next update overwrites the rows cut). Keys or values replaced
-    from outside (a tensor that is not the leading view of the buffers) are moved to new buffers
-    at the next update, so no caller's tensor is ever written to.
+
+class RoomyLayer(DynamicLayer):
+    """A ``DynamicCache`` layer that appends in place: its K/V lead storage with room for more.
+
+    transformers' ``DynamicLayer`` concatenates on every update: each decode step and each prompt chunk
+    copies the layer's whole K/V, a cost that grows with the cached length. Here ``keys`` / ``values``
+    are views ``(B, H_kv, N, d)`` of ``(B, H_kv, C, d)`` buffers; an update of ``T`` rows copies only
+    those rows while ``N + T <= C``, else moves to new buffers with room again (:func:`_with_room`).
+    Everything else of ``DynamicLayer`` applies as is (``crop`` narrows the view; the next update
+    overwrites the rows cut). Keys or values replaced from outside (a tensor that is not the leading
+    view of the buffers) move to new buffers at the next update, so no caller's tensor is written to.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._kbuf: torch.Tensor | None = None  # (B, H_kv, C, d)
-        self._vbuf: torch.Tensor | None = None
+    _kbuf: torch.Tensor | None = None  # (B, H_kv, C, d), set by the first update or adopt
+    _vbuf: torch.Tensor | None = None
 
-    def adopt(self, keys: torch.Tensor, values: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor) -> None:
-        """Hold ``keys`` / ``values`` ``(B, H_kv, N, d)``, the leading ``N`` positions of ``kbuf`` / ``vbuf``."""
+    def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor, held: int) -> None:
+        """Hold the leading ``held`` positions of the buffers ``kbuf`` / ``vbuf`` ``(B, H_kv, C, d)``."""
         if not self.is_initialized:
-            self.lazy_initialization(keys, values)
-        self.keys, self.values, self._kbuf, self._vbuf = keys, values, kbuf, vbuf
+            self.lazy_initialization(kbuf, vbuf)
+        self._kbuf, self._vbuf = kbuf, vbuf
+        self.keys, self.values = kbuf[:, :, :held], vbuf[:, :, :held]
 
     def _in_place(self, n: int, key_states: torch.Tensor) -> bool:
         """Whether ``key_states``' rows fit after the ``n`` held, in the buffers the views lead."""
@@ -255,7 +256,7 @@ class RoomyLayer(DynamicLayer):
         n = self.get_seq_length()
         end = n + key_states.shape[-2]
         if not self._in_place(n, key_states):
-            shape = (*key_states.shape[:2], end + max(ROOM_TOKENS, end // 8), key_states.shape[3])
+            shape = (*key_states.shape[:2], _with_room(end), key_states.shape[3])
             kbuf, vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
             if n:
                 kbuf[:, :, :n].copy_(self.keys)
@@ -276,10 +277,9 @@ CacheT = TypeVar("CacheT", bound=Cache)
 
 
 def make_roomy(cache: CacheT) -> CacheT:
-    """Turn every plain ``DynamicLayer`` of a transformers cache into a :class:`RoomyLayer` holding
-    the same keys and values (in place; returns ``cache``). Nothing is copied now: the first
-    update moves a layer's K/V into storage with room (the copy ``DynamicLayer`` would make
-    anyway), and later ones write in place. Other layer kinds (sliding windows) are left alone."""
+    """Turn every plain ``DynamicLayer`` of a transformers cache into a :class:`RoomyLayer` holding the same
+    keys and values (in place; returns ``cache``). Nothing is copied now: the first update moves a layer's
+    K/V into storage with room (the copy ``DynamicLayer`` would make anyway). Other kinds are left alone."""
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list):
         return cache
@@ -295,23 +295,27 @@ def make_roomy(cache: CacheT) -> CacheT:
 
 def roomy_from_blocks(config: PretrainedConfig, blocks: Sequence[torch.Tensor], tokens: int, upto: int,
                       device: torch.device | str) -> DynamicCache:
-    """A new ``DynamicCache`` of :class:`RoomyLayer` s holding the first ``tokens`` positions of
-    ``blocks`` (each ``(2, L, H_kv, B_i, d)``, in order), with room for ``upto`` positions and some
-    decoding: the blocks are copied once, into that storage (a prefix-cache hit, whose suffix then
-    appends without another copy of the prefix)."""
+    """A new ``DynamicCache`` of :class:`RoomyLayer` s holding the first ``tokens`` positions of ``blocks``
+    (each ``(2, L, H_kv, B_i, d)``, in order), with room for ``upto`` positions and some decoding: the
+    blocks are copied once, into that storage (a prefix-cache hit, whose suffix then appends in place)."""
     first = blocks[0]
     held = sum(b.shape[3] for b in blocks)
-    need = max(held, upto)
-    storage = first.new_empty((*first.shape[:3], need + max(ROOM_TOKENS, need // 8), first.shape[4]),
+    storage = first.new_empty((*first.shape[:3], _with_room(max(held, upto)), first.shape[4]),
                               device=device)  # (2, L, H_kv, C, d)
     if first.device == storage.device:
         torch.cat(list(blocks), dim=3, out=storage[:, :, :, :held])
     else:
         storage[:, :, :, :held].copy_(torch.cat(list(blocks), dim=3))
+    return _roomy_cache(config, [(storage[0, i][None], storage[1, i][None]) for i in range(first.shape[1])], tokens)
+
+
+def _roomy_cache(config: PretrainedConfig, buffers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 held: int) -> DynamicCache:
+    """A new ``DynamicCache`` whose layer ``l`` is a :class:`RoomyLayer` holding the first ``held``
+    positions of ``buffers[l]`` (keys and values, each ``(B, H_kv, C, d)``)."""
     cache = make_roomy(DynamicCache(config=config))
-    for i, layer in enumerate(cache.layers[:first.shape[1]]):
-        kbuf, vbuf = storage[0, i][None], storage[1, i][None]  # (1, H_kv, C, d)
-        layer.adopt(kbuf[:, :, :tokens], vbuf[:, :, :tokens], kbuf, vbuf)
+    for layer, (kbuf, vbuf) in zip(cache.layers, buffers, strict=False):
+        layer.adopt(kbuf, vbuf, held)
     return cache
 
 
@@ -366,17 +370,17 @@ def pad_caches(config: PretrainedConfig, caches: Sequence[DynamicCache]) -> tupl
     lengths = [c.get_seq_length() for c in caches]
     n_max = max(lengths)
     pads = [n_max - n for n in lengths]
-    cache = make_roomy(DynamicCache(config=config))
-    for idx, layer in enumerate(cache.layers[:len(caches[0].layers)]):
+    buffers = []
+    for idx in range(len(caches[0].layers)):
         rows = [layer_kv(c, idx) for c in caches]
         k0 = rows[0][0]
-        kbuf = k0.new_zeros((len(rows), k0.shape[1], n_max + ROOM_TOKENS, k0.shape[3]))  # (B, H_kv, C, d)
+        kbuf = k0.new_zeros((len(rows), k0.shape[1], _with_room(n_max), k0.shape[3]))  # (B, H_kv, C, d)
         vbuf = torch.zeros_like(kbuf)
         for i, ((k, v), pad) in enumerate(zip(rows, pads, strict=True)):
             kbuf[i, :, pad:n_max] = k[0]
             vbuf[i, :, pad:n_max] = v[0]
-        layer.adopt(kbuf[:, :, :n_max], vbuf[:, :, :n_max], kbuf, vbuf)  # decode steps append in place
-    return cache, pads
+        buffers.append((kbuf, vbuf))
+    return _roomy_cache(config, buffers, n_max), pads  # decode steps append in place
 
 
 def unpad_row(batched: DynamicCache, row: int, pad: int, target: DynamicCache) -> None:

@@ -71,7 +71,8 @@ def load(
         pack: prepack every linear layer's weight for oneDNN
             (:func:`fastprefill.models.packed.pack_linears`: faster bfloat16 matrix products, the
             linear weights' memory once more), and run each SwiGLU MLP's activation and product
-            inside its products (:func:`~fastprefill.models.adapters.fuse_mlps`; Llama and Qwen2). ``None`` (the default): for a bfloat16 model on a
+            inside its products (:func:`~fastprefill.models.adapters.fuse_mlps`; Llama and Qwen2).
+            ``None`` (the default): for a bfloat16 model on a
             CPU that multiplies bfloat16 natively (:func:`~fastprefill.models.packed.can_pack`),
             never for ``random:`` test models. ``True`` where it cannot apply raises ConfigError.
         cache_dir, progress: for zoo models (see :func:`~fastprefill.models.pretrained.load_pretrained`).

@@ -148,7 +148,7 @@ def fuse_mlps(model: Any) -> int:
 
 def compile_blocks(model: PreTrainedModel) -> int:
     """Compile the parts of every decoder layer that are not attention (its MLP, unless
-    :func:`~fastprefill.models.packed.fuse_mlps` made it one fused call, and its two RMSNorms) and
+    :func:`fuse_mlps` made it one fused call, and its two RMSNorms) and
     the final norm with ``torch.compile`` (inductor, dynamic sequence length).
 
     Inductor fuses what eager runs as separate element-wise passes over ``(T, D)`` and ``(T, I)``
