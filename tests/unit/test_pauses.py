@@ -67,6 +67,22 @@ def _long_then_short(model, make_ids, loop, pause: bool, cache: PrefixCache | No
     return firsts, long, short, sched, seen
 
 
+def _stream_then(sched: Scheduler, stream: Job, other: Job) -> None:
+    """Submit ``stream`` and run an iteration (its first token), then ``other`` and run one more."""
+    sched.submit(stream)
+    sched.run_once()
+    sched.submit(other)
+    sched.run_once()
+
+
+def _answers_equal_generate(model, loop, expected) -> None:  # noqa: F811
+    """Each job's answer (``expected``: pairs of a job and its token count) equals generate's."""
+    for job, n in expected:
+        (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
+        assert finished.answers[0].token_ids == generate(model, None, job.input_ids, FullPrefill(), n,
+                                                         stop_at_eos=False).token_ids
+
+
 @pytest.mark.parametrize("cached", [False, True], ids=["cold", "over-a-cached-prefix"])
 def test_a_request_arriving_mid_chunk_gets_its_first_token_in_a_pause(tiny_llama, make_ids, loop, cached):  # noqa: F811
     """The short request's first token comes before the long chunk's; both answers equal
@@ -83,10 +99,7 @@ def test_a_request_arriving_mid_chunk_gets_its_first_token_in_a_pause(tiny_llama
                if s.name == "fastprefill_prefill_pauses_total"]
     assert counted == [1.0]
     assert seen and set(seen) == {"sdpa"}  # the short prefill's layers, on the scheduler's thread
-    for job, n in ((long, 4), (short, 3)):
-        (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
-        assert finished.answers[0].token_ids == generate(tiny_llama, None, job.input_ids, FullPrefill(), n,
-                                                         stop_at_eos=False).token_ids
+    _answers_equal_generate(tiny_llama, loop, ((long, 4), (short, 3)))
     assert long.outcome == short.outcome == "ok"
 
 
@@ -139,20 +152,14 @@ def test_a_decoding_stream_gets_its_tokens_in_pauses_of_a_long_chunk(tiny_llama,
     emit = sched._emit
     sched._emit = lambda run, event: (order.append((run.job, event.index)), emit(run, event))
     try:
-        sched.submit(stream)
-        sched.run_once()  # its first token
-        sched.submit(long)
-        sched.run_once()  # the stream's second token, then the long prompt's unit, paused at every layer
+        _stream_then(sched, stream, long)  # the stream's second token, then the long prompt's unit, paused at every layer
         assert order == [(stream, 0), (stream, 1), (stream, 2), (long, 0)]
         assert sched.pauses is not None and sched.pauses.pauses == 1  # the third token ended the stream
         while sched.running:
             sched.run_once()
     finally:
         sched.pauses.remove()
-    for job, n in ((stream, 3), (long, 2)):
-        (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
-        assert finished.answers[0].token_ids == generate(tiny_llama, None, job.input_ids, FullPrefill(), n,
-                                                         stop_at_eos=False).token_ids
+    _answers_equal_generate(tiny_llama, loop, ((stream, 3), (long, 2)))
 
 
 def test_pause_points_leave_the_model_copyable_and_come_off_when_collected(tiny_llama):
@@ -207,3 +214,28 @@ def test_an_interlude_never_decodes_the_request_whose_unit_it_paused(tiny_llama,
     assert indices == [(0, True), (1, False), (2, False)]
     (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
     assert finished.answers[0].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 3, stop_at_eos=False).token_ids
+
+
+@pytest.mark.parametrize("interval", [60.0, 0.0], ids=["no-step-due", "step-due"])
+def test_a_new_prefill_goes_before_a_decode_step_that_is_not_due(tiny_llama, make_ids, loop, interval):  # noqa: F811
+    """A stream past its first token and a new 6-token request: with no decode step due, the new
+    request's first token comes before the stream's next (its prefill could pause for a step);
+    with one due, the step comes first. Both answers equal generate's either way."""
+    metrics = ServeMetrics()
+    backend = LocalBackend(tiny_llama, None, None)
+    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=256, decode_interval_s=interval))
+    stream, new = _job(backend, make_ids(9, 6), loop, metrics, 3), _job(backend, make_ids(6, 7), loop, metrics, 2, 1.0)
+    order = []
+    emit = sched._emit
+    sched._emit = lambda run, event: (order.append((run.job, event.index)), emit(run, event))
+    try:
+        _stream_then(sched, stream, new)
+        if interval:
+            assert order == [(stream, 0), (new, 0)]
+        else:  # a step first (and, due at every layer, more in the new prefill's pauses)
+            assert order[:2] == [(stream, 0), (stream, 1)] and order[-1] == (new, 0)
+        while sched.running:
+            sched.run_once()
+    finally:
+        sched.pauses.remove()
+    _answers_equal_generate(tiny_llama, loop, ((stream, 3), (new, 2)))

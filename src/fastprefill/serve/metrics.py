@@ -11,8 +11,12 @@ method was known), a bounded set whatever the requests send. The full setting
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+if TYPE_CHECKING:
+    from fastprefill.engine import Timing
 
 __all__ = ["ServeMetrics"]
 
@@ -87,6 +91,20 @@ class ServeMetrics:
         """Read the prefix cache's size at scrape time."""
         self.prefix_cache_bytes.set_function(nbytes)
         self.prefix_cache_blocks.set_function(blocks)
+
+    def finished(self, label: str, timing: Timing, completion_tokens: int) -> None:
+        """Count a request that finished under ``label`` (its method's label), with its timing."""
+        self.completion_tokens.labels(label).inc(completion_tokens)
+        self.ttft.labels(label).observe(timing.ttft_s)
+        if timing.decode_s_per_token is not None:
+            self.decode.labels(label).observe(timing.decode_s_per_token)
+        self.prompt_tokens.labels(label).observe(timing.prompt_tokens)
+        self.token_layers.labels(label).inc(timing.stats.token_layers)
+        self.token_layers_full.labels(label).inc(timing.stats.total_token_layers)
+        if label == "auto":  # the profile's choice for this prompt's length
+            self.auto_choices.labels(timing.method).inc()
+        self.cached_prompt_tokens.labels(label).inc(timing.cached_tokens)
+        self.computed_prompt_tokens.labels(label).inc(timing.prompt_tokens - timing.cached_tokens)
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -8,7 +8,8 @@ repeats one *iteration*:
 
 1. **decode**: every admitted request past its first token gets its next token, in one step
    (:class:`~fastprefill.batch.DecodeBatch`: one padded forward for the streams that decode with
-   the model's forward, the others alone);
+   the model's forward, the others alone), unless the next prefill is a new request's and
+   pauses (below) and no step is due: then it goes first, and does not wait for a step;
 2. **prefill**: up to ``prefill_chunk`` tokens of prefill, spent on the waiting prefills in the
    policy's order. An exact method (``Method.chunked_prefill``: full prefill, prefix-cache hits
    included) runs a chunk of its prompt over the K/V computed so far, the prefix cache's own hit
@@ -319,9 +320,11 @@ class Scheduler:
 
     def _iteration(self) -> None:
         decoding = [r for r in self.running if r.work.prefilled]
-        if decoding:
-            self._decode(decoding)
-        self._prefill([r for r in self.running if not r.work.prefilled])
+        prefilling = [r for r in self.running if not r.work.prefilled]
+        new = [r for r in self.policy.order(prefilling)[:1] if r.started is None and self._can_pause(r)]
+        if decoding and not (new and not self._decode_due()):
+            self._decode(decoding)  # else a new pausable prefill goes first; its interludes decode when due
+        self._prefill(prefilling)
 
     def _decode(self, runs: list[Running]) -> None:
         """One decode step for every answer of every stream in ``runs``."""
@@ -374,8 +377,9 @@ class Scheduler:
             run.started = time.monotonic()
             self.metrics.queue_wait.labels(run.job.label).observe(run.started - run.job.arrived)
         call = (lambda: run.work.prefill(budget))
-        if pausable and self.pauses is not None and run.work.chunked and isinstance(run.work, Generation):
+        if pausable and self._can_pause(run):
             pauses = self.pauses
+            assert pauses is not None
             call = (lambda: pauses.run(lambda: run.work.prefill(budget), self._wants_pause, self._interlude))
             self._pausable = run
         try:
@@ -389,6 +393,10 @@ class Scheduler:
             for event in run.work.first_events():
                 self._emit(run, event)
         return int(ran)  # type: ignore[call-overload]
+
+    def _can_pause(self, run: Running) -> bool:
+        """Whether ``run``'s prefill units pause for interludes (a local chunked prefill, pauses on)."""
+        return self.pauses is not None and run.work.chunked and isinstance(run.work, Generation)
 
     def _wants_pause(self) -> bool:
         """Whether a request came since the last interlude, or a decode step is due (under the lock)."""
@@ -433,18 +441,8 @@ class Scheduler:
         finally:
             if run in self.running:
                 self.running.remove(run)
-        m.completion_tokens.labels(label).inc(run.collected.count)
         timing.method = served_name(job.method)  # LazyLLM: with its revival; auto: its choice
-        m.ttft.labels(label).observe(timing.ttft_s)
-        if timing.decode_s_per_token is not None:
-            m.decode.labels(label).observe(timing.decode_s_per_token)
-        m.prompt_tokens.labels(label).observe(timing.prompt_tokens)
-        m.token_layers.labels(label).inc(timing.stats.token_layers)
-        m.token_layers_full.labels(label).inc(timing.stats.total_token_layers)
-        if label == "auto":  # the profile's choice for this prompt's length
-            m.auto_choices.labels(timing.method).inc()
-        m.cached_prompt_tokens.labels(label).inc(timing.cached_tokens)
-        m.computed_prompt_tokens.labels(label).inc(timing.prompt_tokens - timing.cached_tokens)
+        m.finished(label, timing, run.collected.count)
         if job.settle("ok"):
             wait = (run.started or job.arrived) - job.arrived
             job.post(run.collected.finished(self.tokenizer, timing, wait))
