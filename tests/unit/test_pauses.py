@@ -215,27 +215,3 @@ def test_an_interlude_never_decodes_the_request_whose_unit_it_paused(tiny_llama,
     (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
     assert finished.answers[0].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 3, stop_at_eos=False).token_ids
 
-
-@pytest.mark.parametrize("interval", [60.0, 0.0], ids=["no-step-due", "step-due"])
-def test_a_new_prefill_goes_before_a_decode_step_that_is_not_due(tiny_llama, make_ids, loop, interval):  # noqa: F811
-    """A stream past its first token and a new 6-token request: with no decode step due, the new
-    request's first token comes before the stream's next (its prefill could pause for a step);
-    with one due, the step comes first. Both answers equal generate's either way."""
-    metrics = ServeMetrics()
-    backend = LocalBackend(tiny_llama, None, None)
-    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=256, decode_interval_s=interval))
-    stream, new = _job(backend, make_ids(9, 6), loop, metrics, 3), _job(backend, make_ids(6, 7), loop, metrics, 2, 1.0)
-    order = []
-    emit = sched._emit
-    sched._emit = lambda run, event: (order.append((run.job, event.index)), emit(run, event))
-    try:
-        _stream_then(sched, stream, new)
-        if interval:
-            assert order == [(stream, 0), (new, 0)]
-        else:  # a step first (and, due at every layer, more in the new prefill's pauses)
-            assert order[:2] == [(stream, 0), (stream, 1)] and order[-1] == (new, 0)
-        while sched.running:
-            sched.run_once()
-    finally:
-        sched.pauses.remove()
-    _answers_equal_generate(tiny_llama, loop, ((stream, 3), (new, 2)))

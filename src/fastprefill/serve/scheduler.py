@@ -8,8 +8,7 @@ repeats one *iteration*:
 
 1. **decode**: every admitted request past its first token gets its next token, in one step
    (:class:`~fastprefill.batch.DecodeBatch`: one padded forward for the streams that decode with
-   the model's forward, the others alone), unless the next prefill is a new request's and
-   pauses (below) and no step is due: then it goes first, and does not wait for a step;
+   the model's forward, the others alone);
 2. **prefill**: up to ``prefill_chunk`` tokens of prefill, spent on the waiting prefills in the
    policy's order. An exact method (``Method.chunked_prefill``: full prefill, prefix-cache hits
    included) runs a chunk of its prompt over the K/V computed so far, the prefix cache's own hit
@@ -320,11 +319,9 @@ class Scheduler:
 
     def _iteration(self) -> None:
         decoding = [r for r in self.running if r.work.prefilled]
-        prefilling = [r for r in self.running if not r.work.prefilled]
-        new = [r for r in self.policy.order(prefilling)[:1] if r.started is None and self._can_pause(r)]
-        if decoding and not (new and not self._decode_due()):
-            self._decode(decoding)  # else a new pausable prefill goes first; its interludes decode when due
-        self._prefill(prefilling)
+        if decoding:
+            self._decode(decoding)
+        self._prefill([r for r in self.running if not r.work.prefilled])
 
     def _decode(self, runs: list[Running]) -> None:
         """One decode step for every answer of every stream in ``runs``."""
