@@ -11,6 +11,8 @@ measures the alternative those constraints rule out, in one process, on the same
 - ``model-frozen``: the same with inductor's freezing (``torch._inductor.config.freezing``:
   weights folded in as constants, prepacked for oneDNN, post-ops fused by inductor).
 
+One whole-model mode per process (dynamo keeps compiled code per function, so a second
+compiled model in the same process would run the first one's graph; ``--modes`` refuses two).
 For each: the seconds from the compile to the end of the first call (``compile_s``: paid in
 every new process, as measured by running the script twice), then full-prefill forwards at each
 length (``model(input_ids, use_cache=True, logits_to_keep=1)``, the same call for all modes),
@@ -18,7 +20,8 @@ interleaved, warm-up excluded, medians; the ratio to ``blocks`` is the median of
 ratios. ``max_logit_diff`` and ``same_argmax`` compare the last position's logits with
 ``blocks``'s.
 
-    python benchmarks/compile_modes.py --model qwen2.5-coder-0.5b --lengths 2048 4096
+    python benchmarks/compile_modes.py --model qwen2.5-coder-0.5b --modes blocks model
+    python benchmarks/compile_modes.py --model qwen2.5-coder-0.5b --modes blocks model-frozen
 """
 
 from __future__ import annotations
@@ -130,11 +133,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
+    if sum(mode != "blocks" for mode in args.modes) > 1:
+        p.error("one whole-model mode per process (a second would run the first one's compiled graph)")
     set_threads(args.threads)
     keep_freed_memory()
     for name in args.model:
         result = run_model(name, args)
-        stem = str(Path(args.out) / result_name(args.out, f"compile_modes_{name}_{result['dtype']}"))
+        base = "_".join(["compile_modes", name, result["dtype"], *args.modes])
+        stem = str(Path(args.out) / result_name(args.out, base))
         write_json(stem + ".json", result)
         Path(stem + ".md").write_text(markdown(result))
         print(markdown(result))
