@@ -360,7 +360,7 @@ def _add_serve(sub: Any) -> None:
                         "chunks of this size (set it by measurement: docs/serving.md)")
     p.add_argument("--no-prefill-pauses", dest="prefill_pauses", action="store_false",
                    help="interleaved: never pause a chunk between layers for a new short request (docs/serving.md)")
-    p.add_argument("--decode-interval", type=float, default=0.5, metavar="S", help="interleaved: a chunk also "
+    p.add_argument("--decode-interval", type=float, default=2.0, metavar="S", help="interleaved: a chunk also "
                    "pauses for the running streams' next tokens S seconds after their last (docs/serving.md)")
     p.add_argument("--max-running", type=_positive, default=8, metavar="N",
                    help="interleaved: requests run at once (the largest decode batch)")

@@ -85,7 +85,7 @@ class ServeConfig:
     prefill_chunk: int = 8192
     max_running: int = 8
     prefill_pauses: bool = True
-    decode_interval_s: float = 0.5
+    decode_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         def count(v: object) -> bool:

@@ -109,7 +109,7 @@ class ShortFirstPolicy:
     budget: int | None = 8192
     max_skips: int = 4
     pause: bool = True
-    decode_interval_s: float = 0.5
+    decode_interval_s: float = 2.0
 
     def order(self, prefilling: Sequence[Running]) -> list[Running]:
         """The aged prefills (oldest first), then the rest by remaining tokens (ties: arrival)."""
