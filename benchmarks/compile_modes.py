@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from fastprefill.bench.records import environment, result_name, write_json
-from fastprefill.host import dtype_name, keep_freed_memory, set_threads
+from fastprefill.bench.records import environment
+from fastprefill.host import dtype_name
 from fastprefill.models import load as load_model
+from packed_bench import run_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("blocks", "model", "model-frozen")
@@ -135,15 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if sum(mode != "blocks" for mode in args.modes) > 1:
         p.error("one whole-model mode per process (a second would run the first one's compiled graph)")
-    set_threads(args.threads)
-    keep_freed_memory()
-    for name in args.model:
-        result = run_model(name, args)
-        base = "_".join(["compile_modes", name, result["dtype"], *args.modes])
-        stem = str(Path(args.out) / result_name(args.out, base))
-        write_json(stem + ".json", result)
-        Path(stem + ".md").write_text(markdown(result))
-        print(markdown(result))
+    run_all(args, "compile_modes", run_model, markdown,
+            stem=lambda name, result: "_".join(["compile_modes", name, result["dtype"], *args.modes]))
 
 
 if __name__ == "__main__":

@@ -136,17 +136,20 @@ def parser(doc: str, repeats: int) -> argparse.ArgumentParser:
     return p
 
 
-def run_all(args: argparse.Namespace, prefix: str, run: Any, render: Any) -> None:
+def run_all(args: argparse.Namespace, prefix: str, run: Any, render: Any, stem: Any = None) -> None:
     """``run(name, args)`` for each ``--model`` on ``--threads`` threads; each result written as
-    ``<prefix>_<model>.json`` and ``render(result)`` as its ``.md`` (a new name if taken), and printed."""
+    ``<prefix>_<model>.json`` (or ``stem(name, result)``) and ``render(result)`` as its ``.md`` (a
+    new name if taken), and printed."""
     set_threads(args.threads)
     keep_freed_memory()
     for name in args.model:
         result = run(name, args)
-        stem = str(Path(args.out) / result_name(args.out, f"{prefix}_{name}"))
-        write_json(stem + ".json", result)
-        Path(stem + ".md").write_text(render(result))
-        print(render(result))
+        base = stem(name, result) if stem is not None else f"{prefix}_{name}"
+        path = str(Path(args.out) / result_name(args.out, base))
+        table = render(result)
+        write_json(path + ".json", result)
+        Path(path + ".md").write_text(table)
+        print(table)
 
 
 def main(argv: list[str] | None = None) -> None:

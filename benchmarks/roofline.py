@@ -30,13 +30,14 @@ from typing import Any
 
 import torch
 
-from fastprefill.bench.records import environment, result_name, write_json
+from fastprefill.bench.records import environment
 from fastprefill.engine import generate
-from fastprefill.host import DTYPES, dtype_name, keep_freed_memory, set_threads
+from fastprefill.host import DTYPES, dtype_name
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.models import load as load_model
 from fastprefill.models.packed import PackedLinear, linears_packed
 from fastprefill.models.shape import ModelShape, causal_pairs
+from packed_bench import run_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -183,15 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--tag", default="", help="appended to the result name: roofline_<model>_<dtype>_<tag>")
     args = p.parse_args(argv)
-    set_threads(args.threads)
-    keep_freed_memory()
-    for name in args.model:
-        result = run_model(name, args)
-        base = f"roofline_{name}_{result['dtype']}" + (f"_{args.tag}" if args.tag else "")
-        stem = str(Path(args.out) / result_name(args.out, base))
-        write_json(stem + ".json", result)
-        Path(stem + ".md").write_text(markdown(result))
-        print(markdown(result))
+    run_all(args, "roofline", run_model, markdown,
+            stem=lambda name, result: f"roofline_{name}_{result['dtype']}" + (f"_{args.tag}" if args.tag else ""))
 
 
 if __name__ == "__main__":
