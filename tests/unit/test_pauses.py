@@ -67,14 +67,6 @@ def _long_then_short(model, make_ids, loop, pause: bool, cache: PrefixCache | No
     return firsts, long, short, sched, seen
 
 
-def _stream_then(sched: Scheduler, stream: Job, other: Job) -> None:
-    """Submit ``stream`` and run an iteration (its first token), then ``other`` and run one more."""
-    sched.submit(stream)
-    sched.run_once()
-    sched.submit(other)
-    sched.run_once()
-
-
 def _answers_equal_generate(model, loop, expected) -> None:  # noqa: F811
     """Each job's answer (``expected``: pairs of a job and its token count) equals generate's."""
     for job, n in expected:
@@ -152,7 +144,10 @@ def test_a_decoding_stream_gets_its_tokens_in_pauses_of_a_long_chunk(tiny_llama,
     emit = sched._emit
     sched._emit = lambda run, event: (order.append((run.job, event.index)), emit(run, event))
     try:
-        _stream_then(sched, stream, long)  # the stream's second token, then the long prompt's unit, paused at every layer
+        sched.submit(stream)
+        sched.run_once()  # its first token
+        sched.submit(long)
+        sched.run_once()  # the stream's second token, then the long prompt's unit, paused at every layer
         assert order == [(stream, 0), (stream, 1), (stream, 2), (long, 0)]
         assert sched.pauses is not None and sched.pauses.pauses == 1  # the third token ended the stream
         while sched.running:
@@ -214,4 +209,3 @@ def test_an_interlude_never_decodes_the_request_whose_unit_it_paused(tiny_llama,
     assert indices == [(0, True), (1, False), (2, False)]
     (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
     assert finished.answers[0].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 3, stop_at_eos=False).token_ids
-

@@ -374,9 +374,8 @@ class Scheduler:
             run.started = time.monotonic()
             self.metrics.queue_wait.labels(run.job.label).observe(run.started - run.job.arrived)
         call = (lambda: run.work.prefill(budget))
-        if pausable and self._can_pause(run):
+        if pausable and self.pauses is not None and run.work.chunked and isinstance(run.work, Generation):
             pauses = self.pauses
-            assert pauses is not None
             call = (lambda: pauses.run(lambda: run.work.prefill(budget), self._wants_pause, self._interlude))
             self._pausable = run
         try:
@@ -390,10 +389,6 @@ class Scheduler:
             for event in run.work.first_events():
                 self._emit(run, event)
         return int(ran)  # type: ignore[call-overload]
-
-    def _can_pause(self, run: Running) -> bool:
-        """Whether ``run``'s prefill units pause for interludes (a local chunked prefill, pauses on)."""
-        return self.pauses is not None and run.work.chunked and isinstance(run.work, Generation)
 
     def _wants_pause(self) -> bool:
         """Whether a request came since the last interlude, or a decode step is due (under the lock)."""
