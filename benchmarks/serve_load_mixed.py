@@ -47,6 +47,7 @@ import openai
 
 from fastprefill.bench.records import environment, result_name, write_rows
 from fastprefill.host import DTYPES, resolve_dtype
+from fastprefill.serve.config import ServeConfig
 from serve_load import ServerProcess
 
 QUESTIONS = ["What is the capital of France?", "Say hello in Spanish.", "What is 12 times 7?",
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_scheduler(s, args.model, doc, plan, args)
     header = {**environment(args.threads, resolve_dtype(args.dtype)), "model": args.model,
               **{k: v for k, v in vars(args).items() if k not in ("model", "out", "name", "dtype")},
-              "dtype_arg": args.dtype}
+              "dtype_arg": args.dtype, "decode_interval_s": ServeConfig.decode_interval_s}  # without :decode=
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = result_name(out, f"serve_mixed_{args.model}", name=args.name)

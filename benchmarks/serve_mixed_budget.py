@@ -8,8 +8,9 @@ arrival to its first token (the client's clock):
   sum of their prefills as the same requests took alone (their server-side TTFTs in the
   record's sequential ``fifo`` answers);
 - **decode steps**: the time in the window during which at least one short stream was between
-  its first and last token; with a step due every ``decode interval`` seconds (0.5 s, or the
-  ``decode=`` of the server's label), that many steps, each costing one decode step of a lone
+  its first and last token; with a step due every ``decode interval`` seconds (the ``decode=``
+  of the server's label, else the servers' default the record's header gives, else 0.5 s: the
+  default of every run made before headers recorded it), that many steps, each costing one decode step of a lone
   stream (the median per-token time of the sequential ``fifo`` answers in the same record).
 
 Arrival times are the plan's (``serve_load_mixed._plan``: short ``i`` at ``i / rate``, long ``j``
@@ -22,10 +23,11 @@ growth the budget leaves unexplained is what it does not model (pauses, batching
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+from fastprefill.bench.records import read_rows
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:
@@ -38,16 +40,16 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def budget(path: Path) -> list[dict[str, Any]]:
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    head, rows = lines[0]["header"], lines[1:]
+def budget(head: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per long prompt of each ``interleaved`` server of a record (its header and rows)."""
+    default_interval = head.get("decode_interval_s", 0.5)
     span = head["n"] / head["rate"]
     sequential = [r for r in rows if r.get("phase") == "sequential" and r["kind"] != "long" and r["completion_tokens"] > 1]
     step = statistics.median((r["total_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1) for r in sequential)
     alone_prefill = {(r["kind"], r["i"]): r["server_ttft_s"] for r in rows if r.get("phase") == "sequential"}
     out = []
     for label in dict.fromkeys(r["scheduler"] for r in rows if r["scheduler"].startswith("interleaved")):
-        interval = next((float(p[7:]) for p in label.split(":") if p.startswith("decode=")), 0.5)
+        interval = next((float(p[7:]) for p in label.split(":") if p.startswith("decode=")), default_interval)
         mixed = [r | {"at": span * (r["i"] + 0.5) / head["long"] if r["kind"] == "long" else r["i"] / head["rate"]}
                  for r in rows if r["scheduler"] == label and r.get("phase") == "mixed"]
         alone = statistics.median(r["ttft_s"] for r in rows if r["scheduler"] == label and r.get("phase") == "long_alone")
@@ -64,8 +66,10 @@ def budget(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def markdown(path: Path, rows: list[dict[str, Any]]) -> str:
+def markdown(path: Path, head: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Budget of the long prompts' extra time: `{path.name}`", "",
+             (f"The record: {head['model']}, {head['threads']} threads, {head['dtype']} on {head['cpu']} "
+             f"(bfloat16 units: {head.get('bf16_units')}), torch {head['torch']}."), "",
              ("Per long prompt: its TTFT under the load and alone (median of the alone runs), the short requests "
              "that arrived before its first token and their prefills summed (each as it took alone), the time some short stream "
              "was decoding, and the decode steps that time implies (one per decode interval, each a lone stream's "
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("records", nargs="+", type=Path, help="serve_load_mixed.py JSONL records")
     args = p.parse_args(argv)
     for path in args.records:
-        text = markdown(path, budget(path))
+        head, rows = read_rows(path)
+        text = markdown(path, head, budget(head, rows))
         out = path.with_name(f"{path.stem}_budget.md")
         out.write_text(text)
         print(text)
