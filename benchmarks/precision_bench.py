@@ -9,8 +9,8 @@ and the TTFT ratio (float32 over the other dtype, per prompt, median).
 
     python benchmarks/precision_bench.py --model qwen2.5-coder-0.5b --task multidoc-qa --length 2048 --n 50
 
-Writes ``benchmarks/results/precision_<model>_<task>[_<length>].jsonl`` (resumable with
-``--resume``), ``.md``, ``.summary.jsonl`` and ``.png``.
+Writes ``benchmarks/results/precision_<model>_<task>[_<length>].jsonl`` or ``<--name>.jsonl``
+(resumable with ``--resume``), ``.md``, ``.summary.jsonl`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own budget")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--name", default=None, help="result file stem (default precision_<model>_<task>[_<length>])")
     args = p.parse_args(argv)
 
     set_threads(args.threads)
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = args.max_new_tokens or task.default_max_new_tokens
     length = args.length if task.sized else None
     stem = result_name(args.out, f"precision_{args.model}_{args.task}" + (f"_{length}" if length else ""),
-                       resume=args.resume)
+                       name=args.name, resume=args.resume)
     header = {"bench": "precision", "task": args.task, "split": args.split, "seed": args.seed, "n": args.n,
               "length": length, "max_new_tokens": budget, "model": args.model, "reference_dtype": "float32",
               "methods": {FULL: "full prefill in float32 (the reference)", name: f"full prefill in {name}"},

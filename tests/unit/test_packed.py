@@ -22,10 +22,13 @@ from fastprefill.models.packed import (
     PackedSwiGLU,
     can_pack,
     linears_packed,
+    onednn_bf16,
     pack_linears,
 )
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+needs_onednn_bf16 = pytest.mark.skipif(
+    not onednn_bf16(), reason="oneDNN has no bfloat16 path here (torch without oneDNN, or a CPU without "
+    "AVX512BW/VL/DQ or AVX-NE-CONVERT): nothing packs")
 
 
 def _layer(seed: int = 0, out: int = 48, inp: int = 32) -> torch.nn.Linear:
@@ -45,6 +48,7 @@ def _assert_bf16_close(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert float((got.float() - ref.float()).abs().max()) <= 0.02 * float(ref.float().abs().max())
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_a_packed_layer_computes_what_f_linear_computes(rows):
     plain, packed = _layer(), _packed_layer()
@@ -57,6 +61,7 @@ def test_a_packed_layer_computes_what_f_linear_computes(rows):
         _assert_bf16_close(packed(strided), plain(strided))
 
 
+@needs_onednn_bf16
 def test_a_layer_built_as_packed_packs_itself_on_first_use():
     torch.manual_seed(1)
     layer = PackedLinear(32, 48).to(torch.bfloat16)
@@ -67,6 +72,7 @@ def test_a_layer_built_as_packed_packs_itself_on_first_use():
     _assert_bf16_close(got, ref)
 
 
+@needs_onednn_bf16
 def test_a_weight_changed_in_place_is_repacked():
     layer = _packed_layer()
     x = torch.randn(3, 32).to(torch.bfloat16)
@@ -81,12 +87,14 @@ def test_a_weight_changed_in_place_is_repacked():
     _assert_bf16_close(after, ref)
 
 
+@needs_onednn_bf16
 def test_autograd_on_the_weight_takes_the_plain_path():
     layer = _packed_layer()
     layer(torch.randn(3, 32).to(torch.bfloat16)).float().sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.shape == (48, 32)
 
 
+@needs_onednn_bf16
 def test_a_packed_layer_deep_copies_and_pickles():
     layer = _packed_layer()
     packed = layer._packed
@@ -100,6 +108,7 @@ def test_a_packed_layer_deep_copies_and_pickles():
     assert layer._packed is packed  # the original keeps its packed copy
 
 
+@needs_onednn_bf16
 def test_a_packed_model_keeps_the_layer_loop_exact_and_matches_the_plain_model(make_ids, loop_matches_forward):
     packed, _ = models.load("random:qwen2", dtype="bfloat16", pack=True)
     plain, _ = models.load("random:qwen2", dtype="bfloat16")  # random test models are not packed by default
@@ -113,18 +122,24 @@ def test_a_packed_model_keeps_the_layer_loop_exact_and_matches_the_plain_model(m
     assert environment(1, packed)["packed"] is True and environment(1, plain)["packed"] is False
 
 
+@needs_onednn_bf16
 def test_packed_and_compiled_blocks_work_together(make_ids, loop_matches_forward):
     both, _ = models.load("random:llama", dtype="bfloat16", pack=True, compile=True)
     assert linears_packed(both) and blocks_compiled(both)
     assert torch.isfinite(loop_matches_forward(both, make_ids(24, 1))).all()
 
 
-def test_pack_true_where_it_cannot_apply_says_why():
+def test_pack_true_where_it_cannot_apply_says_why(monkeypatch):
     with pytest.raises(ConfigError, match="pack=True needs a bfloat16 model on the CPU"):
         models.load("random:llama", dtype="float32", pack=True)
     assert not can_pack("cpu", torch.float32) and not can_pack("cuda", torch.bfloat16)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # an AVX2-only CPU
+    assert not onednn_bf16() and not can_pack("cpu", torch.bfloat16)
+    with pytest.raises(ConfigError, match="this CPU has no oneDNN bfloat16 path"):
+        models.load("random:llama", dtype="bfloat16", pack=True)
 
 
+@needs_onednn_bf16
 def test_auto_packs_a_real_model_only_where_bfloat16_is_native(monkeypatch):
     monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: models.random_models.load(
         "random:llama", dtype=k.get("dtype", torch.float32)))
@@ -142,6 +157,7 @@ def _op_names(fn) -> set[str]:
     return {event.key for event in prof.key_averages()}
 
 
+@needs_onednn_bf16
 def test_a_fused_mlp_computes_the_swiglu_inside_the_products(make_ids):
     """The loader replaces each packed SwiGLU MLP by one whose gate product applies SiLU and whose
     up product multiplies by it (oneDNN post-ops, counted in a profile: no separate element-wise
@@ -167,6 +183,7 @@ def test_a_fused_mlp_computes_the_swiglu_inside_the_products(make_ids):
         assert isinstance(thawed, PackedSwiGLU) and torch.equal(thawed(x), got)
 
 
+@needs_onednn_bf16
 def test_only_packed_swiglu_mlps_are_fused():
     """Unpacked layers, a float32 model and a family outside the layer-loop ones keep their MLPs."""
     unpacked, _ = models.load("random:qwen2", dtype="bfloat16")

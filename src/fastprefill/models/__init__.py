@@ -20,7 +20,7 @@ from fastprefill.errors import ConfigError
 from fastprefill.host import resolve_dtype
 from fastprefill.models import random as random_models
 from fastprefill.models.adapters import compile_blocks, fuse_mlps
-from fastprefill.models.packed import can_pack, pack_linears, packable
+from fastprefill.models.packed import can_pack, onednn_bf16, pack_linears, packable
 from fastprefill.models.pretrained import load_pretrained
 from fastprefill.models.zoo import (
     DEFAULT_MODEL,
@@ -79,7 +79,7 @@ def load(
 
     Raises:
         ConfigError: an unknown ``dtype``; ``pack=True`` off the CPU, or for a model that is
-            not bfloat16, or without oneDNN.
+            not bfloat16, or where oneDNN has no bfloat16 path on this CPU.
         ModelNotFoundError, UnsupportedModelError, MissingPackageError, ChecksumError: see
             :func:`~fastprefill.models.pretrained.load_pretrained`.
     """
@@ -93,8 +93,9 @@ def load(
     if pack is None:
         pack = can_pack(device, model.dtype)
     elif pack and not packable(device, model.dtype):
-        raise ConfigError(f"pack=True needs a bfloat16 model on the CPU with oneDNN (got {model.dtype} on {device}); "
-                          "pass pack=None (auto) or False")
+        cpu = "" if onednn_bf16() else "; this CPU has no oneDNN bfloat16 path (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)"
+        raise ConfigError(f"pack=True needs a bfloat16 model on the CPU with oneDNN (got {model.dtype} on {device}"
+                          f"{cpu}); pass pack=None (auto) or False")
     if pack:
         pack_linears(model)
         fuse_mlps(model)

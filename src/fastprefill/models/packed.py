@@ -26,12 +26,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["PackedLinear", "PackedSwiGLU", "can_pack", "linears_packed", "pack_linears", "packable"]
+__all__ = ["PackedLinear", "PackedSwiGLU", "can_pack", "linears_packed", "onednn_bf16", "pack_linears", "packable"]
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 products on this CPU at all: torch built with it, and the CPU
+    has AVX512BW/VL/DQ or AVX-NE-CONVERT (without them oneDNN refuses to pack a bfloat16 weight)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return torch.backends.mkldnn.is_available() and probe is not None and bool(probe())
 
 
 def packable(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """Whether packing applies at all: a bfloat16 model on the CPU, with a torch built with oneDNN."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """Whether packing applies at all: a bfloat16 model on the CPU, where oneDNN runs bfloat16
+    (:func:`onednn_bf16`)."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and onednn_bf16()
 
 
 def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
