@@ -5,6 +5,7 @@ tuning profiles."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -47,6 +48,22 @@ def test_auto_is_bfloat16_only_on_native_units(cpu_flags, flags, want, units):
     assert model.dtype == want
     assert load("random:llama", dtype="float32")[0].dtype == torch.float32  # an explicit choice wins
     assert load("random:llama", dtype=torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_bfloat16_asked_for_without_native_units_is_loaded_with_a_warning(cpu_flags, monkeypatch):
+    from fastprefill import models
+
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: models.random_models.load(
+        "random:llama", dtype=k["dtype"]))
+    cpu_flags(NO_BF16_UNITS)
+    with pytest.warns(UserWarning, match="without native bfloat16 matrix units .*dtype='auto' picks float32"):
+        assert load("smollm2-135m", dtype="bfloat16", compile=False)[0].dtype == torch.bfloat16
+    cpu_flags(AMX)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load("smollm2-135m", dtype="bfloat16", compile=False)
+        cpu_flags(NO_BF16_UNITS)
+        assert load("smollm2-135m", compile=False)[0].dtype == torch.float32  # auto: no warning
 
 
 def test_auto_on_a_device_without_bfloat16_units_is_float32():

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fastprefill.errors import ConfigError
-from fastprefill.host import resolve_dtype
+from fastprefill.host import cpu_info, resolve_dtype
 from fastprefill.models import random as random_models
 from fastprefill.models.adapters import compile_blocks, fuse_mlps
 from fastprefill.models.packed import can_pack, onednn_bf16, pack_linears, packable
@@ -88,6 +88,7 @@ def load(
         model, tokenizer = random_models.load(str(spec), device=device, dtype=torch_dtype)
         compile, pack = bool(compile), bool(pack)
     else:
+        _warn_if_emulated(torch_dtype, device)
         model, tokenizer = load_pretrained(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir,
                                            progress=progress)
     if pack is None:
@@ -104,6 +105,17 @@ def load(
     if compile:
         compile_blocks(model)
     return model, tokenizer
+
+
+def _warn_if_emulated(dtype: torch.dtype, device: str | torch.device) -> None:
+    """Warn when bfloat16 was asked for on a CPU without native bfloat16 matrix units (``auto``
+    never picks it there): its products are emulated, and prefill runs several times slower than
+    in float32."""
+    info = cpu_info()
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not info.bf16_native:
+        warnings.warn(f"bfloat16 on a CPU without native bfloat16 matrix units ({info.name}, {info.isa}): "
+                      "prefill runs several times slower than in float32 here; dtype='auto' picks float32",
+                      stacklevel=3)
 
 
 def _inductor_can_compile() -> bool:
