@@ -8,7 +8,9 @@
 # OUTDIR: default benchmarks/anchors/results/MODEL. Writes prompts.jsonl, run-<system>.jsonl,
 # run-<system>.log and summary.md there.
 # Environment: THREADS (2), REPEATS (3), LENGTHS ("2048 4096"), PAIRS (3),
-# SYSTEMS ("fastprefill vllm openvino llamacpp"). A system that fails is reported and skipped.
+# SYSTEMS ("fastprefill vllm openvino llamacpp"), <SYSTEM>_ARGS (more arguments for one system's
+# runner, e.g. VLLM_ARGS="--dtype float32" on a CPU without bfloat16 units). A system that fails
+# is reported and skipped.
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,9 +35,11 @@ for system in $SYSTEMS; do
     fastprefill) py="$FP_PY" ;;
     *) py="$VENVS/$system/bin/python" ;;
   esac
-  echo "== $system" >&2
+  extra="${system^^}_ARGS"
+  echo "== $system ${!extra:-}" >&2
+  # shellcheck disable=SC2086
   if ! "$py" "$HERE/${system}_run.py" --model-dir "$CACHE/models/$MODEL" --prompts "$OUT/prompts.jsonl" \
-      --threads "$THREADS" --repeats "$REPEATS" --out "$OUT/run-$system.jsonl" > "$OUT/run-$system.log" 2>&1; then
+      --threads "$THREADS" --repeats "$REPEATS" --out "$OUT/run-$system.jsonl" ${!extra:-} > "$OUT/run-$system.log" 2>&1; then
     echo "$system FAILED: see $OUT/run-$system.log" >&2
     status=1
   fi
