@@ -16,6 +16,7 @@ fusing the SwiGLU into the products adds: ``fused`` against ``unfused``.
 
     python benchmarks/packed_bench.py --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b --lengths 2048 4096
     python benchmarks/packed_bench.py --against unfused
+    python benchmarks/packed_bench.py --model qwen2.5-coder-0.5b --lengths 2048 --dtype float32 --pack
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ def _labels(against: str) -> tuple[str, str]:
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     new, base = _labels(args.against)
-    packed, _ = load_model(name, dtype=args.dtype, progress=False)
+    packed, _ = load_model(name, dtype=args.dtype, pack=True if getattr(args, "pack", False) else None,
+                           progress=False)
     baseline, _ = load_model(name, dtype=args.dtype, pack=False, progress=False)
     if not linears_packed(packed):
-        raise SystemExit(f"{name} in {args.dtype} is not packed on this machine: nothing to compare")
+        raise SystemExit(f"{name} in {args.dtype} is not packed on this machine (--pack packs it anyway): "
+                         "nothing to compare")
     if args.against == "unfused":
         pack_linears(baseline)  # packed, MLPs as the model has them (compiled)
     models = {new: packed, base: baseline}
@@ -156,10 +159,14 @@ def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__, repeats=5)
     p.add_argument("--against", choices=("unpacked", "unfused"), default="unpacked",
                    help="the baseline: the model unpacked, or packed with its MLPs unfused")
+    p.add_argument("--pack", action="store_true",
+                   help="pack where the default does not (a float32 model); results named <prefix>_<model>_<dtype>")
     args = p.parse_args(argv)
     if min(args.lengths) <= args.suffix or args.suffix < 1 or args.repeats < 1:
         p.error("every length must exceed --suffix >= 1, and --repeats >= 1")
-    run_all(args, "packed" if args.against == "unpacked" else "fused", run_model, markdown)
+    prefix = "packed" if args.against == "unpacked" else "fused"
+    stem = (lambda name, result: f"{prefix}_{name}_{result['environment']['dtype']}") if args.pack else None
+    run_all(args, prefix, run_model, markdown, stem=stem)
 
 
 if __name__ == "__main__":

@@ -130,13 +130,28 @@ def test_packed_and_compiled_blocks_work_together(make_ids, loop_matches_forward
 
 
 def test_pack_true_where_it_cannot_apply_says_why(monkeypatch):
-    with pytest.raises(ConfigError, match="pack=True needs a bfloat16 model on the CPU"):
-        models.load("random:llama", dtype="float32", pack=True)
-    assert not can_pack("cpu", torch.float32) and not can_pack("cuda", torch.bfloat16)
+    with pytest.raises(ConfigError, match="pack=True needs a bfloat16 or float32 model on the CPU"):
+        models.load("random:llama", dtype="float16", pack=True)
+    assert not can_pack("cpu", torch.float32) and not can_pack("cpu", torch.float16)  # float32: only when asked
+    assert not can_pack("cuda", torch.bfloat16)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # an AVX2-only CPU
     assert not onednn_bf16() and not can_pack("cpu", torch.bfloat16)
     with pytest.raises(ConfigError, match="this CPU has no oneDNN bfloat16 path"):
         models.load("random:llama", dtype="bfloat16", pack=True)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_a_float32_model_packs_when_asked_and_stays_exact_within_itself(make_ids, loop_matches_forward):
+    """``pack=True`` on a float32 model: packed and fused like a bfloat16 one, the layer loop equal
+    to its own forward, and the logits the plain model's to float32 rounding."""
+    packed, _ = models.load("random:qwen2", dtype="float32", pack=True)
+    plain, _ = models.load("random:qwen2", dtype="float32")
+    assert linears_packed(packed) and isinstance(packed.model.layers[0].mlp, PackedSwiGLU)
+    ids = make_ids(40, 3)
+    full = loop_matches_forward(packed, ids, new_tokens=6)
+    with torch.inference_mode():
+        ref = FullPrefill().prefill(plain, ids).logits
+    assert float((full - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
 
 
 @needs_onednn_bf16

@@ -74,12 +74,13 @@ def load(
             inside its products (:func:`~fastprefill.models.adapters.fuse_mlps`; Llama and Qwen2).
             ``None`` (the default): for a bfloat16 model on a
             CPU that multiplies bfloat16 natively (:func:`~fastprefill.models.packed.can_pack`),
-            never for ``random:`` test models. ``True`` where it cannot apply raises ConfigError.
+            never for ``random:`` test models. ``True`` also packs a float32 model on the CPU;
+            where it cannot apply it raises ConfigError.
         cache_dir, progress: for zoo models (see :func:`~fastprefill.models.pretrained.load_pretrained`).
 
     Raises:
-        ConfigError: an unknown ``dtype``; ``pack=True`` off the CPU, or for a model that is
-            not bfloat16, or where oneDNN has no bfloat16 path on this CPU.
+        ConfigError: an unknown ``dtype``; ``pack=True`` off the CPU, for a model neither
+            bfloat16 nor float32, or in bfloat16 where oneDNN has no bfloat16 path on this CPU.
         ModelNotFoundError, UnsupportedModelError, MissingPackageError, ChecksumError: see
             :func:`~fastprefill.models.pretrained.load_pretrained`.
     """
@@ -94,9 +95,10 @@ def load(
     if pack is None:
         pack = can_pack(device, model.dtype)
     elif pack and not packable(device, model.dtype):
-        cpu = "" if onednn_bf16() else "; this CPU has no oneDNN bfloat16 path (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)"
-        raise ConfigError(f"pack=True needs a bfloat16 model on the CPU with oneDNN (got {model.dtype} on {device}"
-                          f"{cpu}); pass pack=None (auto) or False")
+        cpu = ("; this CPU has no oneDNN bfloat16 path (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)"
+               if model.dtype == torch.bfloat16 and not onednn_bf16() else "")
+        raise ConfigError(f"pack=True needs a bfloat16 or float32 model on the CPU with oneDNN (got {model.dtype} "
+                          f"on {device}{cpu}); pass pack=None (auto) or False")
     if pack:
         pack_linears(model)
         fuse_mlps(model)

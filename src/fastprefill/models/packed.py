@@ -1,4 +1,5 @@
-"""Linear layers whose weights are prepacked for oneDNN's bfloat16 matrix products on the CPU.
+"""Linear layers whose weights are prepacked for oneDNN's matrix products on the CPU (bfloat16 by
+default where the CPU multiplies it natively; float32 when asked).
 
 ``torch.nn.functional.linear`` hands oneDNN a plain ``(out, in)`` weight on every call, which it
 reads in that layout; a weight reordered once into oneDNN's blocked layout
@@ -37,17 +38,21 @@ def onednn_bf16() -> bool:
 
 
 def packable(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """Whether packing applies at all: a bfloat16 model on the CPU, where oneDNN runs bfloat16
-    (:func:`onednn_bf16`)."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and onednn_bf16()
+    """Whether packing applies at all: a model on the CPU with oneDNN, in float32, or in bfloat16
+    where oneDNN runs bfloat16 (:func:`onednn_bf16`)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16())
 
 
 def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """Whether packing pays: it applies (:func:`packable`) and the CPU's cores multiply bfloat16
-    natively (:func:`fastprefill.host.cpu_info`)."""
+    """Whether packing is on by default: it applies (:func:`packable`) to a bfloat16 model and the
+    CPU's cores multiply bfloat16 natively (:func:`fastprefill.host.cpu_info`). A float32 model
+    packs only when asked (``load(pack=True)``): the packed copy doubles its linear weights'
+    memory, twice the bytes bfloat16's copy costs."""
     from fastprefill.host import cpu_info
 
-    return packable(device, dtype) and cpu_info().bf16_native
+    return dtype == torch.bfloat16 and packable(device, dtype) and cpu_info().bf16_native
 
 
 class PackedLinear(torch.nn.Linear):
