@@ -69,8 +69,7 @@ def _labels(against: str) -> tuple[str, str]:
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     new, base = _labels(args.against)
-    packed, _ = load_model(name, dtype=args.dtype, pack=True if getattr(args, "pack", False) else None,
-                           progress=False)
+    packed, _ = load_model(name, dtype=args.dtype, pack=args.pack or None, progress=False)
     baseline, _ = load_model(name, dtype=args.dtype, pack=False, progress=False)
     if not linears_packed(packed):
         raise SystemExit(f"{name} in {args.dtype} is not packed on this machine (--pack packs it anyway): "

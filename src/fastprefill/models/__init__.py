@@ -111,8 +111,8 @@ def load(
 
 def _warn_if_emulated(dtype: torch.dtype, device: str | torch.device) -> None:
     """Warn when bfloat16 was asked for on a CPU without native bfloat16 matrix units (``auto``
-    never picks it there): its products are emulated, and prefill runs several times slower than
-    in float32."""
+    never picks it there): torch has no fast bfloat16 kernel there, and prefill runs several times
+    slower than in float32."""
     info = cpu_info()
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not info.bf16_native:
         warnings.warn(f"bfloat16 on a CPU without native bfloat16 matrix units ({info.name}, {info.isa}): "
