@@ -184,3 +184,63 @@ def test_a_hung_rank_ends_the_request_with_a_503_after_the_method_timeout(smollm
         assert 2 < time.monotonic() - t0 < 30
         assert not wait_health(url, is_idle)["ranks"]["up"]
     assert all(not link.alive() for link in ranks._links)
+
+
+def _time_to_503(url: str, limit_s: float = 5.0) -> tuple[float, dict]:
+    """Seconds from now until ``/health`` answers 503 (polled every 10 ms), and that body."""
+    t0 = time.monotonic()
+    while True:
+        status, health = http_request(url, "GET", "/health")
+        if status == 503:
+            return time.monotonic() - t0, health
+        assert time.monotonic() - t0 < limit_s, f"/health still answers {status}: {health}"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(300)
+def test_health_answers_503_within_a_second_of_a_default_ranks_death(smollm2):
+    """An idle server whose default method is runahead: one rank killed, ``/health`` answers 503
+    ``unavailable`` within a second, naming the rank, while the allowed ``full`` stays ``ok`` and
+    answers; a runahead request gets the 503 too."""
+    ranks = _pool()
+    with background(_app(smollm2, ranks, allow_methods=("full",))) as url:
+        status, health = http_request(url, "GET", "/health")
+        assert status == 200 and health["status"] == "ok" and health["reason"] is None
+        assert {spec: m["state"] for spec, m in health["methods"].items()} == {RUNAHEAD: "ok", "full": "ok"}
+        assert health["methods"][RUNAHEAD]["default"] and not health["methods"]["full"]["default"]
+        os.kill(ranks.pids[1], signal.SIGKILL)
+        took, health = _time_to_503(url)
+        assert took < 1.0, f"/health took {took:.2f} s to see the dead rank"
+        assert health["status"] == "unavailable" and "rank 1" in health["reason"] and RUNAHEAD in health["reason"]
+        assert health["methods"][RUNAHEAD]["state"] == "unavailable" and health["methods"]["full"]["state"] == "ok"
+        assert not health["ranks"]["up"]
+        client = openai_client(url)
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2)
+        assert refused.value.status_code == 503 and "rank 1" in refused.value.body["message"]
+        full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N,
+                                         extra_body={"fastprefill": {"method": "full"}})
+        assert full.choices[0].text == _full(smollm2, PROMPTS[1]).text
+        # the watcher shuts the idle pool down; /health keeps saying why
+        health = wait_health(url, lambda h: h["ranks"]["failure"] and "died" in h["ranks"]["failure"], timeout=30)
+        assert health["status"] == "unavailable" and "rank 1 died" in health["reason"]
+    assert all(not link.alive() for link in ranks._links)
+
+
+@pytest.mark.timeout(300)
+def test_health_is_degraded_when_only_an_allowed_methods_rank_dies(smollm2):
+    """Default ``full``, ``runahead`` allowed: a dead rank leaves ``/health`` at 200 ``degraded``,
+    with the reason, and ``full`` still answers."""
+    model, tok = smollm2
+    ranks = _pool()
+    app = create_app(model, tok, ServeConfig(MODEL, method="full", allow_methods=(RUNAHEAD,), timeout_s=120), ranks)
+    with background(app) as url:
+        assert http_request(url, "GET", "/health")[1]["status"] == "ok"
+        os.kill(ranks.pids[0], signal.SIGKILL)
+        wait_health(url, lambda h: h["status"] != "ok", timeout=5)
+        status, health = http_request(url, "GET", "/health")
+        assert status == 200 and health["status"] == "degraded"
+        assert "rank 0" in health["reason"] and RUNAHEAD in health["reason"] and "'full' answers" in health["reason"]
+        assert health["methods"]["full"]["state"] == "ok" and health["methods"][RUNAHEAD]["state"] == "unavailable"
+        r = openai_client(url).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N)
+        assert r.choices[0].text == _full(smollm2, PROMPTS[0]).text

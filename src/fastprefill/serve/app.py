@@ -43,6 +43,7 @@ from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 from fastprefill.serve.answers import Finished, Responder, Token, running_usage
 from fastprefill.serve.backends import Backends
 from fastprefill.serve.config import MethodTable, ServeConfig, served_name
+from fastprefill.serve.health import http_status, method_states, ranks_health, server_status
 from fastprefill.serve.limits import read_body
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.prompts import PromptChecker
@@ -73,6 +74,8 @@ CLOSE_GRACE_S = 3.0
 WORKER_JOIN_S = 2.0
 #: What a shutdown may take past ``--drain-timeout``: the three grace periods above.
 EXIT_GRACE_S = DRAIN_GRACE_S + CLOSE_GRACE_S + WORKER_JOIN_S
+#: Seconds between two checks of an idle rank pool (``/health`` sees a dead local rank at once).
+RANK_WATCH_S = 0.5
 #: What routes exist, for the message of a 404.
 ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
           "GET /health", "GET /metrics")
@@ -169,6 +172,8 @@ class Server:
 
     def start(self) -> None:
         self.scheduler.start()
+        if self.ranks is not None:  # a rank lost while idle shuts the pool down, as during a request
+            self.ranks.watch(RANK_WATCH_S)
 
     def stop(self) -> None:
         """Fail what is waiting or running with 503, stop the scheduler (the app's shutdown), and
@@ -307,8 +312,16 @@ class Server:
             return
 
     def health(self) -> dict[str, Any]:
+        """``/health``'s body: ``status`` (``ok``, ``degraded``, ``unavailable`` or ``draining``,
+        :func:`~fastprefill.serve.health.server_status`; :func:`~fastprefill.serve.health.http_status`
+        its HTTP status), ``reason`` why it is not ``ok``, ``methods`` each served method's state,
+        and the model, queue and ranks."""
+        states = method_states(self.methods, self.backends)
+        status = server_status(states, draining=self.draining)
         return {
-            "status": "draining" if self.draining else "ok",
+            "status": status.status,
+            "reason": status.reason,
+            "methods": {s.spec: s.body() for s in states},
             "model": self.config.model_name,
             "method": served_name(self.methods.built[self.methods.default][1]),
             "busy": self.scheduler.busy,
@@ -316,8 +329,7 @@ class Server:
                       "running": len(self.scheduler.running), "scheduler": self.config.scheduler},
             "timeout_s": self.config.timeout_s,
             "dtype": dtype_name(self.model.dtype),
-            "ranks": None if self.ranks is None else {"procs": self.ranks.procs, "pids": self.ranks.pids,
-                                                      "up": not self.ranks.closed, "failure": self.ranks.failure},
+            "ranks": None if self.ranks is None else ranks_health(self.ranks),
         }
 
     def model_card(self) -> dict[str, Any]:
@@ -352,8 +364,8 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, confi
     :func:`~fastprefill.serve.ranks.start_ranks`, closed at shutdown); ``None``: none.
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed with
-    ``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` (503
-    while shutting down), ``GET /metrics`` (Prometheus). Every error, an unknown route or a
+    ``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``
+    (:mod:`fastprefill.serve.health`), ``GET /metrics`` (Prometheus). Every error, an unknown route or a
     wrong HTTP method included, is answered in OpenAI's error shape.
 
     Raises:
@@ -391,7 +403,7 @@ def create_app(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, confi
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse(server.health(), status_code=503 if server.draining else 200)
+        return JSONResponse(body := server.health(), status_code=http_status(body["status"]))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -90,6 +90,10 @@ class Backend(Protocol):
         """Raise :class:`~fastprefill.serve.protocol.APIError` if it cannot take a request now."""
         ...
 
+    def unavailable(self) -> str | None:
+        """Why it cannot take a request now (``None``: it can); never waits."""
+        ...
+
     def begin(self, job: Job) -> Work:
         """The job's work."""
         ...
@@ -115,6 +119,9 @@ class LocalBackend:
 
     def check(self) -> None:
         """Always ready."""
+
+    def unavailable(self) -> None:
+        return None
 
     def begin(self, job: Job) -> Generation:
         """A :class:`~fastprefill.engine.Generation` of the job (it stores into the prefix cache
@@ -202,9 +209,14 @@ class RankBackend:
         return self.pool.fatal
 
     def check(self) -> None:
-        """Raises the 503 of a pool that has failed (multi-rank requests are refused from then on)."""
-        if self.pool.closed:
-            raise ranks_down(self.pool.failure or "closed", fatal=self.pool.fatal)
+        """Raises the 503 of a pool that has failed or lost a rank (multi-rank requests are
+        refused from then on)."""
+        if (reason := self.unavailable()) is not None:
+            raise ranks_down(reason, fatal=self.pool.fatal)
+
+    def unavailable(self) -> str | None:
+        """The pool's failure, or a rank gone since its last request (:meth:`ServedPool.lost`)."""
+        return self.pool.lost()
 
     def begin(self, job: Job) -> RankGeneration:
         assert runs_on_ranks(job.method)
@@ -239,6 +251,14 @@ class Backends:
                            param="fastprefill.method")
         self.ranks.check()
         return self.ranks
+
+    def unavailable(self, method: Method) -> str | None:
+        """Why ``method`` cannot run now (``None``: it can), without raising or waiting (``/health``)."""
+        if not runs_on_ranks(method):
+            return self.local.unavailable()
+        if self.ranks is None:
+            return "it runs over several processes and this server has no rank pool"
+        return self.ranks.unavailable()
 
     def warm_up(self, methods: list[Method], vocab_size: int, batched: bool = False) -> None:
         """One short generation per method, on its backend (and, when ``batched``, a short

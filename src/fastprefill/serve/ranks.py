@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing.connection import wait
 from typing import Any, NoReturn
 
 import torch
@@ -59,11 +60,32 @@ class ServedPool(RankPool):
         #: generations the last rank stopped before their end because they were cancelled
         self.stopped_early = 0
         self._busy = threading.Lock()  # held by a generation; the watcher checks only without it
+        self._watcher: threading.Thread | None = None
         super().__init__(model, procs, **kwargs)
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def lost(self) -> str | None:
+        """Why the pool cannot run a request now (``None``: it can), without waiting and without
+        touching a connection, so any thread may ask (``/health`` does, on the event loop): the
+        pool's failure once it has been shut down; before that, a rank that has gone since its
+        last request (a local worker's process sentinel, a remote rank's closed connection),
+        which the next request, or :meth:`watch`, would fail on."""
+        if self._closed:
+            return self.failure or "the rank pool was closed"
+        for rank, link in enumerate(list(self._links)):
+            try:
+                if link.sentinel is not None:
+                    gone = bool(wait([link.sentinel], 0))
+                else:
+                    gone = not link.alive()
+            except (OSError, ValueError):  # closed meanwhile
+                return self.failure or "the rank pool was closed"
+            if gone:
+                return f"rank {rank} (pid {link.pid}) has gone"
+        return None
 
     def _fail(self, msg: str, user_error: FastprefillError | None = None) -> NoReturn:
         if user_error is None:
@@ -85,7 +107,9 @@ class ServedPool(RankPool):
         """Check every ``period_s`` seconds, while no generation runs, that every rank is still
         there (an idle rank sends nothing, so a message is its failure and the end of its
         connection its death); a lost rank shuts the pool down as during a request. Returns
-        the daemon thread, which ends with the pool."""
+        the daemon thread, which ends with the pool; a second call returns the running one."""
+        if self._watcher is not None and self._watcher.is_alive():
+            return self._watcher
 
         def loop() -> None:
             while not self._closed:
@@ -102,9 +126,9 @@ class ServedPool(RankPool):
                 finally:
                     self._busy.release()
 
-        thread = threading.Thread(target=loop, name="fastprefill-rank-watch", daemon=True)
-        thread.start()
-        return thread
+        self._watcher = threading.Thread(target=loop, name="fastprefill-rank-watch", daemon=True)
+        self._watcher.start()
+        return self._watcher
 
     def _check_idle(self) -> None:
         for rank, link in enumerate(self._links):
