@@ -132,6 +132,19 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+def _bf16_units() -> str:
+    """The CPU's bfloat16 matrix units from ``/proc/cpuinfo``'s flags: ``amx_bf16``, ``avx512_bf16``,
+    ``none``, or ``unknown`` where the flags cannot be read (the same names as ``fastprefill.host``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return "amx_bf16" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "none"
+    except OSError:
+        pass
+    return "unknown"
+
+
 def _group(pairs: list[dict[str, Any]], args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     groups: dict[int, dict[str, Any]] = {}
     for p in pairs:
@@ -195,7 +208,7 @@ def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None
         "prompts": str(args.prompts), "prompt_set": {k: v for k, v in prompt_header.items() if k != "type"},
         "lengths": list(groups), "pairs_per_length": {k: len(g["pairs"]) for k, g in groups.items()},
         "load_s": round(load_s, 3), "python": platform.python_version(), "executable": sys.executable,
-        "cpu": _cpu_name(), "host": socket.gethostname(), "cpu_count": os.cpu_count(),
+        "cpu": _cpu_name(), "bf16_units": _bf16_units(), "host": socket.gethostname(), "cpu_count": os.cpu_count(),
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -1,0 +1,113 @@
+"""The anchors' summary pairs each peer run with fastprefill's run of the same round, prompt, kind and
+repeat, takes the median of those ratios per round and the median (and min-max) over rounds;
+``run_all.sh`` runs every system once per round, the order rotating, into one file per round."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from tests import REPO
+
+ANCHORS = REPO / "benchmarks" / "anchors"
+sys.path.insert(0, str(ANCHORS))
+import summarize
+
+
+def _write(path, system, runs, cpu="Intel(R) Xeon(R) Processor", units="amx_bf16"):
+    lines = [{"type": "header", "system": system, "version": "1", "model": "m", "dtype": "bfloat16", "threads": 2,
+              "cpu": cpu, "bf16_units": units, "command": f"{system}_run.py", "started": "2026-11-27T10:00:00+0000"}]
+    for prompt, kind, ttft in runs:
+        lines.append({"type": "run", "system": system, "model": "m", "prompt_id": prompt, "length": 2048,
+                      "prompt_tokens": 2000, "kind": kind, "repeat": 0, "ttft_s": ttft, "own_ttft_s": None,
+                      "first_token": 7, "cached_tokens": 1900 if kind == "hit" else 0})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+def test_ratios_pair_runs_within_a_round_and_take_the_median_over_rounds(tmp_path):
+    # fastprefill drifts between rounds (round 1 is slow on prompt a): only pairing within the round sees it
+    fp = {0: (1.0, 2.0), 1: (2.0, 2.0), 2: (1.0, 1.0)}
+    peer = {0: (1.5, 2.0), 1: (2.2, 2.4), 2: (1.3, 1.3)}
+    files = []
+    for r in range(3):
+        files.append(_write(tmp_path / f"run-fastprefill-round{r}.jsonl", "fastprefill",
+                            [("a", "cold", fp[r][0]), ("b", "cold", fp[r][1])]))
+        files.append(_write(tmp_path / f"run-peer-round{r}.jsonl", "peer",
+                            [("a", "cold", peer[r][0]), ("b", "cold", peer[r][1])]))
+    headers, runs = summarize.load(files)
+    assert sorted({r["round"] for r in runs}) == [0, 1, 2]
+    assert summarize.paired_ratios(runs, "m", 2048, "cold", "peer") == {0: [1.5, 1.0], 1: [1.1, 1.2], 2: [1.3, 1.3]}
+    c = summarize.cell(runs, "m", 2048, "cold", "peer")
+    assert c["ratio_rounds"] == pytest.approx([1.25, 1.15, 1.3])
+    assert (c["ratio"], c["low"], c["high"]) == pytest.approx((1.25, 1.15, 1.3))
+    assert (c["n"], c["rounds"]) == (6, 3)
+    assert c["median_s"] == pytest.approx(1.75)
+    assert c["spread"] == pytest.approx((2.3 - 1.3) / 1.75)  # round medians 1.75, 2.3, 1.3
+    ref = summarize.cell(runs, "m", 2048, "cold", "fastprefill")
+    assert (ref["ratio"], ref["low"], ref["high"]) == (1.0, 1.0, 1.0)
+    text = summarize.report(headers, runs)
+    assert "| m | 2048 | cold | peer | 1 | bfloat16 | 3 | 6 | 2000 | 1750.0 | - | 1.25 | [1.15, 1.30] | 57% | - | 6/6 |" in text
+    assert "Machine: Intel(R) Xeon(R) Processor, AMX-BF16, 2 threads (fastprefill, peer)." in text
+    assert "3 rounds" in text
+
+
+def test_one_round_says_so_and_gives_no_interval(tmp_path):
+    files = [_write(tmp_path / "run-fastprefill.jsonl", "fastprefill", [("a", "hit", 0.2)], cpu="AMD EPYC", units="none"),
+             _write(tmp_path / "run-peer.jsonl", "peer", [("a", "hit", 0.3)], cpu="AMD EPYC", units="none")]
+    headers, runs = summarize.load(files)
+    c = summarize.cell(runs, "m", 2048, "hit", "peer")
+    assert c["ratio"] == pytest.approx(1.5) and c["low"] is None and c["spread"] is None
+    text = summarize.report(headers, runs)
+    assert "One round" in text and "no interval" in text and "AMD EPYC, no bf16 units" in text
+
+
+def test_run_all_runs_every_system_once_per_round_in_rotating_order(tmp_path):
+    """run_all.sh with two stand-in runners (same interface: --model-dir --prompts --threads
+    --repeats --out) writes one file per system and round and a summary over all rounds."""
+    here = tmp_path / "anchors"
+    here.mkdir()
+    for name in ("run_all.sh", "summarize.py"):
+        (here / name).write_text((ANCHORS / name).read_text())
+    runner = '''import argparse, json, sys, time
+p = argparse.ArgumentParser()
+for a in ("--model-dir", "--prompts", "--threads", "--repeats", "--out"):
+    p.add_argument(a)
+a = p.parse_args()
+with open(sys.argv[0] + ".order", "a") as f:
+    f.write(a.out + "\\n")
+with open(a.out, "w") as f:
+    f.write(json.dumps({"type": "header", "system": "SYS", "model": "m", "threads": 2, "cpu": "c",
+                        "command": " ".join(sys.argv), "started": "2026-11-27T10:00:00+0000"}) + "\\n")
+    f.write(json.dumps({"type": "run", "system": "SYS", "model": "m", "prompt_id": "p", "length": 8,
+                        "prompt_tokens": 8, "kind": "cold", "repeat": 0, "ttft_s": TTFT,
+                        "first_token": 1}) + "\\n")
+'''
+    for system, ttft in (("fastprefill", "0.5"), ("peer", "1.0")):
+        (here / f"{system}_run.py").write_text(runner.replace("SYS", system).replace("TTFT", ttft))
+    venv = tmp_path / "venvs" / "peer" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "prompts.jsonl").write_text("{}\n")
+    env = {**os.environ, "ROUNDS": "3", "SYSTEMS": "fastprefill peer", "ANCHORS_VENVS": str(tmp_path / "venvs"),
+           "FASTPREFILL_PYTHON": sys.executable, "FASTPREFILL_CACHE_DIR": str(tmp_path)}
+    (here / "run_all.sh").chmod((here / "run_all.sh").stat().st_mode | stat.S_IXUSR)
+    done = subprocess.run(["bash", str(here / "run_all.sh"), "m", str(out)], check=False, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.glob("run-*.jsonl")) == [
+        f"run-{s}-round{r}.jsonl" for s in ("fastprefill", "peer") for r in range(3)]
+    order = [line.rsplit("/", 1)[1] for line in ((here / "fastprefill_run.py.order").read_text()
+                                                 + (here / "peer_run.py.order").read_text()).split()]
+    assert order.count("run-peer-round1.jsonl") == 1
+    # round 1 starts with the second system: its peer file is older than its fastprefill file
+    assert (out / "run-peer-round1.jsonl").stat().st_mtime_ns <= (out / "run-fastprefill-round1.jsonl").stat().st_mtime_ns
+    summary = (out / "summary.md").read_text()
+    assert "3 rounds" in summary and "| m | 8 | cold | peer | ? |  | 3 | 3 | 8 | 1000.0 | - | 2.00 | [2.00, 2.00] | 0% |" in summary
