@@ -13,6 +13,8 @@
   its rows is the recomputed row with the same key cells (:data:`KEY_COLUMNS`; without any, the
   rows in order). A cell must print as recomputed, to the precision it is printed with. The
   comment may rename columns for the reader: ``(turn = length)`` after the file name;
+- every figure in prose that a ``<!-- src: ... -->`` comment sources, recomputed
+  (:func:`~figures.prose.check_prose`);
 - every ``benchmarks/results/...`` path named exists (``{a,b}`` and ``*`` expand), and every
   relative link points at a file;
 - every benchmark command quoted inline (```python benchmarks/...``` or ```fastprefill bench
@@ -33,6 +35,7 @@ from fastprefill.bench.report import markdown_table, prefix_overhead_table
 from fastprefill.bench.summary import Summary, summarize
 from fastprefill.errors import ConfigError
 from figures.headline import check_summary_table
+from figures.prose import check_prose, namespace
 from figures.results import (
     PREFIX_KINDS,
     Mismatch,
@@ -59,7 +62,7 @@ EXTRA_COLUMNS: dict[str, Any] = {
 
 #: Cells that name a row (matched as text) rather than measure it.
 KEY_COLUMNS = ("length", "method", "model", "tokens", "prompt", "clients", "l", "maps", "link GB/s",
-               "cache the base reads", "selection", "half", "candidate", "system")
+               "cache the base reads", "selection", "half", "candidate", "system", "kind")
 
 _SOURCE = re.compile(r"^<!--\s*from:\s*(?:\.\./)*benchmarks/results/([^\s()]+)\s*(?:\(([^)]*)\))?\s*-->", re.MULTILINE)
 _RESULT_PATH = re.compile(r"benchmarks/results/[\w.*{},+-]+")
@@ -262,9 +265,11 @@ def verify_pages(root: str | Path) -> VerifyReport:
     text = readme.read_text()
     report.mismatches += check_summary_table(text, results)
     pages = [readme, *sorted((root / "docs").rglob("*.md"))]
+    ns = namespace(results)
     for page in pages:
         text = page.read_text()
         _check_paths(report, root, page, text, commands)
+        report.mismatches += check_prose(str(page.relative_to(root)), text, results, ns)[0]
         for source, rows in page_sources(text):
             try:
                 tables = result_tables(results, source)

@@ -16,7 +16,8 @@ header of every selection-ceiling ``<stem>.jsonl`` against its rows, the ``.summ
 and ``.md`` of a blending gate run and of a chunked-prefill run (``benchmarks/prefill_chunks.py``)
 re-made from its rows by the script's own summary, the ``kind: summary`` row
 and ``.md`` table of every ``n`` answers run (``serve_n_<model>.jsonl``) against its request
-rows, and, in every ``third_party_clients.json`` (in the directory or a folder of it), what the
+rows, the serve, soak, KV-Runahead and kvp-prefix sweep runs and the anchors' summaries by their
+scripts' own summaries (:mod:`figures.families`), and, in every ``third_party_clients.json`` (in the directory or a folder of it), what the
 per-sample records and the clients' saved files re-derive (:func:`client_scores.rescore_row`:
 the in-process comparison's counts, scores and differences, lm-eval's aggregates, LangChain's
 and guidellm's summaries); the clients' and the model's own numbers are taken as recorded.
@@ -343,6 +344,8 @@ def verify_results(results: str | Path) -> VerifyReport:
     for jsonl in sorted(results.glob("*.jsonl")):
         if jsonl.name.endswith(".summary.jsonl"):
             continue
+        if check_family(report, jsonl):  # serve, soak, runahead and sweep runs: their scripts' own summaries
+            continue
         try:
             header, rows = read_rows(jsonl)
         except (ConfigError, json.JSONDecodeError):
@@ -363,4 +366,19 @@ def verify_results(results: str | Path) -> VerifyReport:
             _check_ablation(report, path)
     for path in sorted([*results.glob(CLIENTS), *results.glob(f"*/{CLIENTS}")]):
         _check_clients(report, path, str(path.relative_to(results)))
+    check_anchors(report, results)
     return report
+
+
+def check_family(report: VerifyReport, path: Path) -> bool:
+    """:func:`figures.families.check_family` (imported late: it imports this module)."""
+    from figures.families import check_family as check
+
+    return check(report, path)
+
+
+def check_anchors(report: VerifyReport, results: Path) -> None:
+    """:func:`figures.families.check_anchors`."""
+    from figures.families import check_anchors as check
+
+    check(report, results)

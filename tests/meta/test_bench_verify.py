@@ -169,3 +169,33 @@ def test_verify_checks_a_tune_runs_figures_per_length_and_half(tmp_path):
     source = "table from tune_qwen2.5-coder-0.5b_n30_first-token-0.7.jsonl"
     # the moved row is compared with the test half's gentle row: both its cells differ
     assert found == [(source, "0.73 [0.56, 0.86]"), (source, "0.93 [0.74, 0.97]"), (source, "1.27x")], found
+
+
+def test_verify_rederives_the_anchors_summary_and_the_serve_families(tmp_path):
+    """The anchors' summary.md is re-made from its run files (not read back), and a serve_mixed,
+    soak, serve_load and KV-Runahead table from its rows: a changed cell in each is found."""
+    shutil.copytree(RESULTS / "anchors" / "qwen2.5-coder-0.5b-no-bf16-units", tmp_path / "anchors" / "x")
+    stems = ["serve_mixed_qwen2.5-coder-0.5b_quiet", "serve_soak_smollm2-135m-run2",
+             "serve_load_smollm2-135m_qwen2.5-coder-0.5b", "runahead_ttft_bfloat16"]
+    for stem in stems:
+        for path in RESULTS.glob(stem + "*"):
+            shutil.copy(path, tmp_path / path.name)
+    report = verify_results(tmp_path)
+    assert report.ok, report.mismatches
+    assert {"anchors/x/summary.md", *(f"{s}.md" for s in stems), "serve_mixed_qwen2.5-coder-0.5b_quiet_budget.md"} <= set(report.checked)
+    summary = tmp_path / "anchors" / "x" / "summary.md"
+    summary.write_text(summary.read_text().replace("| 0.88 |", "| 0.86 |", 1))
+    md = tmp_path / "runahead_ttft_bfloat16.md"
+    md.write_text(md.read_text().replace("| 0.97x |", "| 0.99x |"))
+    found = {(m.file, m.where.split(" column")[0]) for m in verify_results(tmp_path).mismatches}
+    assert found == {("anchors/x/summary.md", "row 2"), ("runahead_ttft_bfloat16.md", "row 1")}, found
+
+
+def test_verify_pages_finds_a_changed_prose_figure(tmp_path):
+    root = _copy_checkout(tmp_path)
+    readme = root / "README.md"
+    text = readme.read_text()
+    assert "3.8-4.2x<!-- src:" in text
+    readme.write_text(text.replace("3.8-4.2x<!-- src:", "3.8-4.3x<!-- src:"))
+    found = [m for m in verify_pages(root).mismatches if m.file == "README.md"]
+    assert [m.committed for m in found] == ["4.3"], found
