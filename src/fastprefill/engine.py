@@ -2,7 +2,8 @@
 
 - Every prompt is validated first by :func:`fastprefill.prompt.prepare_request`, the one
   validator (the distributed pool's workers and the server call it too).
-- :class:`~fastprefill.events.TimingWindow` is the only clock: on CUDA it synchronises the
+- :class:`~fastprefill.events.TimingWindow` is the only clock (:func:`~fastprefill.host.device_clock`,
+  which TTFT's span over several units of prefill reads too): on CUDA it synchronises the
   device before each read. TTFT runs from the start of prefill (the prompt ids already on the
   device) through the first token id (picked from the prefill logits); everything the method
   does for the first token is inside that window.
@@ -14,7 +15,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -23,7 +23,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from fastprefill.cache import fork_cache
 from fastprefill.errors import ConfigError
 from fastprefill.events import Answer, GenerationResult, StreamEvent, Timing, TimingWindow
-from fastprefill.host import dtype_name
+from fastprefill.host import device_clock, dtype_name
 from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
 from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
@@ -197,7 +197,7 @@ class Generation:
         (:meth:`first_events`). Returns the prompt tokens this call computed."""
         self.lookup()
         if self._started is None:  # TTFT: the lookup, then every unit of prefill through the first token
-            self._started = time.perf_counter() - self.lookup_s
+            self._started = device_clock(self.model.device) - self.lookup_s
         todo = self.remaining if budget is None or not self.chunked else max(1, min(budget, self.remaining))
         end = self.done_tokens + todo
         with torch.inference_mode(), TimingWindow(self.model.device):  # synchronised: the clock below is honest
@@ -213,7 +213,7 @@ class Generation:
             return todo
         self._cache = None
         self.out = dataclasses.replace(out, stats=_chunk_stats(self._parts))
-        self.ttft_s = time.perf_counter() - self._started
+        self.ttft_s = device_clock(self.model.device) - self._started
         self.first_logits = out.logits.detach().reshape(-1).to("cpu", torch.float32, copy=True)  # (V,)
         with torch.inference_mode():
             for choice in self.choices[1:]:  # the other answers' first tokens, from the same logits

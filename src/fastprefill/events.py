@@ -6,12 +6,12 @@ and exports them.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 import torch
 
+from fastprefill.host import device_clock
 from fastprefill.methods.base import ComputeStats
 from fastprefill.sampling import TokenLogprob
 
@@ -137,8 +137,9 @@ class GenerationResult:
 class TimingWindow:
     """The engine's clock: ``with TimingWindow(device) as w: ...`` then ``w.seconds``.
 
-    The device is synchronised before the start and the end reads (CUDA work is asynchronous),
-    so the window holds all the work queued inside it.
+    Both reads are :func:`fastprefill.host.device_clock`: the device is synchronised before the
+    start and the end reads (CUDA work is asynchronous), so the window holds all the work queued
+    inside it. A span over several windows (the engine's TTFT across chunks) reads the same clock.
     """
 
     def __init__(self, device: torch.device | str) -> None:
@@ -146,15 +147,9 @@ class TimingWindow:
         self.seconds = 0.0
         self._t0 = 0.0
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def __enter__(self) -> Self:
-        self._sync()
-        self._t0 = time.perf_counter()
+        self._t0 = device_clock(self.device)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._sync()
-        self.seconds = time.perf_counter() - self._t0
+        self.seconds = device_clock(self.device) - self._t0

@@ -13,6 +13,9 @@
   of returning it to the system, so a prefill's large temporary tensors do not fault fresh pages
   in on every call. The command line, the server and the benchmarks call it once per process;
   a library user may call it too (it affects the whole process).
+- :func:`device_clock` is the one clock read of a timing: the device's queued work finished
+  first (CUDA and other accelerators run asynchronously), then ``time.perf_counter()``.
+  :class:`fastprefill.events.TimingWindow` and every timed span below it read it.
 - :func:`set_threads` fixes torch's thread counts: every entry point that sets threads (the
   CLI, the benchmark harness, the rank pool's workers, torchrun ranks, partition calibration)
   calls it.
@@ -27,6 +30,7 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -39,12 +43,14 @@ __all__ = [
     "CpuInfo",
     "auto_dtype",
     "cpu_info",
+    "device_clock",
     "dtype_name",
     "keep_freed_memory",
     "precision_line",
     "precision_report",
     "resolve_dtype",
     "set_threads",
+    "synchronize",
 ]
 
 #: The dtype names a user may give (``--dtype``, ``load_model(dtype=...)``), ``"auto"`` first.
@@ -177,6 +183,29 @@ def precision_line(dtype: torch.dtype, device: str | torch.device, requested: st
              "no native bfloat16 matrix units (float32 is the fast path)")
     why = "chosen by dtype auto" if requested in (None, "auto") else "as asked"
     return f"{dtype_name(dtype)} on {device} ({why}); CPU {info.name}, {info.isa}, {units}"
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait until the work queued on ``device`` has run: ``torch.cuda.synchronize`` on CUDA, the
+    backend's own on another accelerator (``torch.xpu``, ``torch.mps``), nothing on the CPU
+    (its work is done when the call returns)."""
+    dev = torch.device(device)
+    if dev.type == "cpu" or dev.type == "meta":
+        return
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        return
+    backend = getattr(torch, dev.type, None)
+    sync = getattr(backend, "synchronize", None)
+    if callable(sync):
+        sync()
+
+
+def device_clock(device: str | torch.device) -> float:
+    """Seconds (``time.perf_counter``) once ``device``'s queued work has run (:func:`synchronize`):
+    the difference of two reads holds all the work queued between them."""
+    synchronize(device)
+    return time.perf_counter()
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4

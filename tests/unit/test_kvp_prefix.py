@@ -327,7 +327,7 @@ def test_fill_share_fills_the_highest_ranked_pruned_tokens(calibrated, tiny_qwen
     from fastprefill.methods.pruning.select import top_k_keep
 
     ranked = torch.tensor([5.0, 1.0, float("inf"), 3.0, 4.0, 2.0])
-    drop = torch.tensor([True, True, False, True, False, True])
+    drop = torch.tensor([True, True, False, True, False, True]).nonzero().flatten()  # the dropped rows' indices
     assert _filled_rows(ranked, drop, 0.5).tolist() == [0, 3]  # dropped 0, 1, 3, 5: the top 2 by score
     assert _filled_rows(ranked, drop, 1.0).tolist() == [0, 1, 3, 5]
     assert _filled_rows(ranked, drop, 0.01).tolist() == [0]

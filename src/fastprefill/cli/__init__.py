@@ -102,7 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from fastprefill.engine import generate, stream
-    from fastprefill.host import set_threads
+    from fastprefill.host import device_clock, set_threads
     from fastprefill.methods.base import runs_on_ranks
     from fastprefill.methods.registry import make_method
 
@@ -143,9 +143,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         packed = "; linear weights packed for oneDNN" if linears_packed(model) else ""
         err_console.print(f"[dim]{precision_line(model.dtype, args.device, args.dtype)}{packed}[/dim]", highlight=False)
     if not args.no_warmup:
-        t0 = time.perf_counter()
+        t0 = device_clock(model.device)
         generate(model, tok, prompt, method, 2, chat=chat)
-        warmup_s = time.perf_counter() - t0
+        warmup_s = device_clock(model.device) - t0
     if args.json:
         res = generate(model, tok, prompt, method, args.max_new_tokens, chat=chat, sampling=sampling)
         logprobs = None if res.answers[0].logprobs is None else [dataclasses.asdict(e) for e in res.answers[0].logprobs]

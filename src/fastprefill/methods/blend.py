@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -60,6 +59,7 @@ from transformers import DynamicCache, PreTrainedModel
 from fastprefill.cache import DenseKVCache, layer_kv, wrap_dynamic_cache
 from fastprefill.chunk_store import ChunkEntry, ChunkStore, anchor_digest
 from fastprefill.errors import ConfigError, UnsupportedModelError, check_fields, is_int, is_number
+from fastprefill.host import device_clock
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput, prefix_length
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.pruning.scorers import AttentionScorer
@@ -194,11 +194,11 @@ class Blend(Method):
             return out
         ad = DecoderAdapter(model, self.name)
         count = _Count(ad.shape)
-        started = time.perf_counter()
+        started = device_clock(ad.device)
         lead = _lead(model, input_ids, spans[0][0], prefix, count)
         chunks = self._fetch(model, input_ids, spans, lead, count)
         cache = _assemble(ad, n, lead, chunks)
-        assembled = time.perf_counter()
+        assembled = device_clock(ad.device)
         exact = chunks[0].exact  # only the first passage can sit where it was computed
         reused = chunks[1:] if exact else chunks
         held = torch.zeros(n, dtype=torch.bool)
@@ -212,7 +212,7 @@ class Blend(Method):
                                                                   count)
             rows = torch.sort(torch.cat([fresh, selected])).values
             logits = _run_rows(ad, input_ids, cache, rows, start_layer, probe, count)
-        done = time.perf_counter()
+        done = device_clock(ad.device)
         return PrefillOutput(
             logits=logits, cache=cache.to_dynamic_cache(model.config),
             stats=ComputeStats(
@@ -248,7 +248,7 @@ class Blend(Method):
                 ) -> tuple[torch.Tensor, int, torch.Tensor | None, float]:
         """The ``k`` selected positions, the layer the recompute starts at, the hidden states the
         probe left for it (``None``: start from the embeddings) and the selection's seconds."""
-        t0 = time.perf_counter()
+        t0 = device_clock(ad.device)
         if k == 0 or k >= candidates.numel():  # the floor, or everything: nothing to score
             return (candidates if k else candidates[:0]), 0, None, 0.0
         probe: torch.Tensor | None = None
@@ -269,7 +269,7 @@ class Blend(Method):
             rows = torch.sort(torch.cat([fresh, candidates])).values
             keep = torch.isin(rows, torch.cat([fresh, selected]))
             probe = probe[:, keep]
-        return selected, start, probe, time.perf_counter() - t0
+        return selected, start, probe, device_clock(ad.device) - t0
 
 
 def _checked_spans(chunks: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

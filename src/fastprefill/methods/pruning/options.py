@@ -158,6 +158,20 @@ class PruneOptions:
             keep |= positions >= prompt_len
         return keep
 
+    def protected_count(self, start: int, prompt_len: int) -> int:
+        """How many of the prompt positions ``start..prompt_len-1`` a prefill's cut must keep:
+        those :meth:`protected` marks while not decoding, and the last one; counted on the host.
+
+        A cut keeps every protected row (they score ``+inf``), so at every cut of a prefill the
+        rows present hold all of them and this equals the count of protected rows present.
+        """
+        if start >= prompt_len:
+            return 0
+        sinks_end = max(start, min(self.sinks, prompt_len))  # [start, sinks_end): the sinks
+        recent_start = max(start, min(prompt_len - self.keep_recent, prompt_len - 1))  # [recent_start, T)
+        overlap = max(0, sinks_end - recent_start)
+        return (sinks_end - start) + (prompt_len - recent_start) - overlap
+
     def describe(self) -> str:
         """The options that differ from the paper's, as ``key=value`` items joined by ``,``."""
         default = PruneOptions()

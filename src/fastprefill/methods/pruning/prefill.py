@@ -71,10 +71,19 @@ def _recording() -> Iterator[None]:
         _RECORD_KEPT.reset(token)
 
 
-def _filled_rows(ranked: torch.Tensor, drop: torch.Tensor, share: float) -> torch.Tensor:
-    """Indices (ascending) of the pruned rows that get filled rows: of ``drop`` ``(R,)`` (bool),
-    the ``ceil(share * pruned)`` with the highest selection scores ``ranked`` ``(R,)``."""
-    dropped = drop.nonzero().flatten()
+def _dropped_rows(keep: torch.Tensor, r: int) -> torch.Tensor:
+    """Indices ``(R - K,)`` (ascending) of the ``R`` rows not in ``keep`` ``(K,)`` (distinct row
+    indices): a stable sort of the drop mask, so nothing is read back from the device (a boolean
+    index would wait on it for the count)."""
+    drop = torch.ones(r, dtype=torch.uint8, device=keep.device)
+    drop[keep] = 0
+    return torch.sort(drop, descending=True, stable=True).indices[: r - int(keep.numel())]
+
+
+def _filled_rows(ranked: torch.Tensor, dropped: torch.Tensor, share: float) -> torch.Tensor:
+    """Indices (ascending) of the pruned rows that get filled rows: of ``dropped`` ``(R - K,)``
+    (ascending row indices), the ``ceil(share * pruned)`` with the highest selection scores
+    ``ranked`` ``(R,)``."""
     count = math.ceil(share * int(dropped.numel()))
     if count >= dropped.numel():
         return dropped
@@ -105,6 +114,7 @@ class _Rows:
     filled_from: int = 0  # the first layer where pruned tokens have filled rows (L: none)
     filled_positions: torch.Tensor | None = None  # (F,) ascending: the positions with filled rows
     filled_token_layers: int = 0
+    filled_layer_calls: int = 0  # layers run while filled rows were there (their pairs are counted at the end)
 
 
 def progressive_prefill(
@@ -189,9 +199,8 @@ def _run_layer(state: LazyState, rows: _Rows, layer: int, scorer: Scorer, scored
     mask = causal_mask(positions, state.cache.key_positions_after(layer, positions)) if p or filled else None
     rows.hidden = run_rows(state, layer, rows.hidden, positions, rows.rotary, mask, scores, scorer)
     rows.token_layers += r
-    # the rows also attend the filled rows before them (none before the cut)
-    filled_pairs = int(torch.searchsorted(rows.filled_positions, positions).sum()) if filled else 0
-    rows.flops += shape.layer_flops(r, r * p + causal_pairs(r) + filled_pairs)
+    rows.flops += shape.layer_flops(r, r * p + causal_pairs(r))
+    rows.filled_layer_calls += filled  # the pairs with the filled rows before them: counted in _output
     if scores is None:
         return None
     rows.flops += min(scorer.queries, r) * shape.scoring_flops(r + p)
@@ -203,18 +212,17 @@ def _cut(state: LazyState, rows: _Rows, layer: int, k: int, row: torch.Tensor) -
     wait in the Aux Cache at ``layer + 1`` (and get filled rows, with the options' ``fill``)."""
     opts, positions = state.options, rows.positions
     r = int(positions.numel())
-    forced = opts.protected(positions, state.prompt_len, decoding=False)
-    forced[-1] = True
-    k = max(k, int(forced.sum()))
+    # counted on the host: every protected prompt row is still present (each cut keeps them)
+    k = max(k, opts.protected_count(rows.prefix, state.prompt_len))
     if k < r:
-        everyone = torch.ones(r, dtype=torch.bool, device=positions.device)
-        ranked = cut_scores(row, positions, everyone, forced, opts.pool_kernel)
+        forced = opts.protected(positions, state.prompt_len, decoding=False)
+        forced[-1] = True
+        ranked = cut_scores(row, positions, None, forced, opts.pool_kernel)
         keep = state.select(ranked, k)
-        drop = torch.ones(r, dtype=torch.bool, device=positions.device)
-        drop[keep] = False
-        state.aux.put(layer + 1, positions[drop], rows.hidden[:, drop])
+        dropped = _dropped_rows(keep, r)  # (R - K,)
+        state.aux.put(layer + 1, positions.index_select(0, dropped), rows.hidden.index_select(1, dropped))
         if opts.fill.active:
-            _fill(state, rows, layer, ranked, drop)
+            _fill(state, rows, layer, ranked, dropped)
         rows.hidden = rows.hidden.index_select(1, keep)
         rows.rotary = (rows.rotary[0].index_select(1, keep), rows.rotary[1].index_select(1, keep))
         rows.positions = positions[keep]
@@ -222,10 +230,11 @@ def _cut(state: LazyState, rows: _Rows, layer: int, k: int, row: torch.Tensor) -
     state.selected.append(rows.positions)
 
 
-def _fill(state: LazyState, rows: _Rows, layer: int, ranked: torch.Tensor, drop: torch.Tensor) -> None:
-    """Give the best-ranked pruned rows filled K/V at every layer above ``layer`` (the options' ``fill``)."""
+def _fill(state: LazyState, rows: _Rows, layer: int, ranked: torch.Tensor, dropped: torch.Tensor) -> None:
+    """Give the best-ranked pruned rows (of ``dropped`` ``(R - K,)``, ascending row indices) filled
+    K/V at every layer above ``layer`` (the options' ``fill``)."""
     ad, positions = state.adapter, rows.positions
-    filled = _filled_rows(ranked, drop, state.options.fill_share)
+    filled = _filled_rows(ranked, dropped, state.options.fill_share)
     maps = FillMaps(state.options.fill, ad, layer + 1)
     for j, (k_j, v_j) in maps.fill(rows.hidden[:, filled], positions[filled]).items():
         state.cache.stage(j, positions[filled])
@@ -239,6 +248,9 @@ def _output(state: LazyState, rows: _Rows, logits: torch.Tensor) -> PrunedPrefil
     """The engine's :class:`PrefillOutput` of a progressive prefill, with its state."""
     ad, schedule, n = state.adapter, state.schedule, state.prompt_len
     flops = rows.flops + ad.shape.head_flops(1)
+    if rows.filled_layer_calls:  # the rows attended the filled rows before them at every layer after the (one) cut
+        pairs = int(torch.searchsorted(rows.filled_positions, rows.positions).sum())
+        flops += rows.filled_layer_calls * ad.shape.attention_flops(pairs)
     extra: dict[str, Any] = {"kept_per_stage": rows.kept, "schedule": [list(pair) for pair in schedule]}
     if state.options.fill.active:
         extra["filled_token_layers"] = rows.filled_token_layers

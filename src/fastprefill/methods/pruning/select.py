@@ -35,31 +35,41 @@ def avg_pool_scores(scores: torch.Tensor, kernel: int, count_pad: bool = True) -
     return pooled[0, 0]
 
 
-def pool_in_position_order(scores: torch.Tensor, positions: torch.Tensor, among: torch.Tensor, kernel: int) -> torch.Tensor:
+def pool_in_position_order(
+    scores: torch.Tensor, positions: torch.Tensor, among: torch.Tensor | None, kernel: int
+) -> torch.Tensor:
     """Average-pool the entries ``among`` of ``scores`` over their neighbours in position order.
 
     Args:
         scores: ``(N,)`` one score per key, in storage order.
         positions: ``(N,)`` the keys' original positions.
-        among: ``(N,)`` bool, the keys pooled together (the others are neither pooled nor used).
+        among: ``(N,)`` bool, the keys pooled together (the others are neither pooled nor used);
+            ``None``: every key (nothing is then read back from the device).
         kernel: odd window width over the ``among`` keys sorted by position; padding not counted.
 
     Returns:
         ``(N,)``: the pooled values at ``among``, ``scores`` elsewhere.
     """
-    if kernel == 1 or not bool(among.any()):
+    if kernel == 1 or not scores.numel():
         return scores
-    idx = among.nonzero().flatten()  # (M,)
-    idx = idx[positions[idx].argsort()]
+    if among is None:
+        idx = positions.argsort()  # (N,)
+    elif not bool(among.any()):
+        return scores
+    else:
+        idx = among.nonzero().flatten()  # (M,)
+        idx = idx[positions[idx].argsort()]
     out = scores.clone()
     out[idx] = avg_pool_scores(scores[idx], kernel, count_pad=False)
     return out
 
 
 def cut_scores(
-    row: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor, forced: torch.Tensor, kernel: int
+    row: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor | None, forced: torch.Tensor, kernel: int
 ) -> torch.Tensor:
     """A cut's selection row ``(N,)``: ``row`` pooled among ``candidates`` in position order,
-    ``-inf`` outside them, ``+inf`` at ``forced`` (all ``(N,)``)."""
+    ``-inf`` outside them, ``+inf`` at ``forced`` (all ``(N,)``; ``candidates=None``: every row)."""
     row = pool_in_position_order(row, positions, candidates, kernel)
-    return row.masked_fill(~candidates, float("-inf")).masked_fill(forced, float("inf"))
+    if candidates is not None:
+        row = row.masked_fill(~candidates, float("-inf"))
+    return row.masked_fill(forced, float("inf"))

@@ -18,7 +18,7 @@ from fastprefill.methods.pruning.scorers import AttentionScorer, Scorer
 from fastprefill.methods.pruning.select import SelectFn, top_k_keep
 from fastprefill.models.adapters import DecoderAdapter
 
-__all__ = ["LAST_QUERY", "ComputeCounter", "LazyState", "new_state", "run_rows"]
+__all__ = ["LAST_QUERY", "ComputeCounter", "DeferredAuxCache", "LazyState", "new_state", "run_rows"]
 
 #: The paper's score (the last query's attention), used while decoding: the new token is the only query.
 LAST_QUERY = AttentionScorer()
@@ -34,24 +34,68 @@ class ComputeCounter:
     def __init__(self, num_layers: int, capacity: int, device: torch.device) -> None:
         self._counts = torch.zeros(num_layers, max(1, capacity), dtype=torch.int32, device=device)
         self._ones = torch.ones(max(1, capacity), dtype=torch.int32, device=device)
-        self.length = 0
 
-    def add(self, layer: int, positions: torch.Tensor) -> None:
-        """Count one computation at ``layer`` for each of ``positions`` ``(R,)``."""
-        need = int(positions.max()) + 1 if positions.numel() else 0
+    def add(self, layer: int, positions: torch.Tensor, bound: int | None = None) -> None:
+        """Count one computation at ``layer`` for each of ``positions`` ``(R,)``.
+
+        Args:
+            bound: a number above every one of ``positions``, known to the caller (the next
+                position to generate, plus one): with it nothing is read back from the device;
+                ``None`` reads the positions' maximum (a host round-trip on an accelerator).
+        """
+        if not positions.numel():
+            return
+        need = bound if bound is not None else int(positions.max()) + 1
         if need > self._counts.shape[1]:
             grow = max(need, 2 * self._counts.shape[1])
             pad = torch.zeros(self._counts.shape[0], grow - self._counts.shape[1], dtype=torch.int32,
                               device=self._counts.device)
             self._counts = torch.cat([self._counts, pad], dim=1)
             self._ones = torch.ones(grow, dtype=torch.int32, device=self._counts.device)
-        self.length = max(self.length, need)
         self._counts[layer].index_add_(0, positions, self._ones[: positions.numel()])
+
+    @property
+    def length(self) -> int:
+        """The highest position counted so far, plus one (0 before any count); read from the
+        counts themselves, so counting never waits on the device."""
+        seen = self._counts.any(dim=0).nonzero()  # (S, 1) columns with a count
+        return int(seen.max()) + 1 if seen.numel() else 0
 
     @property
     def counts(self) -> torch.Tensor:
         """``(L, N)`` computations per layer and position, ``N`` = highest position seen + 1."""
         return self._counts[:, : self.length]
+
+
+class DeferredAuxCache(AuxCache):
+    """An :class:`~fastprefill.cache.AuxCache` whose ``put`` keeps the positions and hidden states
+    as tensors until the rows are first read (``take``, ``positions``, ``len``), so a prefill's cut
+    reads nothing back from the device; the puts are then applied in order, as ``AuxCache`` would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, (M,), (1, M, D))
+
+    def put(self, layer_idx: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Store ``hidden`` ``(1, M, D)`` for ``positions`` ``(M,)`` as inputs of ``layer_idx`` (later)."""
+        self._pending.append((layer_idx, positions, hidden))
+
+    def _apply(self) -> None:
+        pending, self._pending = self._pending, []
+        for layer_idx, positions, hidden in pending:
+            super().put(layer_idx, positions, hidden)
+
+    def take(self, layer_idx: int, positions: torch.Tensor) -> torch.Tensor:
+        self._apply()
+        return super().take(layer_idx, positions)
+
+    def positions(self, layer_idx: int) -> list[int]:
+        self._apply()
+        return super().positions(layer_idx)
+
+    def __len__(self) -> int:
+        self._apply()
+        return super().__len__()
 
 
 @dataclass
@@ -114,7 +158,7 @@ def new_state(
 ) -> LazyState:
     """An empty :class:`LazyState` for an ``n_prompt``-token prompt."""
     return LazyState(
-        adapter=adapter, cache=PositionKVCache(adapter.num_layers), aux=AuxCache(), schedule=schedule,
+        adapter=adapter, cache=PositionKVCache(adapter.num_layers), aux=DeferredAuxCache(), schedule=schedule,
         next_pos=n_prompt, counter=ComputeCounter(adapter.num_layers, n_prompt + 64, adapter.device),
         prompt_len=n_prompt, options=options or PruneOptions(), select=select,
     )
@@ -125,9 +169,12 @@ def run_rows(
     rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
     scores: dict[int, torch.Tensor] | None = None, scorer: Scorer = LAST_QUERY,
 ) -> torch.Tensor:
-    """Run ``layer`` on rows ``hidden`` ``(1, R, D)`` at ``positions`` ``(R,)``, writing their KV; count them."""
+    """Run ``layer`` on rows ``hidden`` ``(1, R, D)`` at ``positions`` ``(R,)``, writing their KV; count them.
+
+    Every position is below ``state.next_pos + 1`` (the prompt, revived tokens, the token being
+    decoded), so the count reads nothing back from the device."""
     state.cache.stage(layer, positions)
     out = state.adapter.layer(layer, hidden, positions[None], state.cache, mask=mask, rotary=rotary, scores=scores,
                               scorer=scorer)
-    state.counter.add(layer, positions)
+    state.counter.add(layer, positions, bound=max(state.next_pos, state.prompt_len) + 1)
     return out

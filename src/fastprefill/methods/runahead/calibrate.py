@@ -23,7 +23,7 @@ import torch
 
 from fastprefill.distributed.runtime import free_port, init_group, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError, is_int
-from fastprefill.host import set_threads
+from fastprefill.host import device_clock, set_threads
 from fastprefill.methods.runahead.search import CostModel
 from fastprefill.methods.runahead.tables import TABLE_LENGTHS, TABLE_RANKS, PartitionTable
 from fastprefill.models.shape import ModelShape
@@ -31,13 +31,13 @@ from fastprefill.models.shape import ModelShape
 __all__ = ["calibrate", "main", "measure_loopback"]
 
 
-def _median_time(fn: Any, repeats: int) -> float:
+def _median_time(fn: Any, repeats: int, device: torch.device) -> float:
     fn()  # warm-up, discarded
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = device_clock(device)
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(device_clock(device) - t0)
     return statistics.median(times)
 
 
@@ -91,10 +91,10 @@ def calibrate(
                 cache.stage(0, pos[0])
                 ad.layer(0, hidden, pos, cache, mask=mask, rotary=rot)
 
-            times.append(_median_time(run, repeats))
+            times.append(_median_time(run, repeats, dev))
             rows.append([1.0, float(c), float(c * (s + c) if s else c * (c + 1) / 2)])
         h1 = torch.randn(1, 1, shape.hidden_size, device=dev, dtype=dt)
-        head_s = _median_time(lambda: ad.head(h1), repeats)
+        head_s = _median_time(lambda: ad.head(h1), repeats, dev)
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(times, dtype=torch.float64)[:, None]
     coef = torch.linalg.lstsq(a, b).solution[:, 0].clamp(min=0.0).tolist()
