@@ -47,6 +47,7 @@ _FROM = re.compile(r"^<!--\s*from:.*?-->[ \t]*\n|<!--\s*checked:.*?-->[ \t]*\n(?
 _MASK = re.compile(r"```.*?```|`[^`\n]*(?:\n[^`\n]*)?`|<!--.*?-->|(?:Python|≥|>=|==|<=)\s*\d+(?:\.\d+)+|\]\([^)\s]*\)|https?://\S+|\b\d{4}-\d{2}-\d{2}(?:T[\d:+]+)?"
                    r"|\b\d{1,2}:\d{2}(?::\d{2})?\b|arXiv \d{4}\.\d{4,5}", re.DOTALL)
 _NUM = re.compile(r"(?<![\w.])(?<![A-Za-z][-–])[+-]?\d+(?:,\d{3})*(?:\.\d+)?")
+_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
 #: a unit right after a number that makes it a figure (``12x``, ``96%``, ``0.43 s``, ``2.2 GB``)
 _UNIT = re.compile(r"(?:x|×|%|\s?(?:s|ms|µs|GB|MB|GiB|MiB|KiB|ns|points?|pp)|\s?ms/step)(?![\w])")
 #: letters right after a number that make it not a figure: sizes (0.5B, 135M, 2k), versions (v1.2), ids
@@ -99,8 +100,9 @@ def figures(text: str, masked: str | None = None) -> list[Figure]:
 
 def sources(text: str) -> Iterator[tuple[int, int, str]]:
     """``(start, end, expression)`` of every ``<!-- src: ... -->`` comment of ``text``."""
-    for m in _SRC.finditer(text):
-        yield m.start(), m.end(), m.group(1)
+    code = _CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)  # a comment quoted in code is no source
+    for m in _SRC.finditer(code):
+        yield m.start(), m.end(), text[m.start(1): m.end(1)]
 
 
 # --------------------------------------------------------------------------- the helpers a source may use
@@ -248,7 +250,8 @@ def namespace(results: Path) -> dict[str, Any]:
     return {"cell": cell, "setting": setting, "same": same, "speedup": speedup, "identical": identical,
             "anchor": anchor, "header": header, "rows": rows, "doc": doc, "machine": machine,
             "median": statistics.median, "mean": statistics.mean, "min": min, "max": max, "len": len, "sum": sum,
-            "round": round, "abs": abs, "sorted": sorted, "__builtins__": {}}
+            "round": round, "abs": abs, "sorted": sorted, "tuple": tuple, "list": list, "any": any, "all": all, "zip": zip,
+            "__builtins__": {}}
 
 
 # --------------------------------------------------------------------------- the check
@@ -264,7 +267,7 @@ def check_prose(page: str, text: str, results: Path, ns: dict[str, Any] | None =
     also give the offsets of the numbers sourced."""
     ns = dict(namespace(results) if ns is None else ns)
     out: list[Mismatch] = []
-    for m in _LET.finditer(text):
+    for m in _LET.finditer(_CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)):
         for item in filter(None, (x.strip() for x in m.group(1).split(";"))):
             name, _, expr = item.partition("=")
             try:
