@@ -32,7 +32,7 @@ UNSOURCED_ALLOWED = {
     "docs/results/kv-prediction.md": 116,
     "docs/results/kv-runahead.md": 11,
     "docs/results/lazyllm.md": 143,
-    "docs/results/native-precision.md": 132,
+    "docs/results/native-precision.md": 124,
     "docs/results/prefix-cache.md": 43,
     "docs/results/serving.md": 290,
     "docs/results/tune.md": 190,
