@@ -155,6 +155,9 @@ class Generation:
         self.cached_tokens = 0
         self.lookup_s = 0.0
         self.done_tokens = 0  # prompt tokens whose K/V is computed (or was cached)
+        self.stored_tokens = 0  # tokens this generation put into the prefix cache
+        self.store_s = 0.0
+        self._stored_upto = 0  # the exact tokens offered to the prefix cache so far
         self.out: PrefillOutput | None = None
         self.branches: list[Branch] = []
         self.decode_s = 0.0
@@ -209,7 +212,8 @@ class Generation:
         self._parts.append(out.stats)
         self.done_tokens = end
         if end < self.n_prompt:
-            self._cache = out.cache  # the K/V so far: the next chunk's prefix
+            self._cache = out.cache  # the K/V so far: the next chunk's prefix, and visible to other requests
+            self._store(self.input_ids[0, :end].tolist(), out.cache, min(out.exact_tokens, end))
             return todo
         self._cache = None
         self.out = dataclasses.replace(out, stats=_chunk_stats(self._parts))
@@ -260,6 +264,7 @@ class Generation:
     def step(self) -> list[StreamEvent]:
         """One decode step of every live answer, each alone: their next tokens' events."""
         assert self.prefilled and not self.finished
+        self.publish()
         return [b.step() for b in self.live]
 
     def accept(self, branch: Branch, seconds: float) -> StreamEvent:
@@ -279,18 +284,30 @@ class Generation:
                 event.timing, event.first_logits = self._finish(), self.first_logits
         return event
 
+    def publish(self) -> None:
+        """Store the prompt's exact whole blocks once the prefill is done (after the first tokens'
+        events, before any decode step), so a request over the same prefix hits while this one
+        decodes (earlier chunks store theirs as each ends); a no-op after the first call."""
+        if self.out is not None:
+            self._store(self.input_ids[0].tolist(), self.out.cache, self.out.exact_tokens)
+
+    def _store(self, ids: list[int], cache: DynamicCache, exact_tokens: int) -> None:
+        """Store the whole blocks of ``ids[:exact_tokens]`` that ``cache`` holds exactly (those
+        already cached are only refreshed), counted in :attr:`stored_tokens`."""
+        if self.prefix_cache is None or exact_tokens <= max(self.cached_tokens, self._stored_upto):
+            return
+        with torch.inference_mode(), TimingWindow(self.model.device) as window:
+            self.stored_tokens += self.prefix_cache.store(self.model, ids, cache, exact_tokens)
+        self._stored_upto = exact_tokens
+        self.store_s += window.seconds
+
     def _finish(self) -> Timing:
-        """Store the exact K/V into the prefix cache (after the last token) and time the whole."""
+        """Store the exact K/V of the generated tokens (and the prompt's, if not yet) and time the whole."""
         out, n_prompt, first = self.out, self.n_prompt, self.choices[0].ids
         assert out is not None
-        stored, store_s = 0, 0.0
-        if self.prefix_cache is not None and out.exact_tokens > self.cached_tokens:
-            # the first answer's tokens fed through the model are exact too when the whole prompt was
-            with torch.inference_mode(), TimingWindow(self.model.device) as window:
-                fed = first[:-1] if out.exact_tokens == n_prompt and out.decoder is None else []
-                ids = self.input_ids[0].tolist() + fed
-                stored = self.prefix_cache.store(self.model, ids, out.cache, out.exact_tokens + len(fed))
-            store_s = window.seconds
+        # the first answer's tokens fed through the model are exact too when the whole prompt was
+        fed = first[:-1] if out.exact_tokens == n_prompt and out.decoder is None else []
+        self._store(self.input_ids[0].tolist() + fed, out.cache, out.exact_tokens + len(fed))
         generated = sum(len(c.ids) for c in self.choices)
         steps = generated - len(self.choices)
         method = self.method
@@ -301,12 +318,13 @@ class Generation:
             prefix_cache=("off" if self.prefix_cache is None else
                           f"not used: {method.name} takes no cached prefix" if not method.takes_prefix else
                           "hit" if self.cached_tokens else "miss"),
-            stored_tokens=stored, prefix_lookup_s=self.lookup_s, prefix_store_s=store_s,
+            stored_tokens=self.stored_tokens, prefix_lookup_s=self.lookup_s, prefix_store_s=self.store_s,
             dtype=dtype_name(self.model.dtype),
         )
 
     def close(self) -> None:
-        """Stop early: drop the K/V (nothing is stored into the prefix cache)."""
+        """Stop early: drop the K/V. The whole blocks its finished units of prefill stored stay
+        in the prefix cache; nothing of a unit that did not finish was stored."""
         self._cache, self.out, self.branches = None, None, []
 
     def run(self, chunk: int | None = None) -> Iterator[StreamEvent]:
@@ -319,7 +337,7 @@ class Generation:
             yield from events
             if self.finished:
                 return
-            events = self.step()
+            events = self.step()  # the first publishes the prompt's K/V
 
 
 def stream(

@@ -40,8 +40,9 @@ class Timing:
         stored_tokens: tokens this generation added to the prefix cache.
         prefix_lookup_s: of ``ttft_s``, the seconds spent looking the prompt up in the prefix cache
             (and assembling the hit's K/V).
-        prefix_store_s: seconds spent storing into the prefix cache (after the last token,
-            outside TTFT and decoding).
+        prefix_store_s: seconds spent storing into the prefix cache: the prompt's blocks after
+            the first token (outside TTFT; a chunked prefill's earlier chunks inside it), the
+            answer's after the last token.
         dtype: the model's dtype (``"bfloat16"``, ``"float32"``, ...): every timing names it.
     """
 

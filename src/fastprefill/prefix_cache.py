@@ -252,7 +252,7 @@ class PrefixCache:
     def store(self, model: PreTrainedModel, token_ids: Sequence[int] | torch.Tensor, cache: DynamicCache,
               exact_tokens: int) -> int:
         """Keep the exact K/V of ``token_ids[:exact_tokens]`` (whole blocks; the ones already
-        cached are only refreshed).
+        cached are only refreshed); returns the tokens newly stored.
 
         Args:
             model: the model that made ``cache``.
@@ -261,24 +261,24 @@ class PrefixCache:
             cache: a transformers cache whose every layer holds positions ``0..N-1`` in order.
             exact_tokens: ``E <= N``: how many leading positions are exact at every layer.
 
-        Returns:
-            The tokens newly stored.
+        Raises:
+            ValueError: ``exact_tokens`` outside ``0..len(token_ids)``, or too short a cache (nothing stored).
         """
         ids = (token_ids.reshape(-1).tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids))
-        n = min(int(exact_tokens), len(ids))
+        if not is_int(exact_tokens, 0) or (n := int(exact_tokens)) > len(ids):
+            raise ValueError(f"exact_tokens must be an integer in 0..{len(ids)}, got {exact_tokens!r}")
         keys = self._keys(ids[:n])
         with self._lock:
             self._bind(model)
             first_new = next((i for i, (key, _) in enumerate(keys) if key not in self._blocks), len(keys))
-        if first_new == len(keys):
-            with self._lock:
-                for key, _ in reversed(keys):
-                    if key in self._blocks:
-                        self._blocks.move_to_end(key)
-            return 0
+            if first_new == len(keys):  # all cached already
+                self._refresh(keys)
+                return 0
         b = self.block_tokens
         start, end = first_new * b, len(keys) * b
         layers = [layer_kv(cache, i) for i in range(len(cache.layers))]
+        if bad := [i for i, (k, v) in enumerate(layers) if k.shape[0] != 1 or min(k.shape[2], v.shape[2]) < end]:
+            raise ValueError(f"cache layer {bad[0]} holds no single sequence of {end} positions; nothing stored")
         keys0 = layers[0][0]
         kv = keys0.new_empty((2, len(layers), keys0.shape[1], end - start, keys0.shape[3]))  # (2, L, H_kv, M, d)
         for i, (k, v) in enumerate(layers):
@@ -295,14 +295,17 @@ class PrefixCache:
                     self._insert(key, _Block(tokens, parent, block_kv))
                     stored += b
                 parent = key
-            for key, _ in reversed(keys):
-                if key in self._blocks:
-                    self._blocks.move_to_end(key)
+            self._refresh(keys)
             self._evict(protect={key for key, _ in keys})
             self.stats.stored_tokens += stored
         return stored
 
     # --- bookkeeping ----------------------------------------------------------------------
+    def _refresh(self, keys: list[tuple[bytes, tuple[int, ...]]]) -> None:
+        for key, _ in reversed(keys):  # child first: the root ends most recent, leaves go first
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+
     def _insert(self, key: bytes, block: _Block) -> None:
         self._blocks[key] = block
         self._bytes += block.nbytes

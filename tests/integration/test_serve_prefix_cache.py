@@ -1,7 +1,8 @@
 """The server's prefix cache, through the real ``openai`` client: cached tokens in the usage block
-and in ``/metrics``, answers equal to the engine's without a cache (alone and concurrent), off
-with ``prefix_cache_mb=0``, nothing stored for a cancelled request, and persistence across a
-restart, with a corrupt file refused and ignored."""
+and in ``/metrics``, answers equal to the engine's without a cache (alone, concurrent, and a
+follow-up sent while the first answer streams), off with ``prefix_cache_mb=0``, only whole
+prefilled blocks left by a cancelled request, and persistence across a restart, with a corrupt
+file refused and ignored."""
 
 from __future__ import annotations
 
@@ -112,20 +113,54 @@ def test_off_with_zero_megabytes(smollm2, uncached):
             assert res.usage.model_extra["fastprefill"]["prefix_cache"] == "off"
 
 
-def test_a_cancelled_request_stores_nothing(smollm2):
+def _first_token(client: openai.OpenAI, max_tokens: int):
+    """A stream of ``max_tokens`` tokens (past the end-of-sequence token) for the first question,
+    read up to its first token (its prefill is done); the stream and its chunk iterator."""
+    stream = client.completions.create(model=MODEL, prompt=_prompt(QUESTIONS[0]), max_tokens=max_tokens, stream=True,
+                                       extra_body={"fastprefill": {"ignore_eos": True}})
+    chunks = iter(stream)
+    next(chunks)
+    return stream, chunks
+
+
+def test_a_follow_up_sent_while_the_first_answer_streams_hits(smollm2, uncached):
+    """The document's blocks enter the cache when the first request's prefill reaches them, not
+    after its last token: a follow-up sent while the first answer still streams hits (the cache's
+    own counters say so) and gets the uncached answer (float32), and the first stream goes on."""
     model, tok = smollm2
     app = create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=64))
     cache = app.state.server.prefix_cache
     with background(app) as url:
         client = openai_client(url)
-        stream = client.completions.create(model=MODEL, prompt=_prompt(QUESTIONS[0]), max_tokens=200, stream=True,
-                                           extra_body={"fastprefill": {"ignore_eos": True}})
-        next(iter(stream))  # the first token: prefill is done
+        stream, chunks = _first_token(client, 400)  # its decoding goes on
+        hits = cache.stats.hits
+        follow = _ask(client, QUESTIONS[1])
+        doc_tokens = len(tok(DOC)["input_ids"])
+        assert follow.usage.prompt_tokens_details.cached_tokens >= doc_tokens - 16
+        assert cache.stats.hits == hits + 1
+        assert follow.choices[0].text == uncached(QUESTIONS[1])
+        assert next(chunks).choices[0].text is not None  # the first answer was still streaming
         stream.close()
         wait_health(url, is_idle)
-        assert cache.num_blocks == 0 and cache.stats.stored_tokens == 0
-        _ask(client, QUESTIONS[0])
-        assert cache.num_blocks > 0
+
+
+def test_a_cancelled_request_leaves_only_the_whole_blocks_it_prefilled(smollm2, uncached):
+    """A request cancelled after its first token leaves its prompt's whole blocks (none of its
+    generated tokens, no partial block); the next request over that prompt hits them and gets the
+    uncached answer."""
+    model, tok = smollm2
+    app = create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=64))
+    cache = app.state.server.prefix_cache
+    with background(app) as url:
+        client = openai_client(url)
+        stream, _ = _first_token(client, 200)
+        stream.close()
+        wait_health(url, is_idle)
+        prompt_tokens = len(tok(_prompt(QUESTIONS[0]))["input_ids"])
+        assert cache.held_tokens == cache.stats.stored_tokens == prompt_tokens // 16 * 16
+        res = _ask(client, QUESTIONS[0])
+        assert res.usage.prompt_tokens_details.cached_tokens == prompt_tokens // 16 * 16
+        assert res.choices[0].text == uncached(QUESTIONS[0])
 
 
 def test_the_cache_persists_across_a_restart_and_a_corrupt_file_is_ignored(smollm2, uncached, tmp_path, caplog):

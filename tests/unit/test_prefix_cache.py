@@ -92,6 +92,86 @@ def test_generated_tokens_are_cached_for_the_next_turn(tiny_llama, make_ids):
     assert res.token_ids == plain.token_ids
 
 
+def _reference_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's ``(K, V)`` ``(H_kv, T, d)`` of a whole prefill of ``ids`` by the model's own forward."""
+    with torch.inference_mode():
+        past = model(ids, use_cache=True).past_key_values
+    return [(layer.keys[0], layer.values[0]) for layer in past.layers]
+
+
+def _blocks_equal_reference(cache: PrefixCache, model, ids: torch.Tensor) -> int:
+    """Check that every cached block is a whole block of ``ids`` (in order from the start) whose K/V
+    is the whole prefill's; returns the tokens they cover."""
+    ref = _reference_kv(model, ids)
+    with cache._lock:
+        blocks = list(cache._blocks.values())
+    b = cache.block_tokens
+    covered = 0
+    for i in range(len(blocks)):  # the chain from the root: block i holds tokens [i*b, (i+1)*b)
+        block = next(blk for blk in blocks if blk.tokens == tuple(ids[0, i * b:(i + 1) * b].tolist()))
+        assert block.kv.shape[3] == b == len(block.tokens)
+        for layer, (k, v) in enumerate(ref):
+            torch.testing.assert_close(block.kv[0, layer], k[:, i * b:(i + 1) * b], atol=1e-5, rtol=0)
+            torch.testing.assert_close(block.kv[1, layer], v[:, i * b:(i + 1) * b], atol=1e-5, rtol=0)
+        covered += b
+    return covered
+
+
+@pytest.mark.parametrize("chunk", [None, 20])
+def test_a_prompts_blocks_are_visible_once_its_prefill_reaches_them(tiny_llama, make_ids, chunk):
+    """The blocks of each chunk of prefill (of 20 tokens) are in the cache as soon as the chunk is
+    done, the last unit's (or the whole prefill's) once the first token is out, before any decode
+    step: a follow-up over the same prompt then hits, and its tokens are the uncached ones
+    (float32); the first answer is unchanged and stores only its fed tokens at the end."""
+    from fastprefill.engine import Generation
+
+    cache = PrefixCache(64 * MB, block_tokens=8)
+    prompt = make_ids(45, 21)
+    gen = Generation(tiny_llama, None, prompt, FullPrefill(), 6, stop_at_eos=False, prefix_cache=cache)
+    seen = []
+    while not gen.prefilled:
+        gen.prefill(chunk)
+        seen.append(cache.held_tokens)
+    assert seen == ([0] if chunk is None else [16, 40, 40])  # whole blocks of 20, 40 tokens; the last unit's:
+    tokens = [e.token_id for e in gen.first_events()]
+    gen.publish()  # once the first token is out
+    assert _blocks_equal_reference(cache, tiny_llama, prompt) == 40
+    follow = torch.cat([prompt, make_ids(7, 22)], dim=1)
+    hit = generate(tiny_llama, None, follow, max_new_tokens=6, stop_at_eos=False, prefix_cache=cache)
+    assert hit.timing.cached_tokens == 40 and cache.stats.hits == 1
+    assert hit.token_ids == generate(tiny_llama, None, follow, max_new_tokens=6, stop_at_eos=False).token_ids
+    while not gen.finished:
+        events = gen.step()
+        tokens += [e.token_id for e in events]
+    assert tokens == generate(tiny_llama, None, prompt, max_new_tokens=6, stop_at_eos=False).token_ids
+    assert events[-1].timing.stored_tokens == 48  # 40 at prefill, then the block completed by fed tokens
+
+
+def test_a_cancelled_prefill_leaves_only_the_whole_checked_blocks_it_finished(tiny_llama, make_ids):
+    """Closed after its first chunk of 21 tokens (of 60): the cache holds the two whole blocks of
+    that chunk, each equal to a whole prefill's K/V, and nothing of the rest; a bad store
+    (a cache shorter than its tokens, an out-of-range count) is refused and stores nothing."""
+    from fastprefill.engine import Generation
+
+    cache = PrefixCache(64 * MB, block_tokens=8)
+    prompt = make_ids(60, 23)
+    gen = Generation(tiny_llama, None, prompt, FullPrefill(), 6, prefix_cache=cache)
+    gen.prefill(21)
+    gen.close()
+    assert cache.num_blocks == 2 and cache.held_tokens == 16
+    assert _blocks_equal_reference(cache, tiny_llama, prompt) == 16
+    with torch.inference_mode():
+        short = FullPrefill().prefill(tiny_llama, prompt[:, :30]).cache
+    before = (cache.num_blocks, cache.nbytes, cache.stats.stored_tokens)
+    for ids, exact, words in ((prompt[0].tolist(), 60, "no single sequence of 56 positions"),
+                              (prompt[0, :30].tolist(), 31, "exact_tokens"),
+                              (prompt[0, :30].tolist(), -1, "exact_tokens"),
+                              (prompt[0, :30].tolist(), 2.5, "exact_tokens")):
+        with pytest.raises(ValueError, match=words):
+            cache.store(tiny_llama, ids, short, exact)
+    assert (cache.num_blocks, cache.nbytes, cache.stats.stored_tokens) == before
+
+
 def _masked_lazy_reference(model, ids, p, kept, cut):
     """Every row through every layer; after layer ``cut`` a row attends only the prefix
     (positions < ``p``) and the kept rows."""

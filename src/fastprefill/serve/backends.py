@@ -73,6 +73,11 @@ class Work(Protocol):
         """One decode step: the next tokens' events (the generation's last carries the timing)."""
         ...
 
+    def publish(self) -> None:
+        """Once its first tokens are out: make what its prefill computed visible to other
+        requests (the prefix cache's blocks)."""
+        ...
+
     def close(self) -> None:
         """Stop early and free what the work holds (its K/V, the ranks)."""
         ...
@@ -181,6 +186,9 @@ class RankGeneration:
 
     def step(self) -> list[StreamEvent]:
         return [self._take()]
+
+    def publish(self) -> None:
+        """Nothing: the ranks keep no prefix cache."""
 
     def _take(self) -> StreamEvent:
         event = next(self._events)

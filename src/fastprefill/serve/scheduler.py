@@ -388,6 +388,8 @@ class Scheduler:
         if run.work.prefilled:
             for event in run.work.first_events():
                 self._emit(run, event)
+            if run in self.running:  # its prompt's blocks, visible to the requests that follow
+                self._guard([run], run.work.publish)
         return int(ran)  # type: ignore[call-overload]
 
     def _wants_pause(self) -> bool:
