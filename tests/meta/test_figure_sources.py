@@ -29,13 +29,13 @@ UNSOURCED_ALLOWED = {
     "docs/results/blend.md": 63,
     "docs/results/fill.md": 136,
     "docs/results/index.md": 0,
-    "docs/results/kv-prediction.md": 116,
+    "docs/results/kv-prediction.md": 114,
     "docs/results/kv-runahead.md": 11,
-    "docs/results/lazyllm.md": 143,
+    "docs/results/lazyllm.md": 132,
     "docs/results/native-precision.md": 124,
     "docs/results/prefix-cache.md": 43,
     "docs/results/serving.md": 290,
-    "docs/results/tune.md": 190,
+    "docs/results/tune.md": 161,
     "docs/serving.md": 39,
 }
 
