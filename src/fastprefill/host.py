@@ -8,7 +8,8 @@
   ``torch.dtype`` a model is loaded in. ``"auto"``, the default everywhere, is bfloat16 on a CPU
   with native bfloat16 matrix units or a CUDA device that supports it, float32 elsewhere.
 - :func:`precision_report` is what every timing is recorded with: the dtype, whether it was
-  chosen automatically, and the CPU's capability.
+  chosen automatically, and the CPU's capability; :func:`accelerator_report` adds the GPU, its
+  driver and the CUDA versions for a timing on one.
 - :func:`keep_freed_memory` sets the C allocator (glibc) to keep freed memory for reuse instead
   of returning it to the system, so a prefill's large temporary tensors do not fault fresh pages
   in on every call. The command line, the server and the benchmarks call it once per process;
@@ -29,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -41,6 +43,7 @@ from fastprefill.errors import ConfigError, is_int
 __all__ = [
     "DTYPES",
     "CpuInfo",
+    "accelerator_report",
     "auto_dtype",
     "cpu_info",
     "device_clock",
@@ -174,6 +177,42 @@ def precision_report(dtype: torch.dtype, device: str | torch.device = "cpu", req
         "cpu_isa": info.isa,
         "freed_memory_kept": _kept,
     }
+
+
+def accelerator_report(device: str | torch.device) -> dict[str, Any] | None:
+    """What a timing on an accelerator ran on (``None`` on the CPU): for CUDA the GPU's name,
+    memory and compute capability, the driver (``nvidia-smi``'s version, else the CUDA driver API
+    version torch reports), torch's CUDA and cuDNN versions and the number of GPUs; for another
+    device type only its type."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return {"device_type": dev.type}
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return {
+        "gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "compute_capability": f"{props.major}.{props.minor}", "driver": _cuda_driver(index),
+        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "gpus": torch.cuda.device_count(),
+    }
+
+
+def _cuda_driver(index: int) -> str | None:
+    """The NVIDIA driver's version (``nvidia-smi``), else ``"CUDA driver API X.Y"``, else ``None``."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", f"--id={index}"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        if out:
+            return out
+    except (OSError, subprocess.SubprocessError):
+        pass
+    reader = getattr(torch._C, "_cuda_getDriverVersion", None)
+    try:
+        version = int(reader()) if callable(reader) else 0
+    except (RuntimeError, TypeError, ValueError):
+        version = 0
+    return f"CUDA driver API {version // 1000}.{version % 1000 // 10}" if version else None
 
 
 def precision_line(dtype: torch.dtype, device: str | torch.device, requested: str | torch.dtype | None) -> str:

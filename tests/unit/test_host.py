@@ -115,3 +115,29 @@ def test_keep_freed_memory_is_idempotent():
     first = host.keep_freed_memory()
     assert host.keep_freed_memory() == first
     assert host.precision_report(torch.float32)["freed_memory_kept"] == first
+
+
+def test_auto_on_a_cuda_device_is_bfloat16_where_it_is_supported(cpu_flags, monkeypatch):
+    cpu_flags(NO_BF16_UNITS)  # the CPU's units do not matter for a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert host.auto_dtype("cuda") == host.resolve_dtype("auto", "cuda:0") == torch.bfloat16
+    assert host.resolve_dtype("float32", "cuda") == torch.float32  # an explicit choice wins
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert host.auto_dtype("cuda") == torch.float32
+
+
+def test_a_cuda_header_names_the_gpu_driver_and_versions(monkeypatch):
+    from types import SimpleNamespace
+
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(host, "_cuda_driver", lambda index: "580.65.06")
+    report = host.accelerator_report("cuda:0")
+    assert report is not None and report["gpu"] == "NVIDIA H100 80GB HBM3" and report["gpu_memory_gib"] == 80.0
+    assert report["driver"] == "580.65.06" and report["compute_capability"] == "9.0"
+    assert report["cuda"] == torch.version.cuda and report["gpus"] == 1
+    assert host.accelerator_report("cpu") is None
+    assert host.accelerator_report("meta") == {"device_type": "meta"}
+    assert "accelerator" not in environment(2, torch.float32)  # a CPU header is unchanged

@@ -124,20 +124,23 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
-def environment(threads: int, model: Any) -> dict[str, Any]:
+def environment(threads: int, model: Any, device: Any = None) -> dict[str, Any]:
     """Where and how a benchmark ran (recorded in every result header): threads, versions, the
     CPU, the precision of ``model`` (a model, or its ``torch.dtype``) with the CPU's bfloat16
     capability (:func:`fastprefill.host.precision_report`), and whether its decoder blocks are
-    compiled and its linear weights packed (``None`` when only a dtype is given)."""
+    compiled and its linear weights packed (``None`` when only a dtype is given); for a model on
+    a GPU (or a dtype and a GPU ``device``) also ``"accelerator"``: the GPU, its driver, CUDA and
+    cuDNN (:func:`fastprefill.host.accelerator_report`)."""
     import torch
     import transformers
 
-    from fastprefill.host import precision_report
+    from fastprefill.host import accelerator_report, precision_report
     from fastprefill.models.adapters import blocks_compiled
     from fastprefill.models.packed import linears_packed
 
     dtype = model if isinstance(model, torch.dtype) else model.dtype
-    device = "cpu" if isinstance(model, torch.dtype) else model.device
+    device = (device or "cpu") if isinstance(model, torch.dtype) else model.device
+    accelerator = accelerator_report(device)
     return {
         "threads": threads,
         **precision_report(dtype, device),
@@ -150,6 +153,7 @@ def environment(threads: int, model: Any) -> dict[str, Any]:
         "git_commit": _git_commit(),
         "command": command_line(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **({"accelerator": accelerator} if accelerator is not None else {}),
     }
 
 
