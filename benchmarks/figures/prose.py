@@ -171,6 +171,7 @@ def namespace(results: Path) -> dict[str, Any]:
     - ``cell(file, column, **keys)``: the number in ``column`` of the one row whose key cells equal
       ``keys`` (``key_=`` for a key with spaces: ``where={"cached tokens": "2048"}``) in the tables
       that ``<!-- from: file -->`` would be checked against (the table recomputed from the records);
+    - ``nums(file, column, **keys)``: every number of that cell (``[p25, p75]`` and the like);
     - ``header(file)``: the header of a ``.jsonl`` (``{"header": ...}`` or ``type: header`` line);
     - ``rows(file)``: its other lines; ``doc(file)``: a ``.json`` file;
     - ``machine(file, dtype=None)``: :func:`machine_of` the file's header;
@@ -222,6 +223,15 @@ def namespace(results: Path) -> dict[str, Any]:
     def machine(file: str, dtype: str | None = None) -> str:
         return machine_of(_header_of(results, file), dtype)
 
+    def nums(file: str, column: str, where: dict[str, str] | None = None, **keys: Any) -> tuple[float, ...]:
+        cell(file, column, where, **keys)  # the same lookup and errors
+        want = {**{k: str(v) for k, v in keys.items()}, **(where or {})}
+        for table in tables(file):
+            if table and column in table[0] and set(want) <= set(table[0]):
+                row = next(r for r in table if all(r[k] == v for k, v in want.items()))
+                return tuple(float(x) for x in re.findall(r"[+-]?\d+(?:\.\d+)?", row[column].replace(",", "")))
+        raise ConfigError(f"{file}: no {column!r}")
+
     def speedup(file: str, method: str, **keys: Any) -> float:
         return cell(file, "paired speedup", method=method, **keys)
 
@@ -247,7 +257,7 @@ def namespace(results: Path) -> dict[str, Any]:
     def setting(n: int = 1) -> tuple[Setting, ...]:
         return (Setting(),) * n
 
-    return {"cell": cell, "setting": setting, "same": same, "speedup": speedup, "identical": identical,
+    return {"cell": cell, "nums": nums, "setting": setting, "same": same, "speedup": speedup, "identical": identical,
             "anchor": anchor, "header": header, "rows": rows, "doc": doc, "machine": machine,
             "median": statistics.median, "mean": statistics.mean, "min": min, "max": max, "len": len, "sum": sum,
             "round": round, "abs": abs, "sorted": sorted, "tuple": tuple, "list": list, "any": any, "all": all, "zip": zip,
