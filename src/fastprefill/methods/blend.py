@@ -201,9 +201,11 @@ class Blend(Method):
         assembled = device_clock(ad.device)
         exact = chunks[0].exact  # only the first passage can sit where it was computed
         reused = chunks[1:] if exact else chunks
-        held = torch.zeros(n, dtype=torch.bool)
+        dev = ad.device  # every index on the model's device
+        held = torch.zeros(n, dtype=torch.bool, device=dev)
         held[: chunks[0].end if exact else chunks[0].start] = True
-        candidates = torch.cat([torch.arange(c.start, c.end) for c in reused] or [torch.empty(0, dtype=torch.long)])
+        candidates = torch.cat([torch.arange(c.start, c.end, device=dev) for c in reused]
+                               or [torch.empty(0, dtype=torch.long, device=dev)])
         held[candidates] = True
         fresh = torch.nonzero(~held).reshape(-1)  # the glue and the question: computed at every layer
         k = round(self.budget * candidates.numel())
@@ -254,8 +256,8 @@ class Blend(Method):
         probe: torch.Tensor | None = None
         start = 0
         if self.policy == "head":  # a round robin over offsets: offset 0 of every passage first
-            offsets = torch.cat([torch.arange(c.end - c.start) for c in chunks])
-            chunk_of = torch.cat([torch.full((c.end - c.start,), i) for i, c in enumerate(chunks)])
+            offsets = torch.cat([torch.arange(c.end - c.start, device=ad.device) for c in chunks])
+            chunk_of = torch.cat([torch.full((c.end - c.start,), i, device=ad.device) for i, c in enumerate(chunks)])
             scores = -(offsets * len(chunks) + chunk_of).double()
         elif self.policy == "deviation":
             layer = self.check_layer or 1
