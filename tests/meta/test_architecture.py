@@ -49,7 +49,7 @@ from tests import REPO
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "text", "host"),
     ("models.shape",),
-    ("models.*", "data.*", "distributed", "distributed.runtime"),
+    ("models.*", "kernels", "kernels.*", "data.*", "distributed", "distributed.runtime"),
     ("cache", "prefix_cache", "chunk_store"),
     ("methods.*",),
     ("engine", "events", "prompt", "sampling", "batch"),

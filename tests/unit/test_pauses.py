@@ -13,6 +13,7 @@ import torch
 from fastprefill.engine import Generation, generate
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import decoder_layers
+from fastprefill.models.attention import ATTENTION_NAME, set_attention_backend
 from fastprefill.prefix_cache import PrefixCache
 from fastprefill.sampling import SamplingParams
 from fastprefill.serve.answers import Finished
@@ -75,22 +76,31 @@ def _answers_equal_generate(model, loop, expected) -> None:  # noqa: F811
                                                          stop_at_eos=False).token_ids
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "auto"])
 @pytest.mark.parametrize("cached", [False, True], ids=["cold", "over-a-cached-prefix"])
-def test_a_request_arriving_mid_chunk_gets_its_first_token_in_a_pause(tiny_llama, make_ids, loop, cached):  # noqa: F811
+def test_a_request_arriving_mid_chunk_gets_its_first_token_in_a_pause(tiny_llama, make_ids, loop, cached,  # noqa: F811
+                                                                      backend):
     """The short request's first token comes before the long chunk's; both answers equal
     generate's; over a cached prefix (fastprefill's attention on the chunk's thread) the
-    interlude's layers still run with the model's own attention."""
+    interlude's layers still run with the model's own attention (with the SDPA backend, the
+    model's own is transformers' ``sdpa``; with the kernel, the short prefill and its decode
+    steps select fastprefill's function themselves)."""
     cache = None
     if cached:
         cache = PrefixCache(64 * MB, block_tokens=8)
         generate(tiny_llama, None, make_ids(200, 5)[:, :120], FullPrefill(), 2, stop_at_eos=False, prefix_cache=cache)
-    firsts, long, short, sched, seen = _long_then_short(tiny_llama, make_ids, loop, True, cache)
+    set_attention_backend(tiny_llama, backend)
+    try:
+        firsts, long, short, sched, seen = _long_then_short(tiny_llama, make_ids, loop, True, cache)
+    finally:
+        set_attention_backend(tiny_llama, "auto")
     assert firsts == [short, long]
     assert sched.pauses is not None and sched.pauses.pauses == 1
     counted = [s.value for f in sched.metrics.registry.collect() for s in f.samples
                if s.name == "fastprefill_prefill_pauses_total"]
     assert counted == [1.0]
-    assert seen and set(seen) == {"sdpa"}  # the short prefill's layers, on the scheduler's thread
+    # the short prefill's layers, on the scheduler's thread
+    assert seen and set(seen) == ({"sdpa"} if backend == "sdpa" else {"sdpa", ATTENTION_NAME} & set(seen))
     _answers_equal_generate(tiny_llama, loop, ((long, 4), (short, 3)))
     assert long.outcome == short.outcome == "ok"
 

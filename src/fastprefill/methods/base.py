@@ -38,6 +38,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from fastprefill.cache import make_roomy
 from fastprefill.errors import ConfigError, UnsupportedModelError
 from fastprefill.models.adapters import LAYER_LOOP_FAMILIES, DecoderAdapter, supports_layer_loop
+from fastprefill.models.attention import attention_backend
 
 
 @dataclass
@@ -126,8 +127,10 @@ class ModelDecoder:
         self.cache = make_roomy(out.cache)  # each step's K/V written in place, not the cache copied
         self.position = out.next_position
         # a ragged cache: one query attending every key of each layer, with no mask built from
-        # layer 0's length (the adapter's attention function takes mask=None)
-        self.scope = DecoderAdapter(model).attention_scope if out.ragged else contextlib.nullcontext
+        # layer 0's length (the adapter's attention function takes mask=None); the same function
+        # for a plain cache where the model's attention backend is the C++ kernel
+        kernel = supports_layer_loop(model.config) and attention_backend(model)[0] == "kernel"
+        self.scope = DecoderAdapter(model).attention_scope if out.ragged or kernel else contextlib.nullcontext
 
     def step(self, token_id: int) -> torch.Tensor:
         """Feed one token; ``(V,)`` float32 logits for the next one."""

@@ -22,7 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 from fastprefill.cache import make_roomy
 from fastprefill.methods.base import ComputeStats, Method, PrefillOutput, prefix_length
 from fastprefill.models.adapters import supports_layer_loop
-from fastprefill.models.attention import MASK_MEMO_KWARG, fastprefill_attention
+from fastprefill.models.attention import MASK_MEMO_KWARG, attention_backend, fastprefill_attention
 from fastprefill.models.shape import ModelShape, causal_pairs
 
 
@@ -37,10 +37,13 @@ class FullPrefill(Method):
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor, prefix: DynamicCache | None = None) -> PrefillOutput:
         n, p = int(input_ids.shape[1]), prefix_length(prefix)
         cache = make_roomy(prefix if prefix is not None else DynamicCache(config=model.config))  # K/V appended in place
-        # over a cached prefix (layer-loop families), the suffix's causal attention by fastprefill's
-        # function, its mask built once for all the layers
-        over_prefix = bool(p) and supports_layer_loop(model.config)
-        scope = fastprefill_attention(model) if over_prefix else contextlib.nullcontext()
+        # layer-loop families: fastprefill's attention function (the C++ kernel where the model's
+        # backend resolves to it); over a cached prefix, the suffix's causal mask built once for
+        # all the layers
+        layered = supports_layer_loop(model.config)
+        over_prefix = bool(p) and layered
+        scope = fastprefill_attention(model) if over_prefix or layered and attention_backend(model)[0] == "kernel" \
+            else contextlib.nullcontext()
         masks = {MASK_MEMO_KWARG: {}} if over_prefix else {}
         with scope:
             out = model(input_ids=input_ids[:, p:], past_key_values=cache, use_cache=True, logits_to_keep=1, **masks)

@@ -12,6 +12,13 @@ full prefill over a cached prefix use it. Inside, the fused SDPA kernel computes
   original position at the cost of a causal prefill (:func:`_suffix_causal_sdpa`);
 - otherwise as transformers' own SDPA attention.
 
+Where no mask is given (a whole causal prefill, a suffix over cached keys, a decode step) and
+the model's attention backend (:func:`set_attention_backend`, chosen once per model: ``"auto"``
+by default) resolves to fastprefill's C++ kernel (:mod:`fastprefill.kernels`: grouped-query
+heads stacked over each key block, oneDNN's micro-GEMMs, online softmax), the kernel computes
+the output instead; where it cannot run (not built, a CPU without the instructions, another
+device or dtype), SDPA does, and :func:`attention_backend` says why.
+
 Beside it, a caller may ask for one score per key from the last query rows (:data:`ScoreFn`,
 through the keyword arguments :data:`SCORE_SINK_KWARG` and :data:`SCORER_KWARG`).
 
@@ -29,7 +36,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from fastprefill.errors import ConfigError
+from fastprefill.kernels import attention_kernel, kernel_status
+
 __all__ = [
+    "ATTENTION_BACKENDS",
     "ATTENTION_NAME",
     "MASK_MEMO_KWARG",
     "PACKED_GQA_MAX_QUERIES",
@@ -37,9 +48,11 @@ __all__ = [
     "SCORE_SINK_KWARG",
     "ScoreFn",
     "attention_as",
+    "attention_backend",
     "attention_choices",
     "causal_mask",
     "fastprefill_attention",
+    "set_attention_backend",
 ]
 
 ATTENTION_NAME = "fastprefill_sdpa"
@@ -60,6 +73,53 @@ MASK_MEMO_KWARG = "fastprefill_masks"
 #: boolean mask ``(B, 1, T, N)`` (or ``None``: causal). The scorers themselves (what a score is)
 #: are policies: :mod:`fastprefill.methods.pruning.scorers`.
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float | None], torch.Tensor]
+
+#: Where unmasked causal attention runs: ``"auto"`` (the C++ kernel where it runs, else SDPA),
+#: ``"kernel"`` (required: :func:`set_attention_backend` refuses it where it cannot run), ``"sdpa"``.
+ATTENTION_BACKENDS = ("auto", "kernel", "sdpa")
+#: The config attribute that holds a model's choice (every config of the model carries it).
+_BACKEND_ATTR = "fastprefill_attention_backend"
+
+
+def attention_backend(model: torch.nn.Module) -> tuple[str, str]:
+    """``(backend, why)``: what unmasked causal attention of ``model`` runs on, ``"kernel"`` or
+    ``"sdpa"``, and, for SDPA, why not the kernel (``""`` when chosen as ``"sdpa"``)."""
+    choice = getattr(getattr(model, "config", None), _BACKEND_ATTR, "auto")
+    if choice == "sdpa":
+        return "sdpa", ""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu":
+        return "sdpa", "the kernel runs on the CPU only"
+    status = kernel_status(param.dtype)
+    return ("kernel", "") if status.available else ("sdpa", status.reason)
+
+
+def set_attention_backend(model: torch.nn.Module, backend: str = "auto") -> str:
+    """Choose, once for ``model``, where its unmasked causal attention runs (one of
+    :data:`ATTENTION_BACKENDS`); returns what it resolves to (``"kernel"`` or ``"sdpa"``).
+
+    Raises:
+        ConfigError: an unknown ``backend``, or ``"kernel"`` where the kernel cannot run (the
+            reason named).
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    for cfg in _configs(model).values():
+        setattr(cfg, _BACKEND_ATTR, backend)
+    resolved, why = attention_backend(model)
+    if backend == "kernel" and resolved != "kernel":
+        for cfg in _configs(model).values():
+            setattr(cfg, _BACKEND_ATTR, "auto")
+        raise ConfigError(f"attention backend 'kernel' cannot run here: {why}; use 'auto' or 'sdpa'")
+    return resolved
+
+
+def _kernel_for(module: torch.nn.Module, query: torch.Tensor):
+    """The C++ kernel for this call, or ``None``: the module's model chose ``"sdpa"``, or the
+    kernel does not run on the query's device and dtype."""
+    if query.device.type != "cpu" or getattr(getattr(module, "config", None), _BACKEND_ATTR, "auto") == "sdpa":
+        return None
+    return attention_kernel(query.dtype)
 
 
 def _fastprefill_sdpa(
@@ -87,7 +147,13 @@ def _fastprefill_sdpa(
     sink = kwargs.pop(SCORE_SINK_KWARG, None)
     scorer: ScoreFn | None = kwargs.pop(SCORER_KWARG, None)
     memo: dict[tuple[int, int], torch.Tensor] | None = kwargs.pop(MASK_MEMO_KWARG, None)
-    if dropout == 0.0 and "position_bias" not in kwargs and _gqa_with_shared_mask(query, key, attention_mask):
+    plain = dropout == 0.0 and "position_bias" not in kwargs and all(
+        kwargs.get(name) is None for name in ("sliding_window", "softcap", "s_aux"))
+    kernel = _kernel_for(module, query) if plain and attention_mask is None and query.shape[2] <= key.shape[2] else None
+    if kernel is not None:  # a whole causal prefill, a suffix over cached keys, a decode step
+        d = query.shape[-1]
+        out = kernel(query, key, value, float(scaling) if scaling is not None else d ** -0.5)  # (B, T, H_q, d)
+    elif dropout == 0.0 and "position_bias" not in kwargs and _gqa_with_shared_mask(query, key, attention_mask):
         out = _gqa_masked_sdpa(query, key, value, attention_mask, scaling)
     elif attention_mask is None and 1 < query.shape[2] < key.shape[2] and dropout == 0.0 and "position_bias" not in kwargs:
         out = _suffix_causal_sdpa(query, key, value, scaling, memo)

@@ -1,0 +1,217 @@
+"""fastprefill's C++ kernels: built once by ``scripts/setup.sh`` with torch's ``cpp_extension``,
+loaded at run time, never compiled on a request's path.
+
+One kernel so far, ``attention.cpp``: causal attention on the CPU for a whole prefill, a suffix
+over cached keys and a decode step (its header says how). It is compiled in one variant per
+vector ISA (:data:`VARIANTS`: AVX-512 and AVX2 flags, for its softmax's vector code; the matrix
+products inside are oneDNN's, which picks its own ISA), into the kernel cache
+``<cache>/kernels/<variant>-<key>/`` (``<cache>`` is ``$FASTPREFILL_CACHE_DIR`` or
+``~/.cache/fastprefill``), where ``<key>`` hashes the source, the flags and torch's version: a
+changed source or another torch is a new build directory, never a stale module.
+
+- :func:`build` compiles every variant (``python -m fastprefill.kernels build``; setup runs it).
+- :func:`attention_kernel` returns the variant for this CPU and dtype, loaded once per process
+  and checked once against SDPA on a small random input, or ``None``;
+  :func:`kernel_status` says which, and why not (not built, no compiler, the CPU lacks the ISA,
+  the check failed). Where it is ``None`` the library uses SDPA and says so once
+  (:func:`fastprefill.models.attention.attention_backend`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import math
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["VARIANTS", "KernelStatus", "attention_kernel", "build", "kernel_dir", "kernel_status"]
+
+SOURCE = Path(__file__).with_name("attention.cpp")
+#: The builds: variant -> the compiler flags that select ATen's vector code for it (torch's
+#: ``CPU_CAPABILITY`` macros) and the instructions it may use.
+VARIANTS: dict[str, list[str]] = {
+    "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq", "-mfma", "-mf16c"],
+    "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}
+_COMMON_FLAGS = ["-O3"]
+#: torch's reading of the CPU (``torch.backends.cpu.get_cpu_capability()``) -> the variant it runs.
+_VARIANT_OF_ISA = {"AVX512": "avx512", "AVX512_BF16": "avx512", "AMX": "avx512", "AVX2": "avx2"}
+#: Elementwise tolerance of the load-time check against SDPA, by dtype (SDPA's own rounding).
+_CHECK_ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+#: ``kernel(q, k, v, scale) -> out``: q ``(B, H_q, T, d)``, k and v ``(B, H_kv, N, d)`` (unit
+#: stride on ``d``), out ``(B, T, H_q, d)``; query ``t`` sits at position ``N - T + t`` and
+#: attends keys ``0 .. N - T + t``.
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _key(variant: str) -> str:
+    """What a build depends on: the source, the flags, torch's version (16 hex digits)."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(json.dumps([VARIANTS[variant], _COMMON_FLAGS, torch.__version__]).encode())
+    return h.hexdigest()[:16]
+
+
+def kernel_dir(variant: str) -> Path:
+    """The build directory of ``variant`` for this source and torch: ``<cache>/kernels/<variant>-<key>``."""
+    from fastprefill.models.zoo import default_cache_dir
+
+    return default_cache_dir() / "kernels" / f"{variant}-{_key(variant)}"
+
+
+def _module_name(variant: str) -> str:
+    return f"fastprefill_attention_{variant}"
+
+
+def build(variants: list[str] | None = None, verbose: bool = False) -> dict[str, str]:
+    """Compile the attention kernel's variants (all of :data:`VARIANTS` by default).
+
+    A variant already built for this source and torch is left alone. Needs a C++ compiler and
+    ninja (both on the PATH). Returns ``{variant: "built" | "up to date" | "failed: <reason>"}``.
+    """
+    from torch.utils import cpp_extension
+
+    results: dict[str, str] = {}
+    for variant in variants or list(VARIANTS):
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown kernel variant {variant!r}; choose from {sorted(VARIANTS)}")
+        out = kernel_dir(variant)
+        if (out / "built.json").exists():
+            results[variant] = "up to date"
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            cpp_extension.load(name=_module_name(variant), sources=[str(SOURCE)], build_directory=str(out),
+                               extra_cflags=_COMMON_FLAGS + VARIANTS[variant], verbose=verbose)
+        except (RuntimeError, OSError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a compile error
+            results[variant] = f"failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
+            continue
+        (out / "built.json").write_text(json.dumps({"variant": variant, "torch": torch.__version__,
+                                                    "flags": _COMMON_FLAGS + VARIANTS[variant]}))
+        results[variant] = "built"
+    return results
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the attention kernel runs in this process for one dtype, and why not.
+
+    Attributes:
+        dtype: the dtype asked about.
+        variant: the build this CPU runs (``"avx512"``, ``"avx2"``), or ``None``.
+        available: the kernel loaded and passed its check.
+        reason: why not (empty when available).
+    """
+
+    dtype: torch.dtype
+    variant: str | None
+    available: bool
+    reason: str = ""
+
+
+def _variant_for_cpu() -> str | None:
+    try:
+        isa = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return None
+    return _VARIANT_OF_ISA.get(str(isa))
+
+
+@functools.cache
+def _load(variant: str) -> tuple[Any | None, str]:
+    """The built module of ``variant`` imported (once per process), or ``None`` with the reason."""
+    out = kernel_dir(variant)
+    so = out / f"{_module_name(variant)}.so"
+    if not (out / "built.json").exists() or not so.exists():
+        return None, (f"not built for this source and torch {torch.__version__} (run: bash scripts/setup.sh, "
+                      "or python -m fastprefill.kernels build)")
+    name = _module_name(variant)
+    if name in sys.modules:
+        return sys.modules[name], ""
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(name, str(so))
+        spec = importlib.util.spec_from_file_location(name, str(so), loader=loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError as exc:
+        return None, f"the build in {out} does not load: {exc}"
+    sys.modules[name] = module
+    return module, ""
+
+
+def _self_check(fn: AttentionKernel, dtype: torch.dtype) -> str:
+    """Compare ``fn`` with SDPA on a small random grouped-query input (a whole prefill and a
+    suffix over cached keys); ``""`` if they agree within :data:`_CHECK_ATOL`, else what differed."""
+    gen = torch.Generator().manual_seed(0)
+    for t, n in ((45, 45), (7, 300), (1, 260)):
+        q = torch.randn(1, 4, t, 64, generator=gen).to(dtype)
+        k, v = (torch.randn(1, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
+        allowed = torch.arange(n)[None, :] <= torch.arange(n - t, n)[:, None]  # (T, N)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=allowed, enable_gqa=True).transpose(1, 2)
+        err = (fn(q, k, v, 1 / math.sqrt(64)).float() - ref).abs().max().item()
+        if not err <= _CHECK_ATOL[dtype]:
+            return f"its check against SDPA failed ({t} queries over {n} keys, {dtype}: max error {err:.3g})"
+    return ""
+
+
+@functools.cache
+def kernel_status(dtype: torch.dtype) -> KernelStatus:
+    """Whether :func:`attention_kernel` runs ``dtype`` on this CPU (decided once per process)."""
+    variant = _variant_for_cpu()
+    if variant is None:
+        return KernelStatus(dtype, None, False, "this CPU has neither AVX-512 nor AVX2")
+    if dtype not in _CHECK_ATOL:
+        return KernelStatus(dtype, variant, False, f"{dtype} is not a kernel dtype (float32, bfloat16)")
+    if dtype == torch.bfloat16:
+        from fastprefill.host import cpu_info
+
+        if not cpu_info().bf16_native:
+            return KernelStatus(dtype, variant, False, "bfloat16 needs AVX512-BF16 or AMX-BF16, which this CPU lacks")
+    module, reason = _load(variant)
+    if module is None:
+        return KernelStatus(dtype, variant, False, reason)
+    reason = _self_check(module.causal_attention, dtype)
+    return KernelStatus(dtype, variant, not reason, reason)
+
+
+def attention_kernel(dtype: torch.dtype) -> AttentionKernel | None:
+    """The causal attention kernel for ``dtype`` on this CPU (see :data:`AttentionKernel`), or
+    ``None`` (:func:`kernel_status` says why)."""
+    status = kernel_status(dtype)
+    if not status.available:
+        return None
+    module, _ = _load(status.variant)
+    return module.causal_attention
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m fastprefill.kernels build [--verbose]`` / ``status``."""
+    if not argv or argv[0] not in ("build", "status"):
+        print("usage: python -m fastprefill.kernels {build [--verbose] | status}", file=sys.stderr)
+        return 2
+    if argv[0] == "build":
+        results = build(verbose="--verbose" in argv)
+        for variant, result in results.items():
+            print(f"attention kernel, {variant}: {result} ({kernel_dir(variant)})")
+        mine = _variant_for_cpu()
+        if mine is not None and not results.get(mine, "").startswith(("built", "up to date")):
+            warnings.warn(f"the attention kernel for this CPU ({mine}) did not build: fastprefill will use SDPA",
+                          stacklevel=1)
+        return 0
+    for dtype in (torch.float32, torch.bfloat16):
+        s = kernel_status(dtype)
+        print(f"{dtype}: " + (f"kernel ({s.variant})" if s.available else f"SDPA ({s.reason})"))
+    return 0

@@ -1,0 +1,210 @@
+// Causal attention on the CPU for fastprefill: one kernel for a whole prefill, a suffix over
+// cached keys (a prefix-cache hit, a chunk of a chunked or paused prefill) and a decode step.
+//
+// Query row t of T sits at position P + t, P = N - T, and attends keys 0 .. P + t of N (the
+// lower-right causal mask; T = N is a whole prefill, T = 1 a decode step). For each batch row,
+// KV head and block of query rows, the G query heads that share the KV head are stacked into one
+// block of G * QB rows, so every key and value block is read once per group rather than once per
+// head; each block's two products run on oneDNN's batch-reduce GEMM micro-kernels through
+// at::native::cpublas::brgemm (bfloat16 dot products in VNNI layout where the CPU has them,
+// float32 FMA otherwise), with an online softmax in float32 between them (flash attention).
+//
+// Shapes: q (B, H_q, T, d), k and v (B, H_kv, N, d), any strides with a unit last stride;
+// H_q a multiple of H_kv; d even. Output (B, T, H_q, d), contiguous (the layout transformers'
+// attention functions return). float32 and bfloat16; q, k, v of one dtype.
+//
+// This file is compiled twice by fastprefill.kernels (AVX-512 and AVX2 flags, so the softmax's
+// vector code matches the CPU), and the build matching the CPU is loaded at run time.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Keys per block, and the stacked query rows (G * QB) a block aims for.
+constexpr int64_t kKeyBlock = 256;
+constexpr int64_t kRowTarget = 384;
+
+template <typename T> constexpr bool kVnni = std::is_same_v<T, at::BFloat16>;
+
+// Pack one KV head's keys and values block by block for the two products.
+//   keys as B of S = Q K^T (d x w): bfloat16 VNNI [d/2][w][2], float32 [d][w];
+//   values as B of O += P V (w x d): bfloat16 VNNI [w/2][d][2], float32 [w][d].
+// w is the block's width rounded up to even; keys past N are zeros (and masked: beyond every row).
+template <typename T>
+void pack_head(const T* k, const T* v, int64_t ks, int64_t vs, int64_t n, int64_t d,
+               T* kp, T* vp) {
+  for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
+    const int64_t w = std::min(kKeyBlock, n - j0);
+    const int64_t wp = (w + 1) & ~int64_t(1);
+    T* kb = kp + j0 * d;
+    T* vb = vp + j0 * d;
+    for (int64_t c = 0; c < wp; ++c) {
+      const bool real = c < w;
+      const T* kr = k + (j0 + c) * ks;
+      const T* vr = v + (j0 + c) * vs;
+      for (int64_t e = 0; e < d; ++e) {
+        const T kv = real ? kr[e] : T(0);
+        const T vv = real ? vr[e] : T(0);
+        if constexpr (kVnni<T>) {
+          kb[((e >> 1) * wp + c) * 2 + (e & 1)] = kv;
+          vb[((c >> 1) * d + e) * 2 + (c & 1)] = vv;
+        } else {
+          kb[e * wp + c] = kv;
+          vb[c * d + e] = vv;
+        }
+      }
+    }
+  }
+}
+
+// One stacked block: rows (g, t) for g < G, t in [t0, t1); key blocks up to the causal limit.
+template <typename T>
+void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
+           T* out, int64_t os_t, int64_t os_h,
+           int64_t h0, int64_t g, int64_t t0, int64_t t1, int64_t p, int64_t n, int64_t d,
+           float scale, std::vector<T>& qbuf, std::vector<float>& s, std::vector<T>& pb,
+           std::vector<float>& o, std::vector<float>& mx, std::vector<float>& sum) {
+  const int64_t qb = t1 - t0;
+  const int64_t m = g * qb;
+  qbuf.resize(m * d);
+  s.resize(m * kKeyBlock);
+  pb.resize(m * kKeyBlock);
+  o.assign(m * d, 0.f);
+  mx.assign(m, kNegInf);
+  sum.assign(m, 0.f);
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t t = 0; t < qb; ++t)
+      std::copy_n(q + (h0 + j) * qs_h + (t0 + t) * qs_t, d, qbuf.data() + (j * qb + t) * d);
+  const int64_t last = std::min(n, p + t1);  // keys the block's last row sees
+  const int64_t vec = Vec::size();
+  for (int64_t j0 = 0; j0 < last; j0 += kKeyBlock) {
+    const int64_t w = std::min(kKeyBlock, n - j0);
+    const int64_t wp = (w + 1) & ~int64_t(1);
+    at::native::cpublas::brgemm(m, wp, d, d, wp, wp, false, qbuf.data(), kp + j0 * d, s.data(), kVnni<T>);
+    for (int64_t r = 0; r < m; ++r) {
+      float* sr = s.data() + r * wp;
+      const int64_t lim = std::min(wp, p + t0 + (r % qb) - j0 + 1);  // keys [0, lim) allowed
+      float bmax = kNegInf;
+      int64_t c = 0;
+      if (lim > 0) {
+        Vec vmax(kNegInf), vs(scale);
+        for (; c + vec <= lim; c += vec) {
+          Vec x = Vec::loadu(sr + c) * vs;
+          x.store(sr + c);
+          vmax = at::vec::maximum(vmax, x);
+        }
+        bmax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+        for (; c < lim; ++c) { sr[c] *= scale; bmax = std::max(bmax, sr[c]); }
+      }
+      const float mnew = std::max(mx[r], bmax);
+      T* pr = pb.data() + r * wp;
+      if (mnew == kNegInf) {  // nothing allowed yet in this row (cannot happen past key 0)
+        std::fill_n(pr, wp, T(0));
+        continue;
+      }
+      const float alpha = std::exp(mx[r] - mnew);
+      Vec vm(mnew), acc(0.f);
+      c = 0;
+      for (; c + vec <= lim; c += vec) {
+        Vec e = (Vec::loadu(sr + c) - vm).exp_u20();
+        acc = acc + e;
+        e.store(sr + c);
+      }
+      float bsum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+      for (; c < std::max<int64_t>(lim, 0); ++c) { sr[c] = std::exp(sr[c] - mnew); bsum += sr[c]; }
+      for (c = std::max<int64_t>(lim, 0); c < wp; ++c) sr[c] = 0.f;
+      at::vec::convert(sr, pr, wp);
+      sum[r] = sum[r] * alpha + bsum;
+      mx[r] = mnew;
+      if (alpha != 1.f) {
+        float* orow = o.data() + r * d;
+        at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, orow, orow, d);
+      }
+    }
+    at::native::cpublas::brgemm(m, d, wp, wp, d, d, true, pb.data(), vp + j0 * d, o.data(), kVnni<T>);
+  }
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t t = 0; t < qb; ++t) {
+      const int64_t r = j * qb + t;
+      const float inv = 1.f / sum[r];
+      float* orow = o.data() + r * d;
+      at::vec::map([inv](Vec x) { return x * Vec(inv); }, orow, orow, d);
+      at::vec::convert(orow, out + (t0 + t) * os_t + (h0 + j) * os_h, d);
+    }
+}
+
+template <typename T>
+at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  const int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3);
+  const int64_t hkv = k.size(1), n = k.size(2);
+  const int64_t g = hq / hkv, p = n - t;
+  const int64_t npad = (n + 1) & ~int64_t(1);
+  auto out = at::empty({b, t, hq, d}, q.options());
+  auto packed_k = at::empty({b, hkv, npad * d}, q.options());
+  auto packed_v = at::empty({b, hkv, npad * d}, q.options());
+  const T* qd = q.data_ptr<T>();
+  const T* kd = k.data_ptr<T>();
+  const T* vd = v.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  T* kpd = packed_k.data_ptr<T>();
+  T* vpd = packed_v.data_ptr<T>();
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t bi = i / hkv, h = i % hkv;
+      pack_head<T>(kd + bi * k.stride(0) + h * k.stride(1), vd + bi * v.stride(0) + h * v.stride(1),
+                   k.stride(2), v.stride(2), n, d, kpd + i * npad * d, vpd + i * npad * d);
+    }
+  });
+  const int64_t qb = std::max<int64_t>(1, std::min(t, kRowTarget / g));
+  const int64_t nq = (t + qb - 1) / qb;
+  // Tasks ordered light, heavy, light, heavy... (q block 0, nq-1, 1, nq-2, ...) so that the
+  // contiguous ranges parallel_for hands each thread carry about equal causal work.
+  at::parallel_for(0, b * hkv * nq, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<T> qbuf, pb;
+    std::vector<float> s, o, mx, sum;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t head = i / nq, k2 = i % nq;
+      const int64_t blk = (k2 % 2 == 0) ? k2 / 2 : nq - 1 - k2 / 2;
+      const int64_t bi = head / hkv, h = head % hkv;
+      const int64_t t0 = blk * qb, t1 = std::min(t, t0 + qb);
+      block<T>(qd + bi * q.stride(0), q.stride(1), q.stride(2), kpd + head * npad * d, vpd + head * npad * d,
+               od + bi * t * hq * d, hq * d, d, h * g, g, t0, t1, p, n, d, static_cast<float>(scale),
+               qbuf, s, pb, o, mx, sum);
+    }
+    at::native::cpublas::brgemm_release(kVnni<T>);
+  });
+  return out;
+}
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D (B, H, T, d)");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v of one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have one shape");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "q and k differ in batch or head size");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "H_q must be a multiple of H_kv");
+  TORCH_CHECK(q.size(2) <= k.size(2), "more queries than keys");
+  TORCH_CHECK(q.size(3) % 2 == 0, "head size must be even");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "unit stride on the head dimension");
+  if (q.scalar_type() == at::kBFloat16) return run<at::BFloat16>(q, k, v, scale);
+  return run<float>(q, k, v, scale);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("causal_attention", &causal_attention,
+        "causal attention of the last T of N positions: q (B,H_q,T,d), k/v (B,H_kv,N,d) -> (B,T,H_q,d)");
+}

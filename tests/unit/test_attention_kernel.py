@@ -1,0 +1,132 @@
+"""The C++ attention kernel (fastprefill.kernels) against SDPA, and the backend choice around it.
+
+The kernel computes causal attention of the last T of N positions. Its reference is float64
+SDPA with the lower-right causal mask; the kernel must be within SDPA's own error of it (SDPA
+run in the same dtype), on grouped-query shapes with 64- and 128-wide heads, a whole prefill, a
+suffix over cached keys and a decode step, in float32 and (where the CPU has bfloat16 units)
+bfloat16.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastprefill import kernels
+from fastprefill.errors import ConfigError
+from fastprefill.host import cpu_info
+from fastprefill.models import attention as attn
+from fastprefill.models import load as load_model
+
+CAN_RUN = {"avx512": torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX"),
+           "avx2": torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")}
+DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_info().bf16_native else [])
+# (B, H_q, H_kv, T, N, d): whole prefills, suffixes over cached keys, decode steps, odd lengths
+SHAPES = [(1, 14, 2, 300, 300, 64), (2, 12, 2, 130, 130, 128), (1, 9, 3, 37, 37, 64), (1, 14, 2, 33, 700, 64),
+          (2, 12, 2, 5, 600, 128), (1, 12, 2, 1, 513, 128), (1, 4, 4, 257, 1000, 64), (1, 14, 2, 1, 1, 64)]
+
+
+def _variant_module(variant: str):
+    """The built module of ``variant`` (imported under its own name), failing where a compiler
+    exists but the build does not (setup builds it), skipping where none could have built it."""
+    if not CAN_RUN[variant]:
+        pytest.skip(f"this CPU cannot run the {variant} build")
+    so = kernels.kernel_dir(variant) / f"fastprefill_attention_{variant}.so"
+    if not so.exists():
+        if shutil.which("g++") or shutil.which("c++"):
+            pytest.fail(f"the {variant} attention kernel is not built ({so}): run python -m fastprefill.kernels build")
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    module, reason = kernels._load(variant)
+    assert module is not None, reason
+    return module
+
+
+def _inputs(shape, dtype, seed=0):
+    b, hq, hkv, t, n, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, hq, d, generator=gen).to(dtype).transpose(1, 2)  # (B, H_q, T, d), as a layer makes it
+    k, v = (torch.randn(b, hkv, n, d, generator=gen).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def _sdpa(q, k, v):
+    t, n = q.shape[2], k.shape[2]
+    allowed = torch.arange(n)[None, :] <= torch.arange(n - t, n)[:, None]  # (T, N): lower-right causal
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True).transpose(1, 2)
+
+
+@pytest.mark.parametrize("variant", ["avx512", "avx2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_Hq{}_Hkv{}_T{}_N{}_d{}".format(*s))
+def test_kernel_matches_sdpa_within_its_own_error(variant, dtype, shape):
+    mod = _variant_module(variant)
+    q, k, v = _inputs(shape, dtype)
+    ref = _sdpa(q.double(), k.double(), v.double())
+    out = mod.causal_attention(q, k, v, 1 / math.sqrt(shape[-1]))
+    assert out.shape == (shape[0], shape[3], shape[1], shape[5]) and out.dtype == dtype and out.is_contiguous()
+    sdpa_err = (_sdpa(q, k, v).double() - ref).abs().max().item()
+    err = (out.double() - ref).abs().max().item()
+    floor = 2e-6 if dtype == torch.float32 else 4e-3
+    assert err <= max(1.5 * sdpa_err, floor), f"kernel error {err:.3g} vs SDPA's {sdpa_err:.3g}"
+
+
+def test_kernel_rejects_bad_inputs_with_a_message():
+    mod = _variant_module("avx2")
+    q, k, v = _inputs((1, 4, 2, 8, 8, 64), torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of H_kv"):
+        mod.causal_attention(q[:, :3], k, v, 0.125)
+    with pytest.raises(RuntimeError, match="more queries than keys"):
+        mod.causal_attention(q, k[:, :, :4], v[:, :, :4], 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        mod.causal_attention(q, k.double(), v, 0.125)
+    with pytest.raises(RuntimeError, match="4-D"):
+        mod.causal_attention(q[0], k, v, 0.125)
+
+
+def test_backend_choice_is_validated_and_sdpa_never_calls_the_kernel(monkeypatch):
+    model, _ = load_model("random:qwen2", dtype="float32")
+    with pytest.raises(ConfigError, match="choose one of auto, kernel, sdpa"):
+        attn.set_attention_backend(model, "flash")
+    calls = []
+    real = attn.attention_kernel
+
+    def counting(dtype):
+        fn = real(dtype)
+        return None if fn is None else (lambda *a: calls.append(1) or fn(*a))
+
+    monkeypatch.setattr(attn, "attention_kernel", counting)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    with torch.inference_mode():
+        assert attn.set_attention_backend(model, "sdpa") == "sdpa"
+        with attn.fastprefill_attention(model):
+            sdpa_logits = model(input_ids=ids).logits
+        assert calls == []
+        if attn.attention_backend(model)[0] == "sdpa" and attn.set_attention_backend(model, "auto") == "sdpa":
+            pytest.skip(f"kernel unavailable: {attn.attention_backend(model)[1]}")
+        with attn.fastprefill_attention(model):
+            kernel_logits = model(input_ids=ids).logits
+    assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(kernel_logits, sdpa_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_refused_where_it_cannot_run():
+    model, _ = load_model("random:llama", dtype="float16")
+    backend, why = attn.attention_backend(model)
+    assert backend == "sdpa" and "float16" in why
+    with pytest.raises(ConfigError, match="cannot run here"):
+        attn.set_attention_backend(model, "kernel")
+    assert attn.attention_backend(model)[0] == "sdpa"  # the refused choice left nothing behind
+
+
+def test_an_unbuilt_kernel_says_how_to_build_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTPREFILL_CACHE_DIR", str(tmp_path))
+    kernels._load.cache_clear()
+    try:
+        module, reason = kernels._load("avx2")
+        assert module is None and "python -m fastprefill.kernels build" in reason
+    finally:
+        kernels._load.cache_clear()
