@@ -152,17 +152,16 @@ class Generation:
         self.choices = [Choice(params, i, input_ids, eos, self.max_new_tokens, tokenizer, stop)
                         for i in range(params.n)]
         self.uses_cache = prefix_cache is not None and method.takes_prefix
-        self.cached_tokens = 0
+        self.cached_tokens = self.shared_tokens = 0  # prompt tokens the cache gave; of them, stored after admission
         self.lookup_s = 0.0
+        self._seen: int | None = None  # the cache's stored-token count at the last lookup
         self.done_tokens = 0  # prompt tokens whose K/V is computed (or was cached)
-        self.stored_tokens = 0  # tokens this generation put into the prefix cache
-        self.store_s = 0.0
-        self._stored_upto = 0  # the exact tokens offered to the prefix cache so far
+        # tokens this generation put into the prefix cache, the seconds it took, the exact tokens offered so far
+        self.stored_tokens, self.store_s, self._stored_upto = 0, 0.0, 0
         self.out: PrefillOutput | None = None
         self.branches: list[Branch] = []
         self.decode_s = 0.0
         self._cache: DynamicCache | None = None
-        self._looked_up = False
         self._parts: list[ComputeStats] = []
         self._started: float | None = None
         self.ttft_s = 0.0
@@ -171,14 +170,16 @@ class Generation:
 
     # --- prefill ---------------------------------------------------------------------------
     def lookup(self) -> int:
-        """Look the prompt up in the prefix cache (once; inside TTFT); returns :attr:`remaining`."""
-        if not self._looked_up:
-            self._looked_up = True
-            if self.uses_cache:
-                assert self.prefix_cache is not None
-                with torch.inference_mode(), TimingWindow(self.model.device) as lookup:
-                    hit = self.prefix_cache.lookup(self.model, self.input_ids)
-                self.lookup_s = lookup.seconds
+        """Look the prompt up in the prefix cache (inside TTFT); again before the first unit of prefill
+        if blocks were stored since (by running requests: :attr:`shared_tokens`); returns :attr:`remaining`."""
+        cache = self.prefix_cache if self.uses_cache and not self._parts else None
+        if cache is not None and self._seen != (seen := cache.stats.stored_tokens):
+            with torch.inference_mode(), TimingWindow(self.model.device) as lookup:
+                hit = cache.lookup(self.model, self.input_ids)
+            self.lookup_s += lookup.seconds
+            self.shared_tokens += max(0, hit.tokens - self.cached_tokens) if self._seen is not None else 0
+            self._seen = seen
+            if hit.tokens >= self.cached_tokens:  # (blocks evicted meanwhile: the longer hit held is kept)
                 self.cached_tokens = self.done_tokens = hit.tokens
                 self._cache = hit.cache if hit.tokens else None
         return self.remaining
@@ -285,15 +286,13 @@ class Generation:
         return event
 
     def publish(self) -> None:
-        """Store the prompt's exact whole blocks once the prefill is done (after the first tokens'
-        events, before any decode step), so a request over the same prefix hits while this one
-        decodes (earlier chunks store theirs as each ends); a no-op after the first call."""
+        """Store the prompt's exact whole blocks once the prefill is done, after the first tokens' events
+        and before any decode step, so a request over the same prefix hits while this one decodes."""
         if self.out is not None:
             self._store(self.input_ids[0].tolist(), self.out.cache, self.out.exact_tokens)
 
     def _store(self, ids: list[int], cache: DynamicCache, exact_tokens: int) -> None:
-        """Store the whole blocks of ``ids[:exact_tokens]`` that ``cache`` holds exactly (those
-        already cached are only refreshed), counted in :attr:`stored_tokens`."""
+        """Store the whole blocks of ``ids[:exact_tokens]`` from ``cache`` (counted in :attr:`stored_tokens`)."""
         if self.prefix_cache is None or exact_tokens <= max(self.cached_tokens, self._stored_upto):
             return
         with torch.inference_mode(), TimingWindow(self.model.device) as window:
@@ -319,6 +318,7 @@ class Generation:
                           f"not used: {method.name} takes no cached prefix" if not method.takes_prefix else
                           "hit" if self.cached_tokens else "miss"),
             stored_tokens=self.stored_tokens, prefix_lookup_s=self.lookup_s, prefix_store_s=self.store_s,
+            shared_tokens=self.shared_tokens,
             dtype=dtype_name(self.model.dtype),
         )
 

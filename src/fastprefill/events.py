@@ -35,6 +35,8 @@ class Timing:
             FLOPs, method counters), as the method reported it.
         decode_extra: counters the method's own decoder gathered (``Decoder.stats``).
         cached_tokens: prompt tokens whose K/V came from a prefix cache (not computed).
+        shared_tokens: of ``cached_tokens``, those other requests stored after this one was
+            admitted (in-flight sharing: it waited for a running prefill of the same prefix).
         prefix_cache: what the prefix cache did: ``"off"`` (none given), ``"hit"``, ``"miss"``,
             or ``"not used: <method> takes no cached prefix"`` (the whole prompt ran).
         stored_tokens: tokens this generation added to the prefix cache.
@@ -60,6 +62,7 @@ class Timing:
     prefix_lookup_s: float = 0.0
     prefix_store_s: float = 0.0
     dtype: str = ""
+    shared_tokens: int = 0
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -80,6 +83,7 @@ class Timing:
             **self.stats.to_dict(),
             "extra": self.extra,
             "cached_tokens": self.cached_tokens,
+            "shared_tokens": self.shared_tokens,
             "prefix_cache": self.prefix_cache,
             "stored_tokens": self.stored_tokens,
             "prefix_lookup_s": self.prefix_lookup_s,

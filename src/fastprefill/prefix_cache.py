@@ -112,7 +112,7 @@ class PrefixCacheStats:
 
     Attributes:
         hit_tokens / miss_tokens: prompt tokens served from the cache / computed, over lookups.
-        lookups: prompts looked up; hits: lookups that found at least one block.
+        lookups: lookups (a request that waited for another's blocks makes two); hits: with a block.
         stored_tokens: tokens written; evicted_blocks: blocks dropped for the byte bound.
     """
 

@@ -71,10 +71,10 @@ def test_a_shared_prefix_is_served_from_the_cache_and_counted(smollm2, uncached)
 
 @pytest.mark.parametrize("scheduler", ["fifo", "interleaved"])
 def test_concurrent_requests_sharing_a_prefix_get_the_uncached_answers(smollm2, uncached, scheduler):
-    """Four questions over one document at once: the answers are the uncached ones. One at a time
-    (fifo) the first computes the document and the three others hit; interleaved, requests
-    admitted together are looked up before any has stored (a request stores after its last
-    token), so each may compute it."""
+    """Four questions over one new document at once: the answers are the uncached ones, and the
+    document is computed once. One at a time (fifo) the first computes it and the three others
+    hit; interleaved, a request admitted while another prefills the document waits for its
+    blocks (counted in /metrics as shared) and prefills only its question."""
     model, tok = smollm2
     with background(create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=64, scheduler=scheduler))) as url:
         client = openai_client(url)
@@ -97,8 +97,13 @@ def test_concurrent_requests_sharing_a_prefix_get_the_uncached_answers(smollm2, 
         for t in threads:
             t.join(600)
         assert {q: text for q, (text, _) in got.items()} == {q: uncached(q) for q in QUESTIONS}
-        hits = sorted(c > 0 for _, c in got.values())
-        assert hits == [False, True, True, True] if scheduler == "fifo" else not hits[0]  # the first computes it
+        cached = sorted(c for _, c in got.values())
+        doc_tokens = len(tok(DOC)["input_ids"])
+        assert cached[0] == 0 and all(doc_tokens - 16 <= c <= doc_tokens + 16 for c in cached[1:])  # the first computes it
+        prompts = sum(len(tok(_prompt(q))["input_ids"]) for q in QUESTIONS)
+        assert metric_value(url, "fastprefill_prompt_tokens_computed_total", method="full") == prompts - sum(cached)
+        shared = metric_value(url, "fastprefill_prompt_tokens_shared_total", method="full")
+        assert shared <= sum(cached) and (scheduler == "interleaved" or shared == 0)
 
 
 def test_off_with_zero_megabytes(smollm2, uncached):

@@ -13,6 +13,7 @@ import torch
 
 from fastprefill.batch import DecodeBatch
 from fastprefill.engine import Generation, generate
+from fastprefill.methods.baselines import RandomDrop
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.prefix_cache import PrefixCache
@@ -183,6 +184,71 @@ def test_answers_of_the_scheduler_equal_generate(tiny_llama, make_ids, loop):
         assert job.outcome == "ok" and isinstance(events[-1], Finished)
         assert sum(isinstance(e, Token) for e in events) >= 1
         assert events[-1].answers[0].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 7, stop_at_eos=False).token_ids
+
+
+@pytest.mark.parametrize(("budget", "arrive"), [(32, "together"), (8192, "together"), (32, "mid-prefill")])
+def test_requests_over_one_new_document_compute_it_once(tiny_llama, make_ids, loop, budget, arrive):
+    """Four questions over one new 200-token document, submitted together (or three of them once the
+    first has run a chunk), the prefix cache on: the document is prefilled once (the first request's
+    whole prompt, then each other only its rest past the document's whole blocks, which it waited
+    for: in chunks of 32 the others would be aged past the first after 4 iterations and compute the
+    rest of the document beside it), /metrics' shared tokens count those, and every answer equals
+    generate's without a cache."""
+    metrics = ServeMetrics()
+    cache = PrefixCache(64 * MB, block_tokens=16)
+    backend = LocalBackend(tiny_llama, None, cache)
+    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=budget))
+    doc = make_ids(200, 40)
+    prompts = [torch.cat([doc, make_ids(5 + i, 41 + i)], dim=1) for i in range(4)]
+    jobs = [_job(backend, ids, loop, metrics, 5, float(i)) for i, ids in enumerate(prompts)]
+    sched.submit(jobs[0])
+    if arrive == "mid-prefill":
+        sched.run_once()
+        assert not sched.running[0].work.prefilled
+    for job in jobs[1:]:
+        sched.submit(job)
+    while sched.running or sched.waiting:
+        sched.run_once()
+    finished = [loop.events(job)[-1] for job in jobs]
+    timings = [f.timing for f in finished]
+    reused = 200 // 16 * 16  # the document's whole blocks
+    assert [t.cached_tokens for t in timings] == [0, reused, reused, reused]
+    early = 32 if arrive == "mid-prefill" else 0  # the first chunk's blocks, stored before the others came
+    assert [t.shared_tokens for t in timings] == [0, *3 * [reused - early]]
+    prefilled = sum(t.prompt_tokens - t.cached_tokens for t in timings)
+    assert prefilled == sum(p.shape[1] for p in prompts) - 3 * reused  # the document once, plus the questions
+    samples = {s.name: s.value for f in metrics.registry.collect() for s in f.samples if s.labels.get("method") == "full"}
+    assert samples["fastprefill_prompt_tokens_shared_total"] == 3 * (reused - early)
+    assert samples["fastprefill_prompt_tokens_computed_total"] == prefilled
+    for done, ids in zip(finished, prompts, strict=True):
+        want = generate(tiny_llama, None, ids, FullPrefill(), 5, stop_at_eos=False).token_ids
+        assert done.answers[0].token_ids == want
+
+
+def test_a_request_waits_only_for_blocks_it_lacks_from_a_running_exact_prefill(tiny_llama, make_ids):
+    """What a request would wait for: the whole blocks a running full prefill shares with its prompt
+    past its own hit; nothing from a prefill of another prompt, one already done, one that is not
+    exact (LazyLLM stores no pruned K/V), or when it takes no cached prefix."""
+    cache = PrefixCache(64 * MB, block_tokens=16)
+    backend = LocalBackend(tiny_llama, None, cache)
+    doc = make_ids(70, 50)
+
+    def gen(ids, method=None):
+        return Generation(tiny_llama, None, ids, method or FullPrefill(), 3, prefix_cache=cache)
+
+    waiting = gen(torch.cat([doc, make_ids(9, 51)], dim=1))
+    waiting.lookup()
+    running = gen(torch.cat([doc, make_ids(30, 52)], dim=1))
+    assert backend.waits_for(waiting, running) == 64
+    assert backend.waits_for(waiting, gen(doc[:, :40])) == 32  # a shorter prompt: its whole blocks
+    assert backend.waits_for(waiting, gen(make_ids(90, 53))) == 0
+    assert backend.waits_for(waiting, gen(torch.cat([doc, make_ids(3, 54)], dim=1), LazyLLM(preset="default"))) == 0
+    no_prefix = gen(torch.cat([doc, make_ids(9, 51)], dim=1), RandomDrop(keep=0.5))
+    assert not no_prefix.uses_cache and backend.waits_for(no_prefix, running) == 0
+    running.prefill(None)
+    assert backend.waits_for(waiting, running) == 0  # done: its blocks are in the cache (looked up again)
+    running.publish()
+    assert waiting.lookup() == 79 - 64 and waiting.shared_tokens == 64
 
 
 def test_short_first_orders_by_remaining_tokens_and_ages_the_passed_over():

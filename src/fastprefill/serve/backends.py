@@ -103,6 +103,11 @@ class Backend(Protocol):
         """The job's work."""
         ...
 
+    def waits_for(self, work: Work, other: Work) -> int:
+        """Prompt tokens of ``work`` that ``other`` (running) will store and ``work`` lacks: worth
+        waiting for rather than computing twice (0: none)."""
+        ...
+
     def warm_up(self, method: Method, vocab_size: int) -> None:
         """One short generation with ``method`` (first calls are slow)."""
         ...
@@ -133,6 +138,20 @@ class LocalBackend:
         only once it is complete)."""
         return Generation(self.model, self.tokenizer, job.input_ids, job.method, job.max_tokens,
                           prefix_cache=self.prefix_cache, sampling=job.sampling)
+
+    def waits_for(self, work: Work, other: Work) -> int:
+        """The whole blocks of ``work``'s prompt past what it found in the prefix cache that
+        ``other``, an exact prefill still running over the same cache, shares with it and will
+        store (each chunk's as it ends, the last once its first token is out); 0 when ``work``
+        takes no cached prefix or ``other`` stores nothing it lacks."""
+        cache = self.prefix_cache
+        if (cache is None or not isinstance(work, Generation) or not isinstance(other, Generation) or not work.uses_cache
+                or other.prefix_cache is not cache or other.prefilled or not other.method.chunked_prefill):
+            return 0
+        n = min(work.n_prompt - 1, other.n_prompt)  # a hit leaves at least the last prompt token to run
+        differ = (work.input_ids[0, :n] != other.input_ids[0, :n]).nonzero()
+        common = int(differ[0, 0]) if len(differ) else n
+        return max(0, common // cache.block_tokens * cache.block_tokens - work.cached_tokens)
 
     def warm_up(self, method: Method, vocab_size: int) -> None:
         generate(self.model, self.tokenizer, _warm_ids(vocab_size), method, max_new_tokens=2)
@@ -225,6 +244,10 @@ class RankBackend:
     def unavailable(self) -> str | None:
         """The pool's failure, or a rank gone since its last request (:meth:`ServedPool.lost`)."""
         return self.pool.lost()
+
+    def waits_for(self, work: Work, other: Work) -> int:
+        """0: the ranks keep no prefix cache."""
+        return 0
 
     def begin(self, job: Job) -> RankGeneration:
         assert runs_on_ranks(job.method)

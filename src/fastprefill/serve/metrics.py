@@ -56,6 +56,9 @@ class ServeMetrics:
         self.cached_prompt_tokens = Counter("fastprefill_prompt_tokens_cached",
                                             "prompt tokens served from the prefix cache (not prefilled)",
                                             m, registry=r)
+        self.shared_prompt_tokens = Counter("fastprefill_prompt_tokens_shared",
+                                            "of the cached prompt tokens, those a request running beside it "
+                                            "computed after it arrived (it waited for them)", m, registry=r)
         self.computed_prompt_tokens = Counter("fastprefill_prompt_tokens_computed",
                                               "prompt tokens prefilled (not found in the prefix cache)", m, registry=r)
         self.prefix_cache_bytes = Gauge("fastprefill_prefix_cache_bytes", "bytes of K/V the prefix cache holds",
@@ -104,6 +107,7 @@ class ServeMetrics:
         if label == "auto":  # the profile's choice for this prompt's length
             self.auto_choices.labels(timing.method).inc()
         self.cached_prompt_tokens.labels(label).inc(timing.cached_tokens)
+        self.shared_prompt_tokens.labels(label).inc(timing.shared_tokens)
         self.computed_prompt_tokens.labels(label).inc(timing.prompt_tokens - timing.cached_tokens)
 
     def render(self) -> bytes:

@@ -13,7 +13,9 @@ repeats one *iteration*:
    policy's order. An exact method (``Method.chunked_prefill``: full prefill, prefix-cache hits
    included) runs a chunk of its prompt over the K/V computed so far, the prefix cache's own hit
    path; any other method (LazyLLM, the KV Prediction methods, the multi-rank methods) runs its
-   whole prefill as one unit, started only at the head of an iteration.
+   whole prefill as one unit, started only at the head of an iteration. A request that has not
+   started waits while a running exact prefill computes blocks of its prompt (its backend's
+   ``waits_for``), then prefills only its rest: a new document is computed once.
 
 **Pauses** (on by default; :mod:`fastprefill.serve.pauses`). A chunk runs on a thread of its
 own and stops before its next decoder layer when a request arrives, or when a decode step is
@@ -348,8 +350,8 @@ class Scheduler:
         left, served = budget, set()
         busy = {id(r.job.backend) for r in self.running if r.job.backend.exclusive and r.work.prefilled}
         for run in self.policy.order(runs):
-            if id(run.job.backend) in busy or run not in self.running or run.work.prefilled:
-                continue  # its backend runs one request at a time; or dropped, or prefilled in an interlude
+            if id(run.job.backend) in busy or run not in self.running or run.work.prefilled or self._waits(run):
+                continue  # its backend runs one request at a time; dropped, prefilled in an interlude; or waits
             if budget is not None and not run.work.chunked and left != budget:
                 continue  # a whole prefill starts an iteration
             ran = self._unit(run, left)
@@ -365,6 +367,12 @@ class Scheduler:
                 break
         for run in runs:
             run.skips = 0 if id(run) in served else run.skips + 1
+
+    def _waits(self, run: Running) -> bool:
+        """Whether ``run`` has not started and a started prefill will store blocks of its prompt it
+        lacks: it waits for them, then prefills only its rest (one computation per new prefix)."""
+        return run.started is None and any(o is not run and o.started is not None and not o.work.prefilled
+                                           and run.job.backend.waits_for(run.work, o.work) > 0 for o in self.running)
 
     def _unit(self, run: Running, budget: int | None, pausable: bool = True) -> int | None:
         """One unit of ``run``'s prefill (at most ``budget`` tokens when chunked), pausable between
