@@ -20,6 +20,7 @@ from fastprefill.errors import ConfigError
 from fastprefill.host import cpu_info, resolve_dtype
 from fastprefill.models import random as random_models
 from fastprefill.models.adapters import compile_blocks, fuse_mlps
+from fastprefill.models.attention import attention_backend
 from fastprefill.models.packed import can_pack, onednn_bf16, pack_linears, packable
 from fastprefill.models.pretrained import load_pretrained
 from fastprefill.models.zoo import (
@@ -106,7 +107,21 @@ def load(
         compile = torch.device(device).type == "cpu" and _inductor_can_compile()
     if compile:
         compile_blocks(model)
+    if not random_models.is_random_spec(spec):
+        _warn_if_no_kernel(model)
     return model, tokenizer
+
+
+def _warn_if_no_kernel(model: Any) -> None:
+    """Say once per process and reason when a CPU model's attention runs on SDPA instead of the
+    C++ kernel (:mod:`fastprefill.kernels`) although the model did not choose SDPA."""
+    backend, why = attention_backend(model)
+    if backend == "sdpa" and why and model.device.type == "cpu" and why not in _kernel_warnings:
+        _kernel_warnings.add(why)
+        warnings.warn(f"attention runs on SDPA, not fastprefill's C++ kernel: {why}", stacklevel=3)
+
+
+_kernel_warnings: set[str] = set()
 
 
 def _warn_if_emulated(dtype: torch.dtype, device: str | torch.device) -> None:
