@@ -64,3 +64,12 @@ def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         gpu_check.parse_args(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cells_past_the_budget_are_skipped_and_recorded(tmp_path):
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--lengths", "32", "--repeats", "1", "--dtypes", "float32",
+                           "--models", "qwen2-tiny", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "gpu_check_cpu_tiny.json").read_text())
+    assert len(doc["ttft"]) == len(gpu_check.table_methods(8))
+    assert all(r["error"] == "skipped: past --budget-s" for r in doc["ttft"])
+    assert "skipped: past --budget-s" in (tmp_path / "gpu_check_cpu_tiny.md").read_text()
