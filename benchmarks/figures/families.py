@@ -9,6 +9,7 @@
 - ``runahead_ttft*.jsonl`` (``benchmarks/runahead_ttft.py``): the ``.md`` table from the rows'
   medians, and each row's median from its runs; ``runahead_projection.jsonl``: its ``.md`` table;
 - ``kvp_lsweep_*.jsonl``: the ``.md`` from :func:`research.kvp.lsweep_table`;
+- ``lazyllm_equivalence.jsonl``: each row's TTFT ratio from its two TTFTs;
 - ``anchors/<dir>/summary.md``: re-made from the ``run-*.jsonl`` beside it by
   ``benchmarks/anchors/summarize.py`` (every table cell and the machine line).
 
@@ -32,7 +33,7 @@ __all__ = ["FAMILIES", "check_anchors", "check_family"]
 
 #: file-name prefixes of the families handled here
 FAMILIES = ("serve_mixed_", "serve_soak_", "serve_load_", "serve_runahead_load_", "runahead_ttft", "runahead_projection",
-            "kvp_lsweep_")
+            "kvp_lsweep_", "lazyllm_equivalence")
 
 
 def _compare_md(report: VerifyReport, md: Path, remade: str, label: str | None = None) -> None:
@@ -140,9 +141,19 @@ def _kvp_lsweep(report: VerifyReport, path: Path) -> None:
     report.checked.append(path.name)
 
 
+def _lazyllm_equivalence(report: VerifyReport, path: Path) -> None:
+    """Each row's TTFT ratio from its two TTFTs (its logit difference and tokens are as measured)."""
+    _, rows = read_rows(path)
+    for i, r in enumerate(rows):
+        report.mismatches += compare_json(path.name, f"row {i + 1}.ttft_ratio_lazy_over_full",
+                                          r["ttft_ratio_lazy_over_full"], r["ttft_lazy_s"] / r["ttft_full_s"])
+    report.checked.append(path.name)
+
+
 _HANDLERS = {"serve_mixed_": _serve_mixed, "serve_soak_": _serve_soak, "serve_load_": _serve_load,
              "serve_runahead_load_": _serve_load, "runahead_ttft": _runahead_ttft,
-             "runahead_projection": _runahead_projection, "kvp_lsweep_": _kvp_lsweep}
+             "runahead_projection": _runahead_projection, "kvp_lsweep_": _kvp_lsweep,
+             "lazyllm_equivalence": _lazyllm_equivalence}
 
 
 def check_family(report: VerifyReport, path: Path) -> bool:

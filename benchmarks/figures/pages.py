@@ -271,6 +271,7 @@ def verify_pages(root: str | Path) -> VerifyReport:
         _check_paths(report, root, page, text, commands)
         report.mismatches += check_prose(str(page.relative_to(root)), text, results, ns)[0]
         for source, rows in page_sources(text):
+            report.quoted.add(source)
             try:
                 tables = result_tables(results, source)
             except ConfigError as exc:

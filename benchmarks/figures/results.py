@@ -77,6 +77,8 @@ class VerifyReport:
     checked: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     mismatches: list[Mismatch] = field(default_factory=list)
+    #: result files whose tables or figures a page quotes, recomputed there (:func:`figures.pages.verify_pages`)
+    quoted: set[str] = field(default_factory=set)
 
     @property
     def ok(self) -> bool:

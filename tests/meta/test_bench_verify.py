@@ -199,3 +199,17 @@ def test_verify_pages_finds_a_changed_prose_figure(tmp_path):
     readme.write_text(text.replace("3.8-4.2x<!-- src:", "3.8-4.3x<!-- src:"))
     found = [m for m in verify_pages(root).mismatches if m.file == "README.md"]
     assert [m.committed for m in found] == ["4.3"], found
+
+
+def test_verify_covers_every_committed_record_file(capsys):
+    """No committed record file (JSON lines) is skipped: each is re-summarized by its own family's
+    check, or quoted and recomputed by a page (the tune runs, whose tables live in tune.md); the
+    anchors' run files re-make their summary."""
+    assert verify.main([]) == 0
+    out = capsys.readouterr().out
+    assert "skipped" not in out, out
+    report = verify_results(RESULTS)
+    covered = set(report.checked) | verify_pages(REPO).quoted
+    records = {p.name for p in RESULTS.glob("*.jsonl") if not p.name.endswith(".summary.jsonl")}
+    records |= {str(p.relative_to(RESULTS)) for p in RESULTS.glob("anchors/*/run-*.jsonl")}
+    assert records and records - covered == set(), sorted(records - covered)
