@@ -32,7 +32,7 @@ UNSOURCED_ALLOWED = {
     "docs/results/kv-prediction.md": 114,
     "docs/results/kv-runahead.md": 0,
     "docs/results/lazyllm.md": 107,
-    "docs/results/native-precision.md": 57,
+    "docs/results/native-precision.md": 6,
     "docs/results/prefix-cache.md": 26,
     "docs/results/serving.md": 290,
     "docs/results/tune.md": 161,
