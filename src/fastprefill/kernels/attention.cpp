@@ -31,9 +31,10 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Keys per block, and the stacked query rows (G * QB) a block aims for.
-constexpr int64_t kKeyBlock = 256;
-constexpr int64_t kRowTarget = 384;
+// Keys per block, and the stacked query rows (G * QB) a block aims for (the defaults; a caller
+// may pass others to tune).
+constexpr int64_t kKeyBlockDefault = 256;
+constexpr int64_t kRowTargetDefault = 384;
 
 template <typename T> constexpr bool kVnni = std::is_same_v<T, at::BFloat16>;
 
@@ -43,9 +44,9 @@ template <typename T> constexpr bool kVnni = std::is_same_v<T, at::BFloat16>;
 // w is the block's width rounded up to even; keys past N are zeros (and masked: beyond every row).
 template <typename T>
 void pack_head(const T* k, const T* v, int64_t ks, int64_t vs, int64_t n, int64_t d,
-               T* kp, T* vp) {
-  for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
-    const int64_t w = std::min(kKeyBlock, n - j0);
+               T* kp, T* vp, int64_t key_block) {
+  for (int64_t j0 = 0; j0 < n; j0 += key_block) {
+    const int64_t w = std::min(key_block, n - j0);
     const int64_t wp = (w + 1) & ~int64_t(1);
     T* kb = kp + j0 * d;
     T* vb = vp + j0 * d;
@@ -73,13 +74,13 @@ template <typename T>
 void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
            T* out, int64_t os_t, int64_t os_h,
            int64_t h0, int64_t g, int64_t t0, int64_t t1, int64_t p, int64_t n, int64_t d,
-           float scale, std::vector<T>& qbuf, std::vector<float>& s, std::vector<T>& pb,
+           float scale, int64_t key_block, std::vector<T>& qbuf, std::vector<float>& s, std::vector<T>& pb,
            std::vector<float>& o, std::vector<float>& mx, std::vector<float>& sum) {
   const int64_t qb = t1 - t0;
   const int64_t m = g * qb;
   qbuf.resize(m * d);
-  s.resize(m * kKeyBlock);
-  pb.resize(m * kKeyBlock);
+  s.resize(m * key_block);
+  pb.resize(m * key_block);
   o.assign(m * d, 0.f);
   mx.assign(m, kNegInf);
   sum.assign(m, 0.f);
@@ -88,8 +89,8 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
       std::copy_n(q + (h0 + j) * qs_h + (t0 + t) * qs_t, d, qbuf.data() + (j * qb + t) * d);
   const int64_t last = std::min(n, p + t1);  // keys the block's last row sees
   const int64_t vec = Vec::size();
-  for (int64_t j0 = 0; j0 < last; j0 += kKeyBlock) {
-    const int64_t w = std::min(kKeyBlock, n - j0);
+  for (int64_t j0 = 0; j0 < last; j0 += key_block) {
+    const int64_t w = std::min(key_block, n - j0);
     const int64_t wp = (w + 1) & ~int64_t(1);
     at::native::cpublas::brgemm(m, wp, d, d, wp, wp, false, qbuf.data(), kp + j0 * d, s.data(), kVnni<T>);
     for (int64_t r = 0; r < m; ++r) {
@@ -145,7 +146,8 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
 }
 
 template <typename T>
-at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+               int64_t key_block, int64_t row_target) {
   const int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3);
   const int64_t hkv = k.size(1), n = k.size(2);
   const int64_t g = hq / hkv, p = n - t;
@@ -163,10 +165,10 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, do
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t bi = i / hkv, h = i % hkv;
       pack_head<T>(kd + bi * k.stride(0) + h * k.stride(1), vd + bi * v.stride(0) + h * v.stride(1),
-                   k.stride(2), v.stride(2), n, d, kpd + i * npad * d, vpd + i * npad * d);
+                   k.stride(2), v.stride(2), n, d, kpd + i * npad * d, vpd + i * npad * d, key_block);
     }
   });
-  const int64_t qb = std::max<int64_t>(1, std::min(t, kRowTarget / g));
+  const int64_t qb = std::max<int64_t>(1, std::min(t, row_target / g));
   const int64_t nq = (t + qb - 1) / qb;
   // Tasks ordered light, heavy, light, heavy... (q block 0, nq-1, 1, nq-2, ...) so that the
   // contiguous ranges parallel_for hands each thread carry about equal causal work.
@@ -180,14 +182,15 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, do
       const int64_t t0 = blk * qb, t1 = std::min(t, t0 + qb);
       block<T>(qd + bi * q.stride(0), q.stride(1), q.stride(2), kpd + head * npad * d, vpd + head * npad * d,
                od + bi * t * hq * d, hq * d, d, h * g, g, t0, t1, p, n, d, static_cast<float>(scale),
-               qbuf, s, pb, o, mx, sum);
+               key_block, qbuf, s, pb, o, mx, sum);
     }
     at::native::cpublas::brgemm_release(kVnni<T>);
   });
   return out;
 }
 
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                            int64_t key_block, int64_t row_target) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D (B, H, T, d)");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v of one dtype");
@@ -198,13 +201,16 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.size(2) <= k.size(2), "more queries than keys");
   TORCH_CHECK(q.size(3) % 2 == 0, "head size must be even");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "unit stride on the head dimension");
-  if (q.scalar_type() == at::kBFloat16) return run<at::BFloat16>(q, k, v, scale);
-  return run<float>(q, k, v, scale);
+  TORCH_CHECK(key_block >= 16 && key_block % 16 == 0 && row_target >= 1, "key_block a multiple of 16, row_target >= 1");
+  if (q.scalar_type() == at::kBFloat16) return run<at::BFloat16>(q, k, v, scale, key_block, row_target);
+  return run<float>(q, k, v, scale, key_block, row_target);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention", &causal_attention,
-        "causal attention of the last T of N positions: q (B,H_q,T,d), k/v (B,H_kv,N,d) -> (B,T,H_q,d)");
+        "causal attention of the last T of N positions: q (B,H_q,T,d), k/v (B,H_kv,N,d) -> (B,T,H_q,d)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("key_block") = kKeyBlockDefault,
+        py::arg("row_target") = kRowTargetDefault);
 }
