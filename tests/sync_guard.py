@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostSync", "SyncLog", "host_syncs_in_layers"]
+__all__ = ["HostSync", "SyncLog", "host_syncs", "host_syncs_in_layers"]
 
 _aten = torch.ops.aten
 #: Operators that read a value back to the host (``item`` and friends) or size their output by
@@ -85,22 +85,8 @@ class _Watch(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def host_syncs_in_layers(model: torch.nn.Module) -> Iterator[SyncLog]:
-    """``with host_syncs_in_layers(model) as log: method.prefill(model, ids)``, then ``log.syncs``.
-
-    Records every host round-trip from the start of ``model.model.layers[0]``'s forward to the
-    end of the last layer's (each decoder-layer call of a forward or of a method's own layer loop).
-    """
-    layers = model.model.layers
-    log = SyncLog()
-
-    def arm(*_: Any) -> None:
-        log.armed = True
-
-    def disarm(*_: Any) -> None:
-        log.armed = False
-
-    hooks = [layers[0].register_forward_pre_hook(arm), layers[-1].register_forward_hook(disarm)]
+def _watching(log: SyncLog) -> Iterator[SyncLog]:
+    """The dispatcher mode and the patched tensor readers, for the block (undone on exit)."""
     originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
 
     def reading(name: str) -> Any:
@@ -117,5 +103,35 @@ def host_syncs_in_layers(model: torch.nn.Module) -> Iterator[SyncLog]:
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+
+
+@contextlib.contextmanager
+def host_syncs() -> Iterator[SyncLog]:
+    """``with host_syncs() as log: ...``: every host round-trip inside the block."""
+    with _watching(SyncLog(armed=True)) as log:
+        yield log
+
+
+@contextlib.contextmanager
+def host_syncs_in_layers(model: torch.nn.Module) -> Iterator[SyncLog]:
+    """``with host_syncs_in_layers(model) as log: method.prefill(model, ids)``, then ``log.syncs``.
+
+    Records every host round-trip from the start of ``model.model.layers[0]``'s forward to the
+    end of the last layer's (each decoder-layer call of a forward or of a method's own layer loop).
+    """
+    layers = model.model.layers
+    log = SyncLog()
+
+    def arm(*_: Any) -> None:
+        log.armed = True
+
+    def disarm(*_: Any) -> None:
+        log.armed = False
+
+    hooks = [layers[0].register_forward_pre_hook(arm), layers[-1].register_forward_hook(disarm)]
+    try:
+        with _watching(log):
+            yield log
+    finally:
         for hook in hooks:
             hook.remove()

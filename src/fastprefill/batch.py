@@ -118,8 +118,10 @@ class DecodeBatch:
             out = self.model(input_ids=ids, past_key_values=self._cache, attention_mask=mask, position_ids=positions,
                              use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1].float()  # (B, V)
+            plain = [b.choice.sampler.argmax_only for b in rows]
+            tops = logits.argmax(dim=-1).tolist() if any(plain) else []  # (B,): the greedy rows' in one read
             for row, branch in enumerate(rows):
-                branch.choice.pick(logits[row])
+                branch.choice.pick(logits[row], tops[row] if plain[row] else None)
         self._mask = mask
         for branch in rows:
             branch.decoder.position += 1

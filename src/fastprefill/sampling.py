@@ -286,18 +286,25 @@ class Sampler:
             self.generator.manual_seed(seed % 2**64)
         return self.generator
 
-    def pick(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+    @property
+    def argmax_only(self) -> bool:
+        """Whether a pick is its row's ``argmax`` and nothing else (greedy, no processor)."""
+        return self.params.greedy and self.processors is None
+
+    def pick(self, logits: torch.Tensor, argmax: int | None = None) -> tuple[int, TokenLogprob | None]:
         """The next token from ``logits``, the ``(V,)`` (or ``(1, V)``) row of the model's logits
         for it, and its :class:`TokenLogprob` if ``params.logprobs`` asks for one.
 
-        Greedy with no processor: ``argmax(logits)``. Otherwise the processors (if any) run over
-        ``(1, V)`` float32 scores, then ``argmax`` (greedy) or one ``torch.multinomial`` draw
-        from their softmax with this sampler's generator (also with no processor: temperature 1
-        and nothing else samples from the model's own distribution). The token joins the history.
+        Greedy with no processor (:attr:`argmax_only`): ``argmax(logits)``, or ``argmax`` when the
+        caller read it already (a decode batch reads every row's in one transfer). Otherwise the
+        processors (if any) run over ``(1, V)`` float32 scores, then ``argmax`` (greedy) or one
+        ``torch.multinomial`` draw from their softmax with this sampler's generator (also with no
+        processor: temperature 1 and nothing else samples from the model's own distribution).
+        The token joins the history.
         """
         row = logits.reshape(-1)  # (V,)
-        if self.params.greedy and self.processors is None:
-            token = int(torch.argmax(row))
+        if self.argmax_only:
+            token = int(torch.argmax(row)) if argmax is None else argmax
         else:
             scores = row.float().reshape(1, -1).clone()  # (1, V)
             if self.processors is not None:
@@ -356,9 +363,10 @@ class Choice:
         self.stops = StopStrings(params.stop)
         self.finish_reason: str | None = None
 
-    def pick(self, logits: torch.Tensor) -> int:
-        """The next token from the ``(V,)`` logits row (see :meth:`Sampler.pick`)."""
-        token, entry = self.sampler.pick(logits)
+    def pick(self, logits: torch.Tensor, argmax: int | None = None) -> int:
+        """The next token from the ``(V,)`` logits row (see :meth:`Sampler.pick`; ``argmax``: the
+        row's, when the caller read it already)."""
+        token, entry = self.sampler.pick(logits, argmax)
         self.ids.append(token)
         if entry is not None:
             self.logprobs.append(entry)

@@ -182,3 +182,32 @@ def test_a_generations_ttft_is_a_span_of_the_device_clock(monkeypatch, tiny_llam
     assert log and all(a == "sync" for a, b in itertools.pairwise(log) if b == "read") and log[0] == "sync"
     assert timing.ttft_s >= 1 and timing.ttft_s == int(timing.ttft_s)
     assert timing.decode_s_per_token is not None and 2 * timing.decode_s_per_token == int(2 * timing.decode_s_per_token)
+
+
+def test_a_decode_batch_step_reads_the_greedy_rows_tokens_at_once(tiny_llama, make_ids):
+    """One step of a padded decode batch reads its greedy rows' tokens from the device in one
+    transfer: the step's host reads do not grow with its rows (and the tokens are each stream's
+    alone, as ``tests/unit/test_batch_sampling.py`` asserts for every sampling setting)."""
+    from fastprefill.batch import DecodeBatch
+    from fastprefill.engine import Generation, generate
+    from tests.sync_guard import host_syncs
+
+    def step_reads(rows: int) -> tuple[int, list[list[int]]]:
+        gens = [Generation(tiny_llama, None, make_ids(9 + 7 * i, i), FullPrefill(), 6, stop_at_eos=False)
+                for i in range(rows)]
+        for gen in gens:
+            gen.prefill(None)
+            gen.first_events()
+        batch = DecodeBatch(tiny_llama, max_batch=rows)
+        batch.step(gens)  # the first step stacks the rows (a regroup)
+        with host_syncs() as log:  # a middle step (the last one stores the answer's ids)
+            batch.step(gens)
+        while live := [g for g in gens if not g.finished]:
+            batch.step(live)
+        return len(log.syncs), [g.choices[0].ids for g in gens]
+
+    (two, tokens2), (four, tokens4) = step_reads(2), step_reads(4)
+    assert two == four <= 2  # the rows' tokens, and transformers' own look at the padding mask
+    alone = [generate(tiny_llama, None, make_ids(9 + 7 * i, i), FullPrefill(), 6, stop_at_eos=False).token_ids
+             for i in range(4)]
+    assert tokens4 == alone and tokens2 == alone[:2]
