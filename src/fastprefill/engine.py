@@ -175,13 +175,13 @@ class Generation:
         cache = self.prefix_cache if self.uses_cache and not self._parts else None
         if cache is not None and self._seen != (seen := cache.stats.stored_tokens):
             with torch.inference_mode(), TimingWindow(self.model.device) as lookup:
-                hit = cache.lookup(self.model, self.input_ids)
+                hit = cache.lookup(self.model, self.input_ids, longer_than=self.cached_tokens)
             self.lookup_s += lookup.seconds
             self.shared_tokens += max(0, hit.tokens - self.cached_tokens) if self._seen is not None else 0
             self._seen = seen
-            if hit.tokens >= self.cached_tokens:  # (blocks evicted meanwhile: the longer hit held is kept)
+            if hit.cache is not None:  # longer than the hit held (which is kept otherwise: no K/V copied again)
                 self.cached_tokens = self.done_tokens = hit.tokens
-                self._cache = hit.cache if hit.tokens else None
+                self._cache = hit.cache
         return self.remaining
 
     @property

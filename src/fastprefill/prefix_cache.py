@@ -99,7 +99,7 @@ class PrefixHit:
         tokens: ``P``, the positions the cache gives (at most ``T - 1``: the last prompt token
             always runs, it makes the first-token logits).
         cache: a new ``DynamicCache`` holding positions ``0..P-1`` at every layer (``None``
-            when ``P == 0``); the caller owns it and may append to it.
+            when ``P`` is 0, or not more than the caller held); the caller owns it.
     """
 
     tokens: int
@@ -217,16 +217,17 @@ class PrefixCache:
         return out
 
     # --- the two operations ---------------------------------------------------------------
-    def lookup(self, model: PreTrainedModel, input_ids: torch.Tensor) -> PrefixHit:
+    def lookup(self, model: PreTrainedModel, input_ids: torch.Tensor, longer_than: int = 0) -> PrefixHit:
         """The longest cached prefix of a prompt, as a new cache.
 
         Args:
             model: the model the prompt runs on (bound at first use).
             input_ids: ``(1, T)`` prompt ids.
+            longer_than: the hit a caller already holds: a hit no longer comes without K/V.
 
         Returns:
-            ``P`` (whole blocks, capped at ``T - 1``) and a ``DynamicCache`` with their K/V, on
-            the model's device (the hit's blocks become the most recently used).
+            ``P`` (whole blocks, capped at ``T - 1``) and, when ``P > longer_than``, a ``DynamicCache``
+            with their K/V on the model's device (the hit's blocks become the most recently used).
         """
         ids = input_ids.reshape(-1).tolist()
         with self._lock:
@@ -237,16 +238,15 @@ class PrefixCache:
                 if block is None or block.tokens != tokens:
                     break
                 found.append(key)
-            for key in reversed(found):  # child first: the root ends most recent, leaves go first
-                self._blocks.move_to_end(key)
+            self._refresh(found)
             kv = [self._blocks[key].kv for key in found]
             p = min(len(found) * self.block_tokens, len(ids) - 1)
             self.stats.lookups += 1
             self.stats.hits += bool(found)
             self.stats.hit_tokens += p
             self.stats.miss_tokens += len(ids) - p
-        if not p:
-            return PrefixHit(0, None)
+        if p <= longer_than:
+            return PrefixHit(p, None)
         return PrefixHit(p, roomy_from_blocks(model.config, kv, p, len(ids), model.device))
 
     def store(self, model: PreTrainedModel, token_ids: Sequence[int] | torch.Tensor, cache: DynamicCache,
@@ -272,7 +272,7 @@ class PrefixCache:
             self._bind(model)
             first_new = next((i for i, (key, _) in enumerate(keys) if key not in self._blocks), len(keys))
             if first_new == len(keys):  # all cached already
-                self._refresh(keys)
+                self._refresh([key for key, _ in keys])
                 return 0
         b = self.block_tokens
         start, end = first_new * b, len(keys) * b
@@ -295,14 +295,14 @@ class PrefixCache:
                     self._insert(key, _Block(tokens, parent, block_kv))
                     stored += b
                 parent = key
-            self._refresh(keys)
+            self._refresh([key for key, _ in keys])
             self._evict(protect={key for key, _ in keys})
             self.stats.stored_tokens += stored
         return stored
 
     # --- bookkeeping ----------------------------------------------------------------------
-    def _refresh(self, keys: list[tuple[bytes, tuple[int, ...]]]) -> None:
-        for key, _ in reversed(keys):  # child first: the root ends most recent, leaves go first
+    def _refresh(self, keys: list[bytes]) -> None:
+        for key in reversed(keys):  # child first: the root ends most recent, leaves go first
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 

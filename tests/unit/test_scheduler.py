@@ -249,6 +249,13 @@ def test_a_request_waits_only_for_blocks_it_lacks_from_a_running_exact_prefill(t
     assert backend.waits_for(waiting, running) == 0  # done: its blocks are in the cache (looked up again)
     running.publish()
     assert waiting.lookup() == 79 - 64 and waiting.shared_tokens == 64
+    held = waiting._cache
+    generate(tiny_llama, None, make_ids(40, 55), max_new_tokens=1, prefix_cache=cache)  # other blocks stored
+    lookups = cache.stats.lookups
+    assert waiting.lookup() == 79 - 64 and cache.stats.lookups == lookups + 1  # looked up again: nothing longer
+    assert waiting._cache is held and waiting.shared_tokens == 64
+    hit = cache.lookup(tiny_llama, waiting.input_ids, longer_than=64)
+    assert hit.tokens == 64 and hit.cache is None  # no K/V assembled for a hit the caller holds
 
 
 def test_short_first_orders_by_remaining_tokens_and_ages_the_passed_over():
