@@ -179,6 +179,7 @@ def namespace(results: Path) -> dict[str, Any]:
       ``identical answers``;
     - ``anchor(folder, length, kind, system, field="ratio")``: a figure of an anchors run
       (``anchors/<folder>/run-*.jsonl``) as ``summarize.cell`` computes it, unrounded;
+    - ``budget(file)``: a mixed-load record's per-long-prompt budget (``serve_mixed_budget.budget``);
     - ``same(a, b, ...)``: one printed figure that stands for several values, all equal;
     - ``setting(n)``: the last ``n`` numbers are configured values (a preset's cut, a 95% interval's
       level), not measurements;
@@ -249,6 +250,12 @@ def namespace(results: Path) -> dict[str, Any]:
             raise ConfigError(f"anchors/{folder}: no {field} for {system} {kind} at {length} (not paired)")
         return value
 
+    def budget(file: str) -> list[dict[str, Any]]:
+        from serve_mixed_budget import budget as rows_of
+
+        head, body = read_rows(results / file)
+        return rows_of(head, body)
+
     def same(*values: Any) -> Any:
         if len(set(values)) != 1:
             raise ConfigError(f"one figure stands for several values that differ: {values}")
@@ -258,7 +265,7 @@ def namespace(results: Path) -> dict[str, Any]:
         return (Setting(),) * n
 
     return {"cell": cell, "nums": nums, "setting": setting, "same": same, "speedup": speedup, "identical": identical,
-            "anchor": anchor, "header": header, "rows": rows, "doc": doc, "machine": machine,
+            "anchor": anchor, "budget": budget, "header": header, "rows": rows, "doc": doc, "machine": machine,
             "median": statistics.median, "mean": statistics.mean, "min": min, "max": max, "len": len, "sum": sum,
             "round": round, "abs": abs, "sorted": sorted, "tuple": tuple, "list": list, "any": any, "all": all, "zip": zip, "str": str, "int": int, "float": float,
             "__builtins__": {}}
