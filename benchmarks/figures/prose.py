@@ -44,10 +44,10 @@ _LET = re.compile(r"<!--\s*let:\s*(.*?)\s*-->", re.DOTALL)
 #: the line before it (the README's summary table: :mod:`figures.headline`)
 _FROM = re.compile(r"^<!--\s*from:.*?-->[ \t]*\n|<!--\s*checked:.*?-->[ \t]*\n(?:[ \t]*\n)?", re.MULTILINE)
 #: spans that hold no prose figures: fenced and inline code, comments, link targets, URLs, dates, times
-_MASK = re.compile(r"```.*?```|`[^`\n]*(?:\n[^`\n]*)?`|<!--.*?-->|(?:Python|≥|>=|==|<=)\s*\d+(?:\.\d+)+|\]\([^)\s]*\)|https?://\S+|\b\d{4}-\d{2}-\d{2}(?:T[\d:+]+)?"
+_MASK = re.compile(r"```.*?```|`(?:[^`\n]|\n(?![ \t]*\n))*`|<!--.*?-->|(?:Python|≥|>=|==|<=)\s*\d+(?:\.\d+)+|\]\([^)\s]*\)|https?://\S+|\b\d{4}-\d{2}-\d{2}(?:T[\d:+]+)?"
                    r"|\b\d{1,2}:\d{2}(?::\d{2})?\b|arXiv \d{4}\.\d{4,5}", re.DOTALL)
 _NUM = re.compile(r"(?<![\w.])(?<![A-Za-z][-–])[+-]?\d+(?:,\d{3})*(?:\.\d+)?")
-_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
+_CODE = re.compile(r"```.*?```|`(?:[^`\n]|\n(?![ \t]*\n))*`", re.DOTALL)
 #: a unit right after a number that makes it a figure (``12x``, ``96%``, ``0.43 s``, ``2.2 GB``)
 _UNIT = re.compile(r"(?:x|×|%|\s?(?:s|ms|µs|GB|MB|GiB|MiB|KiB|ns|points?|pp)|\s?ms/step)(?![\w])")
 #: letters right after a number that make it not a figure: sizes (0.5B, 135M, 2k), versions (v1.2), ids
