@@ -111,3 +111,21 @@ with open(a.out, "w") as f:
     assert (out / "run-peer-round1.jsonl").stat().st_mtime_ns <= (out / "run-fastprefill-round1.jsonl").stat().st_mtime_ns
     summary = (out / "summary.md").read_text()
     assert "3 rounds" in summary and "| m | 8 | cold | peer | ? |  | 3 | 3 | 8 | 1000.0 | - | 2.00 | [2.00, 2.00] | 0% |" in summary
+
+
+def test_runs_of_another_sitting_are_not_paired(tmp_path):
+    """A peer run that began hours from fastprefill's run of the same round is not divided by it:
+    its row keeps its own medians and gives no ratio, and the summary says why."""
+    fp = _write(tmp_path / "run-fastprefill.jsonl", "fastprefill", [("a", "cold", 1.0)])
+    peer = tmp_path / "run-peer.jsonl"
+    _write(peer, "peer", [("a", "cold", 2.0)])
+    lines = peer.read_text().splitlines()
+    head = json.loads(lines[0])
+    head["started"] = "2026-11-26T10:00:00+0000"  # the day before
+    peer.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
+    headers, runs = summarize.load([fp, str(peer)])
+    assert summarize.other_sittings(headers) == {(0, "m", "peer")}
+    c = summarize.cell(runs, "m", 2048, "cold", "peer", summarize.other_sittings(headers))
+    assert c["ratio"] is None and c["median_s"] == pytest.approx(2.0)
+    text = summarize.report(headers, runs)
+    assert "Not paired" in text and "| m | 2048 | cold | peer | 1 | bfloat16 | 1 | 1 | 2000 | 2000.0 | - | - | - |" in text
