@@ -29,7 +29,7 @@ from typing import Any
 from fastprefill.bench.records import read_rows
 from figures.results import Mismatch, VerifyReport, compare_json, compare_rows, parse_tables
 
-__all__ = ["FAMILIES", "check_anchors", "check_family"]
+__all__ = ["FAMILIES", "anchors_summarize", "check_anchors", "check_family"]
 
 #: file-name prefixes of the families handled here
 FAMILIES = ("serve_mixed_", "serve_soak_", "serve_load_", "serve_runahead_load_", "runahead_ttft", "runahead_projection",
@@ -165,7 +165,9 @@ def check_family(report: VerifyReport, path: Path) -> bool:
     return False
 
 
-def _anchors_summarize() -> Any:
+def anchors_summarize() -> Any:
+    """``benchmarks/anchors/summarize.py`` as a module (the anchors folder is not a package: its
+    scripts run in each peer's own venv)."""
     folder = str(Path(__file__).resolve().parents[1] / "anchors")
     if folder not in sys.path:
         sys.path.insert(0, folder)
@@ -177,7 +179,7 @@ def _anchors_summarize() -> Any:
 def check_anchors(report: VerifyReport, results: Path) -> None:
     """Every ``anchors/<dir>/summary.md`` re-made from the ``run-*.jsonl`` beside it: each table
     cell and the machine and design lines."""
-    summarize = _anchors_summarize()
+    summarize = anchors_summarize()
     for md in sorted(results.glob("anchors/*/summary.md")):
         runs = sorted(str(p) for p in md.parent.glob("run-*.jsonl"))
         name = str(md.relative_to(results))

@@ -2,14 +2,14 @@
 
 A page gives a figure its source in an HTML comment right after it (invisible when rendered)::
 
-    bfloat16 is 3.82x<!-- src: cell("precision_qwen2.5-coder-0.5b_multidoc-qa_2048.jsonl", "paired speedup", method="bfloat16") --> faster
+    bfloat16 is <figure>x<!-- src: cell("precision_qwen2.5-coder-0.5b_multidoc-qa_2048.jsonl", "paired speedup", method="bfloat16") --> faster
 
 The comment holds one Python expression over the helpers of :func:`namespace` and the names a
 page defines in ``<!-- let: P05 = "precision_....jsonl"; M = "qwen2.5-coder-0.5b" -->``; it sources the
 last ``N`` numbers written before it (since the previous source or the start of the paragraph),
-where ``N`` is the number of values it gives (a tuple gives several: ``3.8-4.2x<!-- src: (a, b) -->``).
-Each number must print as its value does, to the precision it is written with (``3.8`` for
-3.82). An expression that gives a string sources a label instead: the text before the comment must
+where ``N`` is the number of values it gives (a tuple gives several: ``<low>-<high>x<!-- src: (a, b) -->``).
+Each number must print as its value does, to the precision it is written with (one decimal
+written: the value rounded to one decimal). An expression that gives a string sources a label instead: the text before the comment must
 end with it (a machine's name, :func:`machine_of`: ``Xeon, AMX-BF16, bfloat16``), or, written short,
 name its CPU family and dtype (``on the EPYC in float32``).
 
@@ -240,9 +240,9 @@ def namespace(results: Path) -> dict[str, Any]:
         return cell(file, "identical answers", method=method, **keys)
 
     def anchor(folder: str, length: int, kind: str, system: str, field: str = "ratio") -> Any:
-        from figures.families import _anchors_summarize
+        from figures.families import anchors_summarize
 
-        summarize = _anchors_summarize()
+        summarize = anchors_summarize()
         headers, runs = summarize.load(sorted(str(p) for p in (results / "anchors" / folder).glob("run-*.jsonl")))
         model = headers[0]["model"]
         value = summarize.cell(runs, model, length, kind, system, summarize.other_sittings(headers))[field]

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
+from figures.families import anchors_summarize
 from tests import REPO
 
 ANCHORS = REPO / "benchmarks" / "anchors"
-sys.path.insert(0, str(ANCHORS))
-import summarize
+summarize = anchors_summarize()
 
 
 def _write(path, system, runs, cpu="Intel(R) Xeon(R) Processor", units="amx_bf16"):
