@@ -267,7 +267,7 @@ def namespace(results: Path) -> dict[str, Any]:
     return {"cell": cell, "nums": nums, "setting": setting, "same": same, "speedup": speedup, "identical": identical,
             "anchor": anchor, "budget": budget, "header": header, "rows": rows, "doc": doc, "machine": machine,
             "median": statistics.median, "mean": statistics.mean, "min": min, "max": max, "len": len, "sum": sum,
-            "round": round, "abs": abs, "sorted": sorted, "tuple": tuple, "list": list, "any": any, "all": all, "zip": zip, "str": str, "int": int, "float": float,
+            "round": round, "abs": abs, "sorted": sorted, "tuple": tuple, "list": list, "any": any, "all": all, "zip": zip, "next": next, "str": str, "int": int, "float": float,
             "__builtins__": {}}
 
 
