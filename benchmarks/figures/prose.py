@@ -180,6 +180,7 @@ def namespace(results: Path) -> dict[str, Any]:
     - ``anchor(folder, length, kind, system, field="ratio")``: a figure of an anchors run
       (``anchors/<folder>/run-*.jsonl``) as ``summarize.cell`` computes it, unrounded;
     - ``checkpoint(name, file="train_meta.json")``: a JSON file of ``benchmarks/checkpoints/<name>/``;
+    - ``weights_mb(name)``: the size of a checkpoint's committed ``.safetensors`` files, in MB;
     - ``budget(file)``: a mixed-load record's per-long-prompt budget (``serve_mixed_budget.budget``);
     - ``same(a, b, ...)``: one printed figure that stands for several values, all equal;
     - ``setting(n)``: the last ``n`` numbers are configured values (a preset's cut, a 95% interval's
@@ -254,6 +255,9 @@ def namespace(results: Path) -> dict[str, Any]:
     def checkpoint(name: str, file: str = "train_meta.json") -> Any:
         return json.loads((results.parent / "checkpoints" / name / file).read_text())
 
+    def weights_mb(name: str) -> float:
+        return sum(f.stat().st_size for f in (results.parent / "checkpoints" / name).glob("*.safetensors")) / 1e6
+
     def budget(file: str) -> list[dict[str, Any]]:
         from serve_mixed_budget import budget as rows_of
 
@@ -269,7 +273,7 @@ def namespace(results: Path) -> dict[str, Any]:
         return (Setting(),) * n
 
     return {"cell": cell, "nums": nums, "setting": setting, "same": same, "speedup": speedup, "identical": identical,
-            "anchor": anchor, "budget": budget, "checkpoint": checkpoint, "header": header, "rows": rows, "doc": doc, "machine": machine,
+            "anchor": anchor, "budget": budget, "checkpoint": checkpoint, "weights_mb": weights_mb, "header": header, "rows": rows, "doc": doc, "machine": machine,
             "median": statistics.median, "mean": statistics.mean, "min": min, "max": max, "len": len, "sum": sum,
             "round": round, "abs": abs, "sorted": sorted, "tuple": tuple, "list": list, "any": any, "all": all, "zip": zip, "next": next, "str": str, "int": int, "float": float,
             "__builtins__": {}}
