@@ -32,7 +32,7 @@ UNSOURCED_ALLOWED = {
     "docs/results/kv-prediction.md": 2,
     "docs/results/kv-runahead.md": 0,
     "docs/results/lazyllm.md": 3,
-    "docs/results/native-precision.md": 6,
+    "docs/results/native-precision.md": 0,
     "docs/results/prefix-cache.md": 0,
     "docs/results/serving.md": 6,
     "docs/results/tune.md": 0,
