@@ -119,17 +119,15 @@ def machine_of(header: dict[str, Any], dtype: str | None = None) -> str:
     ``"EPYC, AVX2, float32"`` (CPU family, bfloat16 units, the dtype the run computed in).
 
     A record from before headers named them has no ``bf16_units`` and no ``dtype``: its units are
-    its CPU family's (every Xeon record that names them says ``amx_bf16``, every EPYC one ``none``)
-    and its dtype float32 (the only dtype before bfloat16 came); a record without a CPU name says
-    ``CPU not recorded``."""
+    ``bf16 units not recorded`` (the CPU name does not tell them: "AMD EPYC" names machines with
+    and without bfloat16 units) and its dtype float32 (the only dtype before bfloat16 came); a
+    record without a CPU name says ``CPU not recorded`` (one whose units are AMX-BF16 is a Xeon)."""
     cpu = _cpu_class(str(header.get("cpu") or "CPU not recorded"))
     units = header.get("bf16_units")
     if cpu == "CPU not recorded" and units == "amx_bf16":
         cpu = "Xeon"  # AMX is Intel's: of the project's machines, the Xeon
     if units is None and "bf16_native" in header:
         units = "amx_bf16" if header["bf16_native"] else "none"
-    if units is None:
-        units = {"Xeon": "amx_bf16", "EPYC": "none"}.get(cpu)
     dtype = dtype or header.get("dtype") or header.get("model_dtype") or "float32"
     return f"{cpu}, {_UNITS.get(units, units or 'bf16 units not recorded')}, {dtype}"
 
@@ -141,7 +139,10 @@ def _header_of(results: Path, file: str) -> dict[str, Any]:
     if path.name == "summary.md" and "anchors" in path.parts:
         runs = sorted(path.parent.glob("run-fastprefill*.jsonl"))
         head = json.loads(runs[0].read_text().splitlines()[0])
-        return {**head, "dtype": head.get("config", {}).get("model_dtype") or head.get("dtype")}
+        dtype = head.get("config", {}).get("model_dtype") or head.get("dtype")
+        if "bf16_units" not in head and "--dtype" not in head.get("command", "") and dtype == "float32":
+            head = {**head, "bf16_units": "none"}  # fastprefill's dtype auto picks float32 only without units
+        return {**head, "dtype": dtype}
     if path.name.endswith("_budget.md"):
         path = path.with_name(path.name.removesuffix("_budget.md") + ".jsonl")
     if path.suffix == ".md":
