@@ -107,7 +107,7 @@ def sources(text: str) -> Iterator[tuple[int, int, str]]:
 
 # --------------------------------------------------------------------------- the helpers a source may use
 
-_UNITS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16", "none": "AVX2"}
+_UNITS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}
 
 
 def _cpu_class(cpu: str) -> str:
@@ -129,7 +129,10 @@ def machine_of(header: dict[str, Any], dtype: str | None = None) -> str:
     if units is None and "bf16_native" in header:
         units = "amx_bf16" if header["bf16_native"] else "none"
     dtype = dtype or header.get("dtype") or header.get("model_dtype") or "float32"
-    return f"{cpu}, {_UNITS.get(units, units or 'bf16 units not recorded')}, {dtype}"
+    label = _UNITS.get(units, units or "bf16 units not recorded")
+    if units == "none":  # no bfloat16 units: the vector ISA the header records, where it does
+        label = header.get("cpu_isa") or "no bf16 units"
+    return f"{cpu}, {label}, {dtype}"
 
 
 def _header_of(results: Path, file: str) -> dict[str, Any]:
