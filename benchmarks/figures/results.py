@@ -337,6 +337,33 @@ def _check_ablation(report: VerifyReport, path: Path) -> None:
     report.checked += [path.name, md.name]
 
 
+#: ``.json`` results whose ``.md`` a benchmark script renders: file-name prefix -> (module, function)
+RENDERED = {"attention_": ("attention_bench", "markdown"), "machine_speed_": ("machine_speed", "markdown")}
+
+
+def _check_rendered(report: VerifyReport, path: Path) -> None:
+    """A ``.json`` result of a script in :data:`RENDERED`: its ``.md`` rendered again from it,
+    every table compared cell by cell and the prose before the tables line by line."""
+    found = next(((mod, fn) for prefix, (mod, fn) in RENDERED.items() if path.name.startswith(prefix)), None)
+    md = path.with_suffix(".md")
+    if found is None or not md.exists():
+        return
+    import importlib
+
+    render = getattr(importlib.import_module(found[0]), found[1])
+    committed, remade = md.read_text(), render(json.loads(path.read_text()))
+    old, new = parse_tables(committed), parse_tables(remade)
+    if len(old) != len(new):
+        report.mismatches.append(Mismatch(md.name, "tables", len(old), len(new)))
+    for a, b in zip(old, new, strict=False):
+        report.mismatches += compare_rows(md.name, a, b)
+    prose = [ln for ln in committed.splitlines() if ln and not ln.startswith("|")]
+    for line, again in zip(prose, [ln for ln in remade.splitlines() if ln and not ln.startswith("|")], strict=False):
+        if line != again:
+            report.mismatches.append(Mismatch(md.name, "text", line, again))
+    report.checked += [path.name, md.name]
+
+
 def verify_results(results: str | Path) -> VerifyReport:
     """Re-summarize every result file in ``results`` that has a committed summary; see the module doc."""
     results = Path(results)
@@ -366,6 +393,7 @@ def verify_results(results: str | Path) -> VerifyReport:
     for path in sorted(results.glob("*.json")):
         if not path.name.endswith(".summary.json") and path.name != CLIENTS:
             _check_ablation(report, path)
+            _check_rendered(report, path)
     for path in sorted([*results.glob(CLIENTS), *results.glob(f"*/{CLIENTS}")]):
         _check_clients(report, path, str(path.relative_to(results)))
     check_anchors(report, results)
