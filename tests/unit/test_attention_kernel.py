@@ -10,6 +10,7 @@ bfloat16.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 
 import pytest
@@ -130,3 +131,11 @@ def test_an_unbuilt_kernel_says_how_to_build_it(monkeypatch, tmp_path):
         assert module is None and "python -m fastprefill.kernels build" in reason
     finally:
         kernels._load.cache_clear()
+
+
+def test_the_build_finds_the_packaged_ninja_without_an_activated_venv(monkeypatch):
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    kernels._ninja_on_path()
+    assert shutil.which("ninja", path=None) is not None
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(ninja.BIN_DIR)

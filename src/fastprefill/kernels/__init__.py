@@ -25,6 +25,7 @@ import importlib.machinery
 import importlib.util
 import json
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -82,6 +83,7 @@ def build(variants: list[str] | None = None, verbose: bool = False) -> dict[str,
     """
     from torch.utils import cpp_extension
 
+    _ninja_on_path()
     results: dict[str, str] = {}
     for variant in variants or list(VARIANTS):
         if variant not in VARIANTS:
@@ -101,6 +103,20 @@ def build(variants: list[str] | None = None, verbose: bool = False) -> dict[str,
                                                     "flags": _COMMON_FLAGS + VARIANTS[variant]}))
         results[variant] = "built"
     return results
+
+
+def _ninja_on_path() -> None:
+    """Put the ninja that the ``ninja`` package installed (a dependency) on this process's PATH:
+    ``cpp_extension`` runs ``ninja`` by name, and a virtualenv that is not activated does not have
+    its ``bin`` on the PATH. Called by :func:`build` only, never at import."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = str(getattr(ninja, "BIN_DIR", ""))
+    path = os.environ.get("PATH", "")
+    if bin_dir and bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path
 
 
 @dataclass(frozen=True)
