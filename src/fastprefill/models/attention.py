@@ -114,10 +114,13 @@ def set_attention_backend(model: torch.nn.Module, backend: str = "auto") -> str:
     return resolved
 
 
-def _kernel_for(module: torch.nn.Module, query: torch.Tensor):
-    """The C++ kernel for this call, or ``None``: the module's model chose ``"sdpa"``, or the
-    kernel does not run on the query's device and dtype."""
+def _kernel_for(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """The C++ kernel for this call, or ``None``: the module's model chose ``"sdpa"``, the kernel
+    does not run on the query's device and dtype, or a gradient must flow through the call (the
+    kernel has no backward; KV Prediction's training differentiates through attention)."""
     if query.device.type != "cpu" or getattr(getattr(module, "config", None), _BACKEND_ATTR, "auto") == "sdpa":
+        return None
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return None
     return attention_kernel(query.dtype)
 
@@ -149,7 +152,7 @@ def _fastprefill_sdpa(
     memo: dict[tuple[int, int], torch.Tensor] | None = kwargs.pop(MASK_MEMO_KWARG, None)
     plain = dropout == 0.0 and "position_bias" not in kwargs and all(
         kwargs.get(name) is None for name in ("sliding_window", "softcap", "s_aux"))
-    kernel = _kernel_for(module, query) if plain and attention_mask is None and query.shape[2] <= key.shape[2] else None
+    kernel = _kernel_for(module, query, key, value) if plain and attention_mask is None and query.shape[2] <= key.shape[2] else None
     if kernel is not None:  # a whole causal prefill, a suffix over cached keys, a decode step
         d = query.shape[-1]
         out = kernel(query, key, value, float(scaling) if scaling is not None else d ** -0.5)  # (B, T, H_q, d)

@@ -370,4 +370,6 @@ class SequenceParallel(_DistributedPrefill):
         return _GatherCache(ad.num_layers, plan, rank, self.timeout_s)
 
     def _mask(self, plan: PartitionPlan, own: torch.Tensor, total: int) -> torch.Tensor | None:
+        if len(plan.chunks) == 1:
+            return None  # one rank: plain causal prefill, the same attention call as full prefill's
         return causal_mask(own, torch.arange(total, device=own.device))  # (1, 1, c, T)
