@@ -33,15 +33,14 @@ from fastprefill.bench.records import environment
 from fastprefill.kernels import attention_kernel
 from fastprefill.models import load as load_model
 from fastprefill.models.attention import attention_backend, fastprefill_attention, set_attention_backend
-from fastprefill.models.shape import ModelShape
 from packed_bench import SETTINGS, _runs, machine, parser, run_all
-from roofline import gemms_alone
+from roofline import _linears, gemms_alone
 
 BACKENDS = ("kernel", "sdpa")
 SHAPES = ("prefill", "hit", "decode")
 
 
-def _attention_cases(shape: ModelShape, t: int, suffix: int) -> dict[str, tuple[int, int]]:
+def _attention_cases(t: int, suffix: int) -> dict[str, tuple[int, int]]:
     """``{case: (queries, keys)}`` of the three attention shapes at prompt length ``t``."""
     return {"prefill": (t, t), "hit": (suffix, t), "decode": (1, t)}
 
@@ -55,14 +54,13 @@ def attention_alone(model: Any, t: int, suffix: int, repeats: int) -> dict[str, 
     """The kernel and SDPA on one layer's attention shapes, alternating: seconds per layer,
     GFLOP/s, and the paired ratios ``sdpa / kernel``."""
     cfg = model.config
-    shape = ModelShape.from_config(cfg)
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     kernel = attention_kernel(model.dtype)
     assert kernel is not None, "the kernel does not run here"
     out: dict[str, Any] = {}
     gen = torch.Generator().manual_seed(t)
-    for case, (nq, n) in _attention_cases(shape, t, suffix).items():
+    for case, (nq, n) in _attention_cases(t, suffix).items():
         q = torch.randn(1, nq, hq, d, generator=gen).to(model.dtype).transpose(1, 2)  # (1, H_q, T, d)
         k, v = (torch.randn(1, hkv, n, d, generator=gen).to(model.dtype) for _ in range(2))
         allowed = None if nq in (1, n) else torch.arange(n)[None, :] <= torch.arange(n - nq, n)[:, None]
@@ -134,8 +132,6 @@ def run_model(name: str, args: Any) -> dict[str, Any]:
 
 
 def _layer_linears(model: Any) -> list[torch.nn.Linear]:
-    from roofline import _linears
-
     return list(_linears(model).values())
 
 
