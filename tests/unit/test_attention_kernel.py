@@ -139,3 +139,17 @@ def test_the_build_finds_the_packaged_ninja_without_an_activated_venv(monkeypatc
     kernels._ninja_on_path()
     assert shutil.which("ninja", path=None) is not None
     assert os.environ["PATH"].split(os.pathsep)[0] == str(ninja.BIN_DIR)
+
+
+@pytest.mark.parametrize("variant", ["avx512", "avx2"])
+def test_the_kernel_runs_on_torchs_threads(variant):
+    """ATen's parallel_for is inline OpenMP: built without -fopenmp the kernel would run on one thread
+    whatever torch.set_num_threads says (a silent 2x on two cores). It must use torch's pool."""
+    module = _variant_module(variant)
+    before = torch.get_num_threads()
+    try:
+        for threads in sorted({1, min(2, os.cpu_count() or 1)}):
+            torch.set_num_threads(threads)
+            assert module.threads_used(64) == threads
+    finally:
+        torch.set_num_threads(before)

@@ -45,7 +45,12 @@ VARIANTS: dict[str, list[str]] = {
                "-mavx512dq", "-mfma", "-mf16c"],
     "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
-_COMMON_FLAGS = ["-O3"]
+#: ``-fopenmp`` compiles ATen's ``parallel_for`` (inline, OpenMP in torch's CPU builds) into OpenMP
+#: regions; without it the pragma is ignored and the kernel runs on one thread whatever
+#: ``torch.get_num_threads()`` says. Linked with it too: at run time the ``libgomp.so.1`` that torch
+#: already loaded serves the extension (one thread pool, sized by ``torch.set_num_threads``).
+_COMMON_FLAGS = ["-O3", "-fopenmp"]
+_LINK_FLAGS = ["-fopenmp"]
 #: torch's reading of the CPU (``torch.backends.cpu.get_cpu_capability()``) -> the variant it runs.
 _VARIANT_OF_ISA = {"AVX512": "avx512", "AVX512_BF16": "avx512", "AMX": "avx512", "AVX2": "avx2"}
 #: Elementwise tolerance of the load-time check against SDPA, by dtype (SDPA's own rounding).
@@ -60,7 +65,7 @@ AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], to
 def _key(variant: str) -> str:
     """What a build depends on: the source, the flags, torch's version (16 hex digits)."""
     h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(json.dumps([VARIANTS[variant], _COMMON_FLAGS, torch.__version__]).encode())
+    h.update(json.dumps([VARIANTS[variant], _COMMON_FLAGS, _LINK_FLAGS, torch.__version__]).encode())
     return h.hexdigest()[:16]
 
 
@@ -95,7 +100,9 @@ def build(variants: list[str] | None = None, verbose: bool = False) -> dict[str,
         out.mkdir(parents=True, exist_ok=True)
         try:
             cpp_extension.load(name=_module_name(variant), sources=[str(SOURCE)], build_directory=str(out),
-                               extra_cflags=_COMMON_FLAGS + VARIANTS[variant], verbose=verbose)
+                               extra_cflags=_COMMON_FLAGS + VARIANTS[variant],
+                               extra_ldflags=list(_LINK_FLAGS),  # a copy: load() appends to the list it is given
+                               verbose=verbose)
         except (RuntimeError, OSError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a compile error
             results[variant] = f"failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
             continue

@@ -24,6 +24,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -206,6 +209,18 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return run<float>(q, k, v, scale, key_block, row_target);
 }
 
+// How many threads ATen's parallel_for, as compiled into this extension, runs `tasks` one-task
+// chunks on: torch's intra-op thread count when the build has OpenMP, 1 when the pragma was lost.
+int64_t threads_used(int64_t tasks) {
+  std::set<std::thread::id> ids;
+  std::mutex lock;
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    std::lock_guard<std::mutex> guard(lock);
+    ids.insert(std::this_thread::get_id());
+  });
+  return static_cast<int64_t>(ids.size());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -213,4 +228,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of the last T of N positions: q (B,H_q,T,d), k/v (B,H_kv,N,d) -> (B,T,H_q,d)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("key_block") = kKeyBlockDefault,
         py::arg("row_target") = kRowTargetDefault);
+  m.def("threads_used", &threads_used, "threads parallel_for runs `tasks` one-task chunks on", py::arg("tasks"));
 }
