@@ -22,6 +22,7 @@ that ``<!-- from: ... -->`` already checks, a number that has a decimal point or
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import statistics
@@ -35,7 +36,8 @@ from fastprefill.bench.records import read_rows
 from fastprefill.errors import ConfigError
 from figures.results import Mismatch, cell_matches
 
-__all__ = ["Figure", "check_prose", "figures", "machine_of", "namespace", "sources", "unsourced"]
+__all__ = ["Figure", "check_prose", "code_constant", "figures", "kv_cache_mb", "linear_weights_gb", "machine_of", "namespace",
+           "sources", "unsourced"]
 
 _SRC = re.compile(r"<!--\s*src:\s*(.*?)\s*-->", re.DOTALL)
 #: ``<!-- let: P05 = "precision_....jsonl"; A = "..." -->``: names a page's sources may use
@@ -57,6 +59,71 @@ _NOT_FIGURE_TAIL = re.compile(r"(?:\.\d|[A-Za-z_])")
 class Setting:
     """What ``setting(n)`` gives for each of the last ``n`` numbers: a configured value (a preset's
     cut, an interval's level), not a measurement; sourced, not checked."""
+
+
+_BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.Div: lambda a, b: a / b}
+
+
+def code_constant(path: Path, name: str) -> Any:
+    """The value a source file gives a constant, read without importing it: ``NAME`` (a module-level
+    assignment), ``Class.NAME`` (a class body's, a dataclass field's default) or ``function.param``
+    (a parameter's default). The value is a literal, or ``+ - * /`` of literals and the module's
+    other constants (``EXIT_GRACE_S = DRAIN_GRACE_S + CLOSE_GRACE_S``); anything else is an error.
+    A page states a configured value (a timeout, a default) with it, so the page follows the code."""
+    tree = ast.parse(path.read_text("utf-8"))
+    scopes: dict[str, dict[str, ast.expr]] = {"": {}}
+
+    def assignments(body: list[ast.stmt], scope: dict[str, ast.expr]) -> None:
+        for node in body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                scope[node.targets[0].id] = node.value
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+                scope[node.target.id] = node.value
+
+    assignments(tree.body, scopes[""])
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            assignments(node.body, scopes.setdefault(node.name, {}))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            positional = args.posonlyargs + args.args
+            defaults = dict(zip((a.arg for a in positional[len(positional) - len(args.defaults):]), args.defaults, strict=True))
+            defaults |= {a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None}
+            scopes.setdefault(node.name, {}).update(defaults)
+    owner, _, attr = name.rpartition(".")
+    if owner not in scopes or attr not in scopes[owner]:
+        raise ConfigError(f"{path}: no constant {name!r}")
+
+    def value(node: ast.expr) -> Any:
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Name) and node.id in scopes[""]:
+            return value(scopes[""][node.id])
+        raise ConfigError(f"{path}: {name} is not a literal or arithmetic of the module's constants")
+
+    return value(scopes[owner][attr])
+
+
+def linear_weights_gb(shape: dict[str, int], bytes_per_value: int = 2) -> float:
+    """GB (1e9 bytes) of a decoder's linear weights, from a result's recorded model ``shape``
+    (``num_layers``, ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
+    ``intermediate_size``, ``vocab_size``): per layer the q, k, v, o, gate, up and down products, and
+    the LM head; ``bytes_per_value`` 2 for bfloat16, 4 for float32. A size, not a measurement."""
+    h, d = shape["hidden_size"], shape["head_dim"]
+    attn = 2 * h * shape["num_heads"] * d + 2 * h * shape["num_kv_heads"] * d
+    mlp = 3 * h * shape["intermediate_size"]
+    return (shape["num_layers"] * (attn + mlp) + h * shape["vocab_size"]) * bytes_per_value / 1e9
+
+
+def kv_cache_mb(shape: dict[str, int], tokens: float, bytes_per_value: int = 2) -> float:
+    """MB (1e6 bytes) of the K/V of ``tokens`` positions, every layer, from a recorded model
+    ``shape``; ``bytes_per_value`` 2 for bfloat16, 4 for float32. A size, not a measurement."""
+    return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * tokens * bytes_per_value / 1e6
 
 
 @dataclass(frozen=True)
@@ -189,6 +256,11 @@ def namespace(results: Path) -> dict[str, Any]:
     - ``same(a, b, ...)``: one printed figure that stands for several values, all equal;
     - ``setting(n)``: the last ``n`` numbers are configured values (a preset's cut, a 95% interval's
       level), not measurements;
+    - ``code(path, name)``: a configured value as the code gives it (:func:`code_constant`; ``path``
+      from the checkout's root: ``code("src/fastprefill/serve/runner.py", "KEEP_ALIVE_S")``), checked
+      like a measurement;
+    - ``linear_weights_gb(shape, bytes_per_value=2)`` and ``kv_cache_mb(shape, tokens, bytes_per_value=2)``:
+      sizes from a model shape a result records (``doc("roofline_....json")["shape"]``);
     - ``median``, ``mean``, ``min``, ``max``, ``len``, ``sum``, ``round``, ``abs``, ``sorted``.
     """
     from figures.pages import result_tables
@@ -276,7 +348,11 @@ def namespace(results: Path) -> dict[str, Any]:
     def setting(n: int = 1) -> tuple[Setting, ...]:
         return (Setting(),) * n
 
-    return {"cell": cell, "nums": nums, "setting": setting, "same": same, "speedup": speedup, "identical": identical,
+    def code(path: str, name: str) -> Any:
+        return code_constant(results.parent.parent / path, name)
+
+    return {"cell": cell, "nums": nums, "setting": setting, "code": code, "linear_weights_gb": linear_weights_gb,
+            "kv_cache_mb": kv_cache_mb, "same": same, "speedup": speedup, "identical": identical,
             "anchor": anchor, "budget": budget, "checkpoint": checkpoint, "weights_mb": weights_mb, "header": header, "rows": rows, "doc": doc, "machine": machine,
             "median": statistics.median, "mean": statistics.mean, "min": min, "max": max, "len": len, "sum": sum,
             "round": round, "abs": abs, "sorted": sorted, "tuple": tuple, "list": list, "any": any, "all": all, "zip": zip, "next": next, "str": str, "int": int, "float": float,

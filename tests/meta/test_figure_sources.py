@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from figures.prose import check_prose, unsourced
+from fastprefill.errors import ConfigError
+from figures.prose import check_prose, code_constant, kv_cache_mb, linear_weights_gb, namespace, unsourced
 from tests import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -76,3 +77,32 @@ def test_a_range_a_label_and_settings():
     assert not mismatches and not unsourced(text, claimed=claimed)
     bad, _ = check_prose("p.md", text.replace("Xeon, AMX", "EPYC, AMX"), RESULTS)
     assert len(bad) == 1
+
+
+def test_a_configured_value_is_read_from_the_code_and_checked(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "A_S = 2.0\nB_S: float = 3.0\nSUM_S = A_S + B_S * 2\nNOT_LITERAL = len('x')\n\n"
+        "class Config:\n    body_mb: float = 8.0\n\n"
+        "def start(port, timeout_s=120.0, *, retries=-3):\n    pass\n")
+    m = tmp_path / "m.py"
+    assert code_constant(m, "A_S") == 2.0 and code_constant(m, "SUM_S") == 8.0
+    assert code_constant(m, "Config.body_mb") == 8.0
+    assert code_constant(m, "start.timeout_s") == 120.0 and code_constant(m, "start.retries") == -3
+    for name in ("NOT_LITERAL", "MISSING", "start.port", "Config.other"):
+        with pytest.raises(ConfigError):
+            code_constant(m, name)
+    ns = namespace(tmp_path / "benchmarks" / "results")  # code() paths are from the checkout's root
+    text = 'Exit within the timeout + 8 s<!-- src: code("m.py", "SUM_S") -->.\n'
+    assert check_prose("p.md", text, tmp_path, ns)[0] == []
+    wrong, _ = check_prose("p.md", text.replace("+ 8 s", "+ 7 s"), tmp_path, ns)
+    assert [(m.committed, m.recomputed) for m in wrong] == [("7", 8.0)]
+
+
+def test_sizes_from_a_recorded_model_shape():
+    shape = {"num_layers": 2, "hidden_size": 4, "num_heads": 2, "num_kv_heads": 1, "head_dim": 2,
+             "intermediate_size": 8, "vocab_size": 10}
+    # per layer q and o 4x4 each, k and v 4x2 each, gate, up and down 4x8 each; the LM head 4x10
+    params = 2 * (2 * 16 + 2 * 8 + 3 * 32) + 40
+    assert linear_weights_gb(shape) == params * 2 / 1e9
+    assert linear_weights_gb(shape, bytes_per_value=4) == params * 4 / 1e9
+    assert kv_cache_mb(shape, tokens=100) == 2 * 2 * 1 * 2 * 100 * 2 / 1e6
