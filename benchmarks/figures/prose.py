@@ -349,7 +349,7 @@ def namespace(results: Path) -> dict[str, Any]:
         return (Setting(),) * n
 
     def code(path: str, name: str) -> Any:
-        return code_constant(results.parent.parent / path, name)
+        return code_constant(results.resolve().parent.parent / path, name)  # a checkout linking its benchmarks/ reads the code beside them
 
     return {"cell": cell, "nums": nums, "setting": setting, "code": code, "linear_weights_gb": linear_weights_gb,
             "kv_cache_mb": kv_cache_mb, "same": same, "speedup": speedup, "identical": identical,
