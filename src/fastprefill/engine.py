@@ -1,7 +1,8 @@
 """Generation engine: prefill through a method, decoding (greedy unless sampling is asked for), honest timings.
 
-- Every prompt is validated first by :func:`fastprefill.prompt.prepare_request`, the one
-  validator (the distributed pool's workers and the server call it too).
+- Every prompt is validated first by :func:`fastprefill.prompt.prepare_generation`, the one
+  validator (the ranks of a distributed generation call it too; the server's request processor
+  checks the same, :mod:`fastprefill.serve.requests`).
 - :class:`~fastprefill.events.TimingWindow` is the only clock (:func:`~fastprefill.host.device_clock`,
   which TTFT's span over several units of prefill reads too): on CUDA it synchronises the
   device before each read. TTFT runs from the start of prefill (the prompt ids already on the
@@ -21,13 +22,11 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.cache import fork_cache
-from fastprefill.errors import ConfigError
 from fastprefill.events import Answer, GenerationResult, StreamEvent, Timing, TimingWindow
 from fastprefill.host import device_clock, dtype_name
 from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
-from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
-from fastprefill.prompt import PromptInput, prepare_request
+from fastprefill.prompt import PromptInput, prepare_generation
 from fastprefill.sampling import Choice, SamplingParams, TokenLogprob, prompt_logprobs
 
 __all__ = [
@@ -38,7 +37,6 @@ __all__ = [
     "StreamEvent",
     "Timing",
     "TimingWindow",
-    "check_answers",
     "collect",
     "decoder_for",
     "generate",
@@ -71,19 +69,6 @@ def _chunk_stats(parts: list[ComputeStats]) -> ComputeStats:
     return ComputeStats(token_layers=sum(p.token_layers for p in parts),
                         total_token_layers=parts[-1].total_token_layers,
                         flops=sum(p.flops for p in parts), extra={**parts[-1].extra, "prefill_chunks": len(parts)})
-
-
-def check_answers(model: PreTrainedModel, method: Method, n: int) -> None:
-    """Refuse ``n > 1`` answers with a ``method`` (as resolved for the prompt) that decodes with
-    its own step (:meth:`~fastprefill.methods.base.Method.own_decoder`: LazyLLM's revival), whose
-    state a copy of the cache does not carry.
-
-    Raises:
-        ConfigError: naming ``n`` and the way out.
-    """
-    if n > 1 and method.own_decoder(model):
-        raise ConfigError(f"n={n}: several answers from one prefill need a method that decodes with the model's "
-                          f"forward; {method.describe()} decodes with its own step (LazyLLM: give revival=none)")
 
 
 class Branch:
@@ -133,17 +118,20 @@ class Generation:
     whether it decodes alone or in a batch.
 
     Args:
-        input_ids: ``(1, T)`` ids from :func:`~fastprefill.prompt.prepare_request`.
-        method: the method that runs this prompt (already :meth:`~Method.resolve` d; for
-            ``n > 1``, checked by :func:`check_answers`).
+        input_ids: ``(1, T)`` ids from :func:`prepare_generation` (or the server's request
+            processor, which checks the same).
+        method: the method that runs this prompt, as :func:`prepare_generation` resolved it.
         max_new_tokens, stop_at_eos, stop, prefix_cache, sampling: as :func:`generate`'s.
+        name: how :attr:`Timing.method` names the method (``None``: its ``describe()``; the
+            server gives ``Method.served_name()``).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, input_ids: torch.Tensor,
                  method: Method, max_new_tokens: int, *, stop_at_eos: bool = True,
                  stop: Callable[[str], bool] | None = None, prefix_cache: PrefixCache | None = None,
-                 sampling: SamplingParams | None = None) -> None:
+                 sampling: SamplingParams | None = None, name: str | None = None) -> None:
         self.model, self.tokenizer, self.input_ids, self.method = model, tokenizer, input_ids, method
+        self.name = name if name is not None else method.describe()
         self.params = params = sampling if sampling is not None else SamplingParams()
         self.n_prompt = int(input_ids.shape[1])
         self.max_new_tokens = params.budget(max_new_tokens)
@@ -311,7 +299,7 @@ class Generation:
         steps = generated - len(self.choices)
         method = self.method
         return Timing(
-            method=method.describe(), prompt_tokens=n_prompt, new_tokens=generated, ttft_s=self.ttft_s,
+            method=self.name, prompt_tokens=n_prompt, new_tokens=generated, ttft_s=self.ttft_s,
             decode_s_per_token=self.decode_s / steps if steps else None, total_s=self.ttft_s + self.decode_s,
             stats=out.stats, decode_extra=dict(self.branches[0].decoder.stats()), cached_tokens=self.cached_tokens,
             prefix_cache=("off" if self.prefix_cache is None else
@@ -365,12 +353,9 @@ def stream(
     prefix-cache lookup (or the prefill) through the first token's pick.
     """
     params = sampling if sampling is not None else SamplingParams()
-    budget = params.budget(max_new_tokens)
-    method = method if method is not None else FullPrefill()
-    input_ids, method = prepare_request(model, tokenizer, prompt, method, max_new_tokens=budget, chat=chat)
-    params.check_vocab(model.get_input_embeddings().num_embeddings)
-    check_answers(model, method, params.n)
-    yield from Generation(model, tokenizer, input_ids, method, budget, stop_at_eos=stop_at_eos, stop=stop,
+    input_ids, method = prepare_generation(model, tokenizer, prompt, method, max_new_tokens, chat=chat,
+                                           sampling=params)
+    yield from Generation(model, tokenizer, input_ids, method, max_new_tokens, stop_at_eos=stop_at_eos, stop=stop,
                           prefix_cache=prefix_cache, sampling=params).run()
 
 
@@ -431,7 +416,7 @@ def generate(
         answer in ``answers``.
 
     Raises:
-        PromptError, ConfigError, UnsupportedModelError: as :func:`prepare_request` says;
+        PromptError, ConfigError, UnsupportedModelError: as :func:`~fastprefill.prompt.prepare_request` says;
             ConfigError for a ``logit_bias`` id outside the vocabulary, or ``n > 1`` with a
             method that decodes with its own step.
     """

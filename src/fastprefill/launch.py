@@ -138,9 +138,9 @@ def _torchrun(args: argparse.Namespace) -> int:
         model, tok = load(args.model, device=device, dtype=args.dtype)
         requests = [Request(prompt, method, args.max_new_tokens, args.chat) for method in methods]
         checked = [check_request(model, tok, req, world) for req in requests]  # all, before any runs
-        for method, req, ids in zip(methods, requests, checked, strict=True):
+        for method, req, prepared in zip(methods, requests, checked, strict=True):
             dist.barrier()  # every rank starts the request together
-            out = run_rank(model, tok, rank, world, req, ids)
+            out = run_rank(model, tok, rank, world, req, prepared)
             if rank == world - 1:
                 report(method, world, out, out["timing"]["ttft_s"], "last rank")
         if rank == world - 1:

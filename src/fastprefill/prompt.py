@@ -1,9 +1,11 @@
 """A request's prompt turned into validated ids: the one validator of fastprefill.
 
-:func:`prepare_prompt` is the only place a request is validated (text or ids, bytes that must be
+:func:`prepare_request` is the only place a request is validated (text or ids, bytes that must be
 UTF-8, emptiness, the context length, the id range, the method's support for the model and its
-own per-prompt limits). :func:`fastprefill.engine.stream`, the distributed pool's workers and
-the server all call it, so every entry point refuses the same inputs with the same message.
+own per-prompt limits); :func:`prepare_generation` adds what a generation's sampling and answers
+need. :func:`fastprefill.engine.stream`, the ranks of a distributed generation and the server's
+request processor (:mod:`fastprefill.serve.requests`) all call them, once per request, so every
+entry point refuses the same inputs with the same message.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from fastprefill.errors import ConfigError, PromptError, is_int
 from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import check_causal_lm
+from fastprefill.sampling import SamplingParams
 
-__all__ = ["ChunkedPrompt", "Passage", "PromptInput", "context_length", "encode_prompt", "prepare_prompt",
-           "prepare_request"]
+__all__ = ["ChunkedPrompt", "Passage", "PromptInput", "check_answers", "check_text", "context_length", "encode_prompt",
+           "prepare_generation", "prepare_prompt", "prepare_request"]
 
 
 class Passage(str):
@@ -91,6 +94,28 @@ def context_length(model: PreTrainedModel) -> int:
     return int(getattr(cfg, "max_position_embeddings", None) or (1 << 30))
 
 
+def check_text(prompt: str | bytes) -> str:
+    """A text prompt as :func:`encode_prompt` takes it: ``bytes`` decoded as UTF-8, and refused
+    when empty or holding NUL characters (no tokenization: a caller that tokenizes the text its own
+    way, such as a rendered chat conversation, checks it here first).
+
+    Raises:
+        PromptError: naming what is wrong with the text.
+    """
+    if isinstance(prompt, (bytes, bytearray)):
+        try:
+            prompt = bytes(prompt).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PromptError(
+                f"the prompt is not valid UTF-8 text (byte {exc.start}: {exc.reason}); give text, not binary data"
+            ) from None
+    if not prompt.strip():
+        raise PromptError("the prompt is empty; give some text to answer")
+    if "\x00" in prompt:
+        raise PromptError("the prompt contains NUL characters; give text, not binary data")
+    return prompt
+
+
 def encode_prompt(
     tokenizer: PreTrainedTokenizerBase | None,
     prompt: PromptInput,
@@ -108,18 +133,8 @@ def encode_prompt(
             that are not integers, or a prompt of another type.
         ConfigError: a text prompt without a tokenizer.
     """
-    if isinstance(prompt, (bytes, bytearray)):
-        try:
-            prompt = bytes(prompt).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PromptError(
-                f"the prompt is not valid UTF-8 text (byte {exc.start}: {exc.reason}); give text, not binary data"
-            ) from None
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise PromptError("the prompt is empty; give some text to answer")
-        if "\x00" in prompt:
-            raise PromptError("the prompt contains NUL characters; give text, not binary data")
+    if isinstance(prompt, (bytes, bytearray, str)):
+        prompt = check_text(prompt)
         if tokenizer is None:
             raise ConfigError("a tokenizer is needed for a text prompt")
         if chat and getattr(tokenizer, "chat_template", None):
@@ -221,3 +236,46 @@ def prepare_request(
         raise PromptError(f"prompt ids must lie in [0, {vocab}); got {int(input_ids.min())}..{int(input_ids.max())}")
     chosen.check_prompt(model, n_prompt)
     return input_ids.to(model.device), chosen
+
+
+def check_answers(model: PreTrainedModel, method: Method, n: int) -> None:
+    """Refuse ``n > 1`` answers with a ``method`` (as resolved for the prompt) that decodes with
+    its own step (:meth:`~fastprefill.methods.base.Method.own_decoder`: LazyLLM's revival), whose
+    state a copy of the cache does not carry.
+
+    Raises:
+        ConfigError: naming ``n`` and the way out.
+    """
+    if n > 1 and method.own_decoder(model):
+        raise ConfigError(f"n={n}: several answers from one prefill need a method that decodes with the model's "
+                          f"forward; {method.describe()} decodes with its own step (LazyLLM: give revival=none)")
+
+
+def prepare_generation(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt: PromptInput,
+    method: Method | None = None,
+    max_new_tokens: int = 64,
+    *,
+    chat: bool = False,
+    sampling: SamplingParams | None = None,
+) -> tuple[torch.Tensor, Method]:
+    """Everything a :class:`~fastprefill.engine.Generation` needs checked, once, before any work:
+    the prompt's ``(1, T)`` ids and the method resolved for it (:func:`prepare_request`, with the
+    token budget ``sampling`` gives), ``sampling``'s ids against the vocabulary, and ``n`` answers
+    against the method (:func:`check_answers`). :func:`fastprefill.engine.stream` and the ranks of
+    a distributed generation given a raw prompt call it; a ``Generation`` then trusts its ids.
+
+    Raises:
+        PromptError, ConfigError, UnsupportedModelError: as :func:`prepare_request` says;
+            ConfigError for a ``logit_bias`` id outside the vocabulary, or ``n > 1`` with a
+            method that decodes with its own step.
+    """
+    params = sampling if sampling is not None else SamplingParams()
+    method = method if method is not None else FullPrefill()
+    input_ids, method = prepare_request(model, tokenizer, prompt, method, max_new_tokens=params.budget(max_new_tokens),
+                                        chat=chat)
+    params.check_vocab(model.get_input_embeddings().num_embeddings)
+    check_answers(model, method, params.n)
+    return input_ids, method

@@ -32,7 +32,8 @@ from fastprefill.methods.base import DistributedMethod
 from fastprefill.methods.registry import METHODS, make_method
 from fastprefill.serve import ServeConfig, background, create_app
 from fastprefill.serve.app import EXIT_GRACE_S
-from fastprefill.serve.config import MULTI_RANK_METHODS, PER_REQUEST_METHODS, served_name, serving_method
+from fastprefill.serve.backends import Backends
+from fastprefill.serve.config import PER_REQUEST_METHODS, serving_method
 from fastprefill.serve.limits import NFC_MERGE, NFKC_MERGE, longest_token_chars, prompt_char_limit
 from fastprefill.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_request, prompt_bytes
 from tests import REPO
@@ -158,9 +159,19 @@ def test_cheap_malformed_bodies_are_400s_with_a_clear_message():
 
 
 def test_the_multi_rank_methods_are_the_distributed_ones():
-    assert MULTI_RANK_METHODS <= set(METHODS) and not MULTI_RANK_METHODS & PER_REQUEST_METHODS
-    assert all(isinstance(make_method(name), DistributedMethod) for name in MULTI_RANK_METHODS)
-    assert not any(isinstance(make_method(name), DistributedMethod) for name in PER_REQUEST_METHODS)
+    """A method's class says whether it runs on ranks; the server's backends ask it, and no method a
+    request may name by itself runs on ranks."""
+    multi = {name for name, entry in METHODS.items() if entry.cls.on_ranks}
+    assert multi == {"runahead", "tsp"} and not multi & PER_REQUEST_METHODS
+    assert all(isinstance(m := make_method(name), DistributedMethod) and Backends.on_ranks(m) for name in multi)
+    assert not any(Backends.on_ranks(make_method(name)) for name in PER_REQUEST_METHODS)
+    assert make_method("tsp:procs=3").ranks == 3 and make_method("full").ranks == 1
+
+
+def _table(model, default: str, allowed=()):
+    from fastprefill.serve.method_table import MethodTable
+
+    return MethodTable(model, default, allowed, Backends(model, None, None, None))
 
 
 def test_the_merge_factors_are_the_longest_unicode_decompositions():
@@ -191,12 +202,10 @@ def test_tokenizers_that_drop_or_fuse_text_get_no_character_bound():
 
 
 def test_a_multi_rank_default_method_is_refused_at_start(tiny_llama):
-    from fastprefill.serve.config import MethodTable
-
     for spec in ("runahead:procs=2", "tsp:procs=2"):
         with pytest.raises(ConfigError, match="several ranks"):
-            MethodTable(tiny_llama, spec, ())
-    assert MethodTable(tiny_llama, "gemfilter:keep=0.5,select_layer=1", ()).get(None)[0] == "gemfilter"
+            _table(tiny_llama, spec)
+    assert _table(tiny_llama, "gemfilter:keep=0.5,select_layer=1").get(None)[0] == "gemfilter"
 
 
 ADVERSARIAL = [  # texts that pack many characters into few tokens, or that a normalizer shrinks
@@ -295,7 +304,7 @@ def test_per_request_method_in_the_fastprefill_field(client, ref, served, smollm
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body=body)
     assert r.choices[0].text == want.text
     fp = r.usage.fastprefill
-    assert fp["method"] == served_name(serving_method(LAZY)) == "lazyllm[four-stage revival=none]"
+    assert fp["method"] == serving_method(LAZY).served_name() == "lazyllm[four-stage revival=none]"
     assert "revival=none" in fp["method"]  # the server's LazyLLM decodes with the model's own forward
     assert fp["token_layer_fraction"] == pytest.approx(want.timing.stats.fraction)
     assert fp["token_layer_fraction"] < 1.0
@@ -506,7 +515,7 @@ def test_an_unexpected_failure_is_a_counted_500_in_openai_shape(client, served, 
         raise RuntimeError("a bug")
 
     errors = metric_value(served, "fastprefill_requests_total", outcome="error")
-    monkeypatch.setattr(server.prompts, "prompt_ids", broken)
+    monkeypatch.setattr(server.processor, "_on_thread", broken)
     for stream in (False, True):
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=stream)
@@ -522,18 +531,16 @@ def test_an_unexpected_failure_is_a_counted_500_in_openai_shape(client, served, 
 
 
 def test_the_server_decodes_lazyllm_without_revival_unless_a_spec_names_it(tiny_llama):
-    from fastprefill.serve.config import MethodTable
-
     assert serving_method("lazyllm").options.revival.kind == "none"
     assert serving_method("lazyllm:revival=all").options.revival.kind == "all"
-    table = MethodTable(tiny_llama, "lazyllm:schedule=1:0.5", ())
+    table = _table(tiny_llama, "lazyllm:schedule=1:0.5")
     label, default = table.get(None)
     assert label == "lazyllm[revival=none]" and default.options.revival.kind == "none"
-    assert served_name(default) == "lazyllm[1:0.5 revival=none]"
+    assert default.served_name() == "lazyllm[1:0.5 revival=none]"
     label, paper = table.get("lazyllm:schedule=1:0.5,revival=all")
-    assert label == "lazyllm[revival=all]" and served_name(paper) == "lazyllm[1:0.5 revival=all]"
+    assert label == "lazyllm[revival=all]" and paper.served_name() == "lazyllm[1:0.5 revival=all]"
     assert table.get("lazyllm:schedule=1:0.5,revival=budget:2")[0] == "lazyllm[revival=budget]"  # a bounded label
-    assert table.get("full") == ("full", table.get("full")[1]) and served_name(table.get("full")[1]) == "full"
+    assert table.get("full") == ("full", table.get("full")[1]) and table.get("full")[1].served_name() == "full"
 
 
 @pytest.mark.integration
@@ -592,9 +599,9 @@ def test_the_body_limit_holds_for_chunked_uploads_and_passes_what_fits(smollm2, 
 
 @pytest.mark.integration
 def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, served, served_app, monkeypatch):
-    import fastprefill.serve.prompts as prompts_module
+    import fastprefill.serve.requests as prompts_module
 
-    limit = served_app.state.server.prompts.max_prompt_chars
+    limit = served_app.state.server.processor.max_prompt_chars
     assert limit is not None and limit < 2**20
     real = prompts_module.prepare_request
     calls: list[int] = []
@@ -621,7 +628,7 @@ def test_a_prompt_the_context_cannot_hold_is_refused_without_tokenizing(client, 
 
 @pytest.mark.integration
 def test_a_long_tokenization_does_not_hold_up_other_requests(client, served, ref, monkeypatch):
-    import fastprefill.serve.prompts as prompts_module
+    import fastprefill.serve.requests as prompts_module
 
     real = prompts_module.prepare_request
     slow_started = threading.Event()

@@ -488,3 +488,53 @@ def test_no_test_edits_the_import_path() -> None:
         "(a module of the tests package) and benchmark code as research.*, figures.* or the script's name:\n"
         + "\n".join(found)
     )
+
+
+# --------------------------------------------------------------------------- dispatch on methods
+
+
+def class_checks(source: str, where: str) -> list[str]:
+    """The ``isinstance(x, C)`` / ``issubclass(x, C)`` of ``source`` whose ``C`` is a method class (a
+    :class:`~fastprefill.methods.base.Method` subclass imported from ``fastprefill.methods``), as
+    ``"where:line: C"``. (``isinstance(x, Method)``, checking that an argument is a method at all,
+    is not dispatch.)"""
+    import importlib
+
+    from fastprefill.methods.base import Method
+
+    tree = ast.parse(source)
+    imported: dict[str, tuple[str, str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(f"{PACKAGE}.methods"):
+            imported.update({alias.asname or alias.name: (node.module, alias.name) for alias in node.names})
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass")
+                and len(node.args) == 2):
+            continue
+        for cls in node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]:
+            if isinstance(cls, ast.Name) and cls.id in imported:
+                source_module, name = imported[cls.id]
+                obj = getattr(importlib.import_module(source_module), name, None)
+                if isinstance(obj, type) and issubclass(obj, Method) and obj is not Method:
+                    found.append(f"{where}:{node.lineno}: {cls.id}")
+    return found
+
+
+def test_the_dispatch_reader_sees_class_checks() -> None:
+    """The reader finds what it must (a reader that finds nothing passes the check below)."""
+    source = ("from fastprefill.methods.base import DistributedMethod, Method\n"
+              "from fastprefill.methods.lazyllm import LazyLLM as L\n"
+              "isinstance(m, DistributedMethod)\nisinstance(m, (int, L))\nisinstance(m, Method)\n")
+    assert class_checks(source, "x.py") == ["x.py:3: DistributedMethod", "x.py:4: L"]
+
+
+def test_no_dispatch_on_method_classes_outside_the_methods() -> None:
+    """A method says what a caller needs to know (``on_ranks``, ``ranks``, ``served_name``,
+    ``metric_label``, ...): outside ``methods/`` callers ask it instead of testing its class."""
+    found = [hit for module, path in modules().items() if not short(module).startswith("methods")
+             for hit in class_checks(path.read_text("utf-8"), path.relative_to(SRC).as_posix())]
+    assert not found, (
+        "code outside methods/ tests a method's class; ask the method instead (Method.on_ranks, .ranks, "
+        ".served_name(), .metric_label(), or a new query on Method):\n" + "\n".join(found)
+    )

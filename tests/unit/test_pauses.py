@@ -27,7 +27,7 @@ from .test_scheduler import MB, loop  # noqa: F401  (the event-loop fixture)
 
 
 def _job(backend, ids, loop, metrics, max_tokens, arrived=0.0) -> Job:  # noqa: F811
-    return Job(ids, FullPrefill(), backend, "full", max_tokens, SamplingParams(ignore_eos=True), True, arrived, 1e12,
+    return Job(ids, FullPrefill(), backend, "full", "full", max_tokens, SamplingParams(ignore_eos=True), True, arrived, 1e12,
                metrics, loop.loop)
 
 
@@ -198,7 +198,7 @@ def test_an_interlude_never_decodes_the_request_whose_unit_it_paused(tiny_llama,
     backend = LocalBackend(tiny_llama, None, None)
     sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=256, decode_interval_s=1e-9))
     ids = make_ids(40, 3)
-    job = Job(ids, FullPrefill(), backend, "full", 3, SamplingParams(ignore_eos=True, prompt_logprobs=1), True, 0.0,
+    job = Job(ids, FullPrefill(), backend, "full", "full", 3, SamplingParams(ignore_eos=True, prompt_logprobs=1), True, 0.0,
               1e12, metrics, loop.loop)
     indices = []
     emit = sched._emit

@@ -137,7 +137,7 @@ def loop():
 
 def _job(backend, ids, loop, metrics, max_tokens=4, arrived=0.0) -> Job:
     """A streamed full-prefill job generating exactly ``max_tokens`` tokens (``ignore_eos``)."""
-    return Job(ids, FullPrefill(), backend, "full", max_tokens, SamplingParams(ignore_eos=True), True, arrived, 1e12,
+    return Job(ids, FullPrefill(), backend, "full", "full", max_tokens, SamplingParams(ignore_eos=True), True, arrived, 1e12,
                metrics, loop.loop)
 
 
@@ -325,7 +325,7 @@ def test_serve_config_refuses_bad_scheduler_settings():
 
 # --------------------------------------------------------------------------- the request's side of a job
 def _waiting_job(loop, deadline: float) -> Job:
-    return Job(torch.zeros(1, 3, dtype=torch.long), FullPrefill(), None, "full", 4, SamplingParams(), True, 0.0,
+    return Job(torch.zeros(1, 3, dtype=torch.long), FullPrefill(), None, "full", "full", 4, SamplingParams(), True, 0.0,
                deadline, ServeMetrics(), loop.loop)
 
 

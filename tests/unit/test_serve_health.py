@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from fastprefill.methods.base import Method, runs_on_ranks
-from fastprefill.serve.config import MethodTable
+from fastprefill.methods.base import Method
+from fastprefill.serve.backends import Backends
 from fastprefill.serve.health import MethodState, http_status, method_states, server_status
+from fastprefill.serve.method_table import MethodTable
 
 RANK_DOWN = "rank 1 (pid 4242) has gone"
 
@@ -68,11 +69,21 @@ def test_a_method_state_body_says_ok_or_unavailable_with_the_reason():
     assert MethodState("x", "x", False, "gone").body()["state"] == "unavailable"
 
 
-class _Backends:
-    """Backends whose rank pool has lost a rank: multi-rank methods cannot run, the others can."""
+class _Backends(Backends):
+    """Backends with a pool of two ranks that has lost one: multi-rank methods cannot run, the others can."""
+
+    def __init__(self) -> None:  # no model, no pool: only the questions the table and /health ask
+        pass
+
+    @property
+    def pool_ranks(self) -> int:
+        return 2
+
+    def check(self, method: Method, spec: str) -> None:
+        pass
 
     def unavailable(self, method: Method) -> str | None:
-        return RANK_DOWN if runs_on_ranks(method) else None
+        return RANK_DOWN if self.on_ranks(method) else None
 
 
 @pytest.mark.parametrize(("default", "allowed", "want"), [
@@ -83,8 +94,9 @@ class _Backends:
 def test_each_started_method_gets_its_backends_state(tiny_llama, default, allowed, want):
     """The table's methods (default first) each take the state their backend reports: a dead rank
     makes a multi-rank default ``unavailable`` (503) and a multi-rank allowed method ``degraded``."""
-    table = MethodTable(tiny_llama, default, allowed, ranks=2)
-    states = method_states(table, _Backends())  # type: ignore[arg-type]
+    backends = _Backends()
+    table = MethodTable(tiny_llama, default, allowed, backends)
+    states = method_states(table, backends)
     assert [s.spec for s in states] == [default, *allowed] and [s.default for s in states] == [True, False]
     for s in states:
         assert s.reason == (RANK_DOWN if s.spec.startswith("runahead") else None)

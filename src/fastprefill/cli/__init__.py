@@ -103,8 +103,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from fastprefill.engine import generate, stream
     from fastprefill.host import device_clock, set_threads
-    from fastprefill.methods.base import runs_on_ranks
     from fastprefill.methods.registry import make_method
+    from fastprefill.serve.backends import Backends
 
     prompt = _read_prompt(args)
     set_threads(args.threads)
@@ -113,12 +113,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = sampling_params(args)
     chat = not args.raw
     warmup_s = None
-    if runs_on_ranks(method):  # the server's backend choice too (fastprefill.serve.backends)
+    if Backends.on_ranks(method):  # the server's choice of backend too
         from fastprefill.distributed.pool import RankPool
-        from fastprefill.distributed.rank import required_ranks
 
-        with RankPool(args.model, required_ranks(method), threads_per_rank=args.threads_per_rank, pin=args.pin,
-                      timeout_s=method.timeout_s) as pool:
+        with RankPool(args.model, method.ranks, threads_per_rank=args.threads_per_rank, pin=args.pin,
+                      timeout_s=args.timeout) as pool:
             if not args.no_warmup:
                 t0 = time.perf_counter()
                 pool.generate(prompt, method, 1, chat=chat)
@@ -126,13 +125,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             result = pool.generate(prompt, method, args.max_new_tokens, chat=chat, sampling=sampling)
         t = result.timing
         if args.json:
-            _print_json({"model": args.model, "method": method.describe(), "procs": method.procs, "text": result.text,
+            _print_json({"model": args.model, "method": method.describe(), "procs": method.ranks, "text": result.text,
                          "token_ids": result.token_ids, "driver_ttft_s": result.ttft_s, "warmup_s": warmup_s,
                          "timing": t})
             return 0
         console.print(result.text, highlight=False, markup=False)
         err_console.print(
-            f"[dim]{method.describe()} on {method.procs} ranks: TTFT {result.ttft_s:.3f} s (driver clock, dispatch "
+            f"[dim]{method.describe()} on {method.ranks} ranks: TTFT {result.ttft_s:.3f} s (driver clock, dispatch "
             f"and all communication included) for {t['prompt_tokens']} prompt tokens; {_warmup_note(warmup_s)}[/dim]"
         )
         return 0
@@ -181,7 +180,8 @@ def _print_timing(timing: Any, warmup_s: float | None) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from fastprefill.host import set_threads
     from fastprefill.serve import ServeConfig, create_app, run, start_ranks
-    from fastprefill.serve.config import MULTI_RANK_METHODS
+    from fastprefill.serve.backends import rank_methods
+    from fastprefill.serve.config import serving_method
     from fastprefill.serve.torchrun import serve as serve_torchrun
     from fastprefill.serve.torchrun import under_torchrun
 
@@ -200,8 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               log_level=args.log_level, control_port=args.control_port, device=args.device,
                               dtype=args.dtype)
     set_threads(args.threads)
-    if args.device != "cpu" and any(
-            s.split(":")[0].strip() in MULTI_RANK_METHODS for s in (args.method, *args.allow_method)):
+    if args.device != "cpu" and rank_methods({s: serving_method(s) for s in (args.method, *args.allow_method)}):
         raise FastprefillError("multi-rank methods serve on CPU ranks (gloo): drop --device, or run the server "
                                "under torchrun")
     model, tok = _load(args.model, args.device, args.dtype, args.compile)

@@ -6,14 +6,14 @@ rank's torch thread count and optionally pins rank ``r`` to one CPU core
 (``os.sched_setaffinity``). Every worker loads the model *once* (:func:`fastprefill.models.load`);
 the pool then stays alive and the driver sends it prompts. That keeps model loading out of TTFT,
 and TTFT is measured **on the driver** from dispatching the prompt through receiving the first
-token id from the last rank (pipes, every rank's work and all communication included).
-:func:`generate_distributed` is the one-shot wrapper (``fastprefill generate --method runahead
---procs 2``). A pool may also drive ranks started elsewhere (torchrun's, on several machines:
+token id from the last rank (pipes, every rank's work and all communication included);
+``fastprefill generate --method runahead`` and ``python -m fastprefill.launch`` drive one. A pool
+may also drive ranks started elsewhere (torchrun's, on several machines:
 :mod:`fastprefill.distributed.torchrun_links`), given as links (:mod:`fastprefill.distributed.links`).
 
 Roles and the protocol every rank answers are :mod:`fastprefill.distributed.rank`'s: every rank
-validates the request before any communication (``check_request``); then the last rank runs
-:func:`fastprefill.engine.stream` (prefill, first token, decode) and ranks ``0..P-2`` call the
+validates the request before any communication (``check_request``); then the last rank runs the
+engine's :class:`~fastprefill.engine.Generation` of those ids (prefill, first token, decode) and ranks ``0..P-2`` call the
 method's :meth:`~fastprefill.methods.base.DistributedMethod.contribute` (``run_rank``). The
 driver sees each rank as a :class:`~fastprefill.distributed.links.RankLink`: its connection, and
 how it tells that the rank has gone (a local worker: its process sentinel; a rank known only by
@@ -36,12 +36,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any, NoReturn, Self
+from typing import TYPE_CHECKING, Any, NoReturn, Self, cast
 
 import torch
 
 from fastprefill.distributed.links import ProcessLink, RankLink, worker_main
-from fastprefill.distributed.rank import Request, required_ranks
+from fastprefill.distributed.rank import Request
 from fastprefill.distributed.runtime import free_port
 from fastprefill.errors import ConfigError, FastprefillError, is_int
 from fastprefill.host import DTYPES, resolve_dtype
@@ -50,7 +50,7 @@ from fastprefill.methods.base import DistributedMethod, Method
 if TYPE_CHECKING:
     from fastprefill.sampling import SamplingParams
 
-__all__ = ["PoolResult", "RankPool", "RankPoolError", "generate_distributed"]
+__all__ = ["PoolResult", "RankPool", "RankPoolError"]
 
 
 class RankPoolError(FastprefillError, RuntimeError):
@@ -252,17 +252,6 @@ class RankPool:
             raise RankPoolError("this RankPool is closed (a worker failed or close() was called); start a new one")
 
     # --- public -------------------------------------------------------------------------------
-    def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
-        """Token ids of ``prompt`` from the last rank's tokenizer (the driver loads no model)."""
-        self._check_open()
-        self._conns[-1].send(("tokenize", {"prompt": prompt, "chat": chat}))
-        if not self._conns[-1].poll(self.timeout_s):
-            self._fail("tokenize: no answer")
-        kind, payload = self._conns[-1].recv()
-        if kind == "error":
-            self._on_error("tokenize", payload)
-        return list(payload)
-
     def generate(
         self,
         prompt: str | bytes | Sequence[int],
@@ -305,7 +294,7 @@ class RankPool:
         t0 = time.perf_counter()
         for c in self._conns:
             c.send(("run", req))
-        timeout = method.timeout_s if isinstance(method, DistributedMethod) else self.timeout_s
+        timeout = cast(DistributedMethod, method).timeout_s if method.on_ranks else self.timeout_s
         replies = self._collect("generate", 4 * float(timeout) + 60.0,
                                 first_cb=lambda _tok: first.append(time.perf_counter() - t0))
         invalid = [payload for kind, payload in replies.values() if kind == "invalid"]
@@ -342,35 +331,3 @@ class RankPool:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self._kill_all()
-
-
-def generate_distributed(
-    model: str,
-    prompt: str | bytes | Sequence[int],
-    method: Method,
-    *,
-    procs: int | None = None,
-    max_new_tokens: int = 64,
-    chat: bool = False,
-    stop_at_eos: bool = True,
-    threads_per_rank: int = 1,
-    pin: bool = False,
-    start_method: str = "spawn",
-) -> PoolResult:
-    """One generation on a fresh local pool of :func:`required_ranks` ``(method)`` ranks, closed after.
-
-    Args:
-        procs: the number of ranks the caller asked for (``None``: the method's); it must equal
-            the method's, so a mismatch is refused before any process starts.
-
-    Raises:
-        ConfigError: ``procs`` differs from what the method needs; see :class:`RankPool` and
-            :meth:`RankPool.generate`.
-    """
-    need = required_ranks(method)
-    if procs is not None and procs != need:
-        raise ConfigError(f"{method.describe()} runs on {need} rank(s), but procs={procs} was asked for")
-    timeout = method.timeout_s if isinstance(method, DistributedMethod) else 120.0
-    with RankPool(model, need, threads_per_rank=threads_per_rank, pin=pin, timeout_s=timeout,
-                  start_method=start_method) as pool:
-        return pool.generate(prompt, method, max_new_tokens, chat=chat, stop_at_eos=stop_at_eos)

@@ -4,7 +4,8 @@ The same code serves the processes of a local :class:`~fastprefill.distributed.p
 and torchrun ranks (``python -m fastprefill.launch``, and ``fastprefill serve`` under torchrun):
 the :class:`Request` every rank receives, its validation (:func:`check_request`, identical on
 every rank and before any communication, so all ranks refuse alike), the rank's role
-(:func:`run_rank`: the last rank runs :func:`fastprefill.engine.stream`, the others call the
+(:func:`run_rank`: the last rank runs a :class:`~fastprefill.engine.Generation` of the ids
+:func:`check_request` made, or that a driver holding the model prepared, the others call the
 method's :meth:`~fastprefill.methods.base.DistributedMethod.contribute`), and the loop that
 answers a driver over a duplex connection (:func:`serve_rank`).
 
@@ -19,7 +20,6 @@ connection: a pipe for a local worker, an authenticated socket for a torchrun ra
   :class:`~fastprefill.engine.StreamEvent`'s fields) for every token instead of ``"first"``
   (``timing`` on the last one only), and stops
   at the next token when ``("cancel", None)`` arrives (a stray one, after the run, is ignored);
-- ``("tokenize", {"prompt", "chat"})`` -> ``("tokens", ids)`` (sent to the last rank only);
 - ``("stop", None)`` -> the loop returns.
 
 Whoever runs the loop reports any failure as ``("error", (message, user error or None))`` and
@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -50,7 +50,6 @@ __all__ = [
     "Request",
     "check_ranks",
     "check_request",
-    "required_ranks",
     "run_rank",
     "send_error",
     "serve_rank",
@@ -65,8 +64,11 @@ class Request:
     """One generation request, identical on every rank.
 
     Attributes:
-        prompt: text (needs the model's tokenizer) or token ids.
-        method: the method every rank runs; see :func:`required_ranks`.
+        prompt: text (needs the model's tokenizer) or token ids; with ``prepared``, the ids a
+            driver holding the model made (the server's request processor), which no rank
+            validates again.
+        method: the method every rank runs (with ``prepared``, as resolved for the prompt);
+            it must need as many ranks as the group has (:func:`check_ranks`).
         max_new_tokens: tokens to generate, the first included.
         chat: wrap text in the chat template.
         stop_at_eos: stop at the model's end-of-sequence token.
@@ -75,9 +77,12 @@ class Request:
         stream: the last rank sends every token as it comes (see the module docstring).
         sampling: how tokens are picked, stop strings included (``None``: greedy, as
             :func:`fastprefill.engine.stream` says).
+        prepared: ``prompt`` is validated ids and ``method`` resolved for them.
+        name: how the last rank's :class:`~fastprefill.events.Timing` names the method
+            (``None``: its ``describe()``).
     """
 
-    prompt: str | list[int]
+    prompt: str | bytes | list[int]
     method: Method
     max_new_tokens: int = 64
     chat: bool = False
@@ -85,44 +90,44 @@ class Request:
     fault: tuple[int, int, str] | None = None
     stream: bool = False
     sampling: SamplingParams | None = None
-
-
-def required_ranks(method: Method) -> int:
-    """Ranks ``method`` runs on: ``procs`` of a :class:`DistributedMethod`, else 1."""
-    return method.procs if isinstance(method, DistributedMethod) else 1
+    prepared: bool = False
+    name: str | None = None
 
 
 def check_ranks(method: Method, world: int, group: str) -> None:
-    """Refuse ``method`` unless it runs on ``world`` ranks; ``group`` says what has ``world``
-    ranks, for the message (``"this group has 2"``).
+    """Refuse ``method`` unless it runs on ``world`` ranks (:attr:`~fastprefill.methods.base.Method.ranks`);
+    ``group`` says what has ``world`` ranks, for the message (``"this group has 2"``).
 
     Raises:
-        ConfigError: ``required_ranks(method) != world``.
+        ConfigError: ``method.ranks != world``.
     """
-    need = required_ranks(method)
-    if need != world:
-        what = f"needs procs={need} ranks" if isinstance(method, DistributedMethod) else "runs on one process"
+    if method.ranks != world:
+        what = f"needs procs={method.ranks} ranks" if method.on_ranks else "runs on one process"
         raise ConfigError(f"{method.describe()} {what}, but {group}")
 
 
-def check_request(model: Any, tokenizer: Any, request: Request, world: int) -> torch.Tensor:
-    """Validate ``request`` for a group of ``world`` ranks; return its ``(1, T)`` ids.
+def check_request(model: Any, tokenizer: Any, request: Request, world: int) -> tuple[torch.Tensor, Method]:
+    """Validate ``request`` for a group of ``world`` ranks: its ``(1, T)`` ids and the method
+    resolved for them (:func:`fastprefill.prompt.prepare_generation`; a ``prepared`` request's
+    own, checked only for the number of ranks).
 
     Every rank runs the same checks on the same input before any communication, so all ranks
     refuse alike.
 
     Raises:
         ConfigError: not a Method, or a method for another number of ranks; see also
-            :func:`fastprefill.prompt.prepare_prompt` (PromptError, UnsupportedModelError, ...).
+            :func:`fastprefill.prompt.prepare_generation` (PromptError, UnsupportedModelError, ...).
     """
-    from fastprefill.prompt import prepare_prompt
+    from fastprefill.prompt import prepare_generation
 
     method = request.method
     if not isinstance(method, Method):
         raise ConfigError(f"method must be a fastprefill Method, got {type(method).__name__}")
     check_ranks(method, world, f"this group has {world}")
-    return prepare_prompt(model, tokenizer, request.prompt, method, max_new_tokens=request.max_new_tokens,
-                          chat=request.chat)
+    if request.prepared:
+        return torch.tensor([list(request.prompt)], dtype=torch.long, device=model.device), method
+    return prepare_generation(model, tokenizer, request.prompt, method, request.max_new_tokens, chat=request.chat,
+                              sampling=request.sampling)
 
 
 def _layer_hook(fault: tuple[int, int, str] | None) -> LayerHook | None:
@@ -145,26 +150,27 @@ def run_rank(
     rank: int,
     world: int,
     request: Request,
-    input_ids: torch.Tensor,
+    prepared: tuple[torch.Tensor, Method],
     on_first: Callable[[int], None] | None = None,
     on_token: Callable[[Any], bool] | None = None,
 ) -> dict[str, Any]:
-    """This rank's part of a request validated by :func:`check_request`.
+    """This rank's part of a request, given what :func:`check_request` made of it (its ids and
+    the method resolved for them).
 
-    The last rank generates: the result has ``text``, ``token_ids``, ``timing`` (the engine's
-    :class:`~fastprefill.engine.Timing` as a dict), ``stats`` (its prefill counters) and
-    ``logits`` (``(V,)`` first-token logits on the CPU); ``on_first(token_id)`` is called as soon
-    as the first token is known, ``on_token(event)`` with every
-    :class:`~fastprefill.engine.StreamEvent` (True: stop now; the result is then
+    The last rank generates (a :class:`~fastprefill.engine.Generation` of those ids): the result
+    has ``text``, ``token_ids``, ``timing`` (the engine's :class:`~fastprefill.engine.Timing` as a
+    dict), ``stats`` (its prefill counters) and ``logits`` (``(V,)`` first-token logits on the
+    CPU); ``on_first(token_id)`` is called as soon as the first token is known, ``on_token(event)``
+    with every :class:`~fastprefill.engine.StreamEvent` (True: stop now; the result is then
     ``{"cancelled": True, "stats": {}}``). Other ranks contribute and return ``{"stats": counters}``.
     """
-    from fastprefill.engine import stream
+    from fastprefill.engine import Generation
 
-    method = request.method
+    input_ids, method = prepared
     if rank == world - 1:
         events = []
-        gen = stream(model, tokenizer, input_ids, method, request.max_new_tokens, stop_at_eos=request.stop_at_eos,
-                     sampling=request.sampling)
+        gen = Generation(model, tokenizer, input_ids, method, request.max_new_tokens, stop_at_eos=request.stop_at_eos,
+                         sampling=request.sampling, name=request.name).run()
         with contextlib.closing(gen):
             for ev in gen:
                 if ev.index == 0 and ev.choice == 0 and on_first is not None:
@@ -181,9 +187,9 @@ def run_rank(
             text = "".join(e.text for e in first)
         return {"text": text, "token_ids": ids_out, "timing": timing.to_dict(), "stats": timing.extra,
                 "logits": None if request.stream else events[-1].first_logits}
-    assert isinstance(method, DistributedMethod)  # check_request: world > 1 needs one
+    helper = cast(DistributedMethod, method)  # check_ranks: a group of several ranks runs only such methods
     with torch.inference_mode():
-        stats = method.contribute(model, input_ids, layer_hook=_layer_hook(request.fault))
+        stats = helper.contribute(model, input_ids, layer_hook=_layer_hook(request.fault))
     return {"stats": stats.extra}
 
 
@@ -256,18 +262,13 @@ def serve_rank(
             return True
         if kind == "cancel":  # for a run that had already ended
             continue
-        if kind == "tokenize":
-            from fastprefill.prompt import encode_prompt
-
-            conn.send(("tokens", encode_prompt(tokenizer, payload["prompt"], chat=payload["chat"])[0].tolist()))
-            continue
         try:
-            ids = check_request(model, tokenizer, payload, world)
+            prepared = check_request(model, tokenizer, payload, world)
         except FastprefillError as exc:
             _send_user_error(conn, "invalid", exc, f"rank {rank}: {type(exc).__name__}: {exc}")
             continue
         streams = payload.stream and rank == world - 1
-        result = run_rank(model, tokenizer, rank, world, payload, ids,
+        result = run_rank(model, tokenizer, rank, world, payload, prepared,
                           on_first=None if streams else lambda tok: conn.send(("first", tok)),
                           on_token=_token_sender(conn) if streams else None)
         conn.send(("done", result))

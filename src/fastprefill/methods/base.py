@@ -20,8 +20,7 @@ communication) happens inside ``prefill``, so the engine's TTFT timer includes i
 
 A method that splits the prefill over several processes also meets :class:`DistributedMethod`:
 the last rank runs the engine, the others :meth:`DistributedMethod.contribute`;
-:func:`runs_on_ranks` is the test the server and the CLI use to choose between a rank pool and
-their own model.
+:attr:`Method.on_ranks` says so from the class, and :attr:`Method.ranks` how many ranks it needs.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypeGuard, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
@@ -168,6 +167,11 @@ class Method(ABC):
     #: ``ids[:, :p]`` (the prefix path) is the same computation as prefilling it whole: a
     #: scheduler may then split a long prompt into chunks, each a prefill over the K/V so far.
     chunked_prefill: ClassVar[bool] = False
+    #: True when the method runs on a rank pool (several processes of one process group, a
+    #: :class:`DistributedMethod`) rather than on the caller's own model: the one fact behind the
+    #: choice of backend (``fastprefill.serve.backends.Backends``, which the CLI, the server and
+    #: torchrun ask). Known from the class, so a spec's name says it before anything is built.
+    on_ranks: ClassVar[bool] = False
 
     # --- capability queries (static: nothing is built) ---------------------------------------
     @classmethod
@@ -217,8 +221,24 @@ class Method(ABC):
         del model
         return False
 
+    @property
+    def ranks(self) -> int:
+        """Ranks the method runs on: 1 (the caller's own process), or a multi-rank method's ``procs``."""
+        return 1
+
     def describe(self) -> str:
         """One line naming the method and its settings, for tables and logs."""
+        return self.name
+
+    def served_name(self) -> str:
+        """How a server's responses and ``/health`` name the method: :meth:`describe`, with the
+        settings that say how an answer was decoded even where they are the defaults (LazyLLM's
+        revival policy)."""
+        return self.describe()
+
+    def metric_label(self) -> str:
+        """The method's label in a server's metrics: its :attr:`name`, with the settings that change
+        how it decodes (LazyLLM: ``lazyllm[revival=none]``); a bounded set whatever requests send."""
         return self.name
 
     def with_chunks(self, chunks: Sequence[tuple[int, int]]) -> Method:
@@ -257,8 +277,15 @@ class DistributedMethod(Method):
             instead of blocking); drivers bound a whole request by a small multiple of it.
     """
 
+    on_ranks: ClassVar[bool] = True
+
     procs: int
     timeout_s: float
+
+    @property
+    def ranks(self) -> int:
+        """``procs``."""
+        return self.procs
 
     @abstractmethod
     def contribute(
@@ -276,10 +303,3 @@ class DistributedMethod(Method):
         Returns:
             What this rank computed (its counters in ``extra``).
         """
-
-
-def runs_on_ranks(method: Method) -> TypeGuard[DistributedMethod]:
-    """Whether ``method`` runs on a rank pool (a :class:`DistributedMethod`, whatever its
-    ``procs``) rather than on the caller's own model: the one test behind the server's choice
-    of backend (``fastprefill.serve.backends``) and ``fastprefill generate``'s."""
-    return isinstance(method, DistributedMethod)

@@ -255,3 +255,13 @@ class LazyLLM(Method):
         differ = [f"{key}={getattr(self.options, key)}" for key in OPTION_FIELDS
                   if key in show or getattr(self.options, key) != getattr(expected, key)]
         return f"lazyllm[{where}{' ' + ','.join(differ) if differ else ''}]"
+
+    def served_name(self) -> str:
+        """:meth:`describe` with the revival policy always named, so that a response says how it
+        decoded (``lazyllm[four-stage revival=none]``)."""
+        return self.describe(show=("revival",))
+
+    def metric_label(self) -> str:
+        """``lazyllm[revival=<policy>]``."""
+        assert isinstance(self.options, PruneOptions)
+        return f"{self.name}[revival={self.options.revival.kind}]"

@@ -14,8 +14,8 @@ scheduler, ``metrics.py`` the Prometheus series. The user's page is ``docs/servi
 from __future__ import annotations
 
 from fastprefill.serve.app import create_app
+from fastprefill.serve.backends import start_ranks
 from fastprefill.serve.config import PER_REQUEST_METHODS, ServeConfig
-from fastprefill.serve.ranks import start_ranks
 from fastprefill.serve.runner import background, run
 
 __all__ = ["PER_REQUEST_METHODS", "ServeConfig", "background", "create_app", "run", "start_ranks"]

@@ -1,16 +1,13 @@
 """The FastAPI application: OpenAI-compatible routes over one model and one
 :class:`~fastprefill.serve.scheduler.Scheduler`.
 
-A completion request goes: body (at most ``--max-body-mb``) -> schema and sampling parameters ->
-method (the server's, or the request's ``"fastprefill": {"method": SPEC}``) and its backend
-(:class:`~fastprefill.serve.backends.Backends`) -> the prompt's length in characters against
-what the context can hold, then :func:`fastprefill.prompt.prepare_request` on a checker thread
-(:class:`~fastprefill.serve.prompts.PromptChecker`) -> one prepared
-:class:`~fastprefill.serve.worker.Job` -> the scheduler's bounded queue. Every refusal is answered in OpenAI's
-error shape: 400 (404 for an unknown model name or route, 405 for a wrong HTTP method, 413 for
-a body over the limit, 429 when the queue is full, 503 while shutting down, 500 for an
-unexpected failure, which the server log details); nothing a request does changes the server's
-state for the next one.
+A completion request goes: body (at most ``--max-body-mb``) -> one prepared
+:class:`~fastprefill.serve.worker.Job` (:meth:`fastprefill.serve.requests.RequestProcessor.process`:
+schema, model, sampling, method, prompt tokenized and validated, method resolved, then its
+backend) -> the scheduler's bounded queue. Every refusal is answered in OpenAI's error shape: 400
+(404 for an unknown model name or route, 405 for a wrong HTTP method, 413 for a body over the
+limit, 429 when the queue is full, 503 while shutting down, 500 for an unexpected failure, which
+the server log details); nothing a request does changes the server's state for the next one.
 
 Shutdown (SIGTERM or SIGINT under :func:`run`): the server stops taking requests (503), fails
 the waiting ones with 503, lets the running generations finish for up to ``--drain-timeout``
@@ -42,23 +39,14 @@ from fastprefill.host import dtype_name, precision_report
 from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 from fastprefill.serve.answers import Finished, Responder, Token, running_usage
 from fastprefill.serve.backends import Backends
-from fastprefill.serve.config import MethodTable, ServeConfig, served_name
+from fastprefill.serve.config import ServeConfig
 from fastprefill.serve.health import http_status, method_states, ranks_health, server_status
 from fastprefill.serve.limits import read_body
+from fastprefill.serve.method_table import MethodTable
 from fastprefill.serve.metrics import ServeMetrics
-from fastprefill.serve.prompts import PromptChecker
-from fastprefill.serve.protocol import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    ResponseIds,
-    StreamOptions,
-    describe_errors,
-    parse_request,
-    sse,
-    usage_block,
-)
+from fastprefill.serve.protocol import APIError, ResponseIds, StreamOptions, describe_errors, sse, usage_block
 from fastprefill.serve.ranks import ServedPool
+from fastprefill.serve.requests import Refused, RequestProcessor
 from fastprefill.serve.scheduler import Scheduler, make_policy
 from fastprefill.serve.worker import Failed, Job, internal_error, ranks_down
 
@@ -132,12 +120,12 @@ class Server:
             raise ConfigError(f"the rank pool runs the model in {dtype_name(ranks.dtype)} and the server's own model is "
                               f"{dtype_name(model.dtype)}: start both in one dtype")
         self.ranks = ranks
-        self.methods = MethodTable(model, config.method, config.allow_methods, ranks.procs if ranks else 1)
         self.prefix_cache = self._open_prefix_cache()
         self.backends = Backends(model, tokenizer, self.prefix_cache, ranks)
+        self.methods = MethodTable(model, config.method, config.allow_methods, self.backends)
         self.scheduler = Scheduler(model, tokenizer, self.metrics, config.queue_size, make_policy(config))
-        self.prompts = PromptChecker(model, tokenizer)  # validates prompts beside the scheduler's work
-        self.wire_tokenizer = copy.deepcopy(tokenizer)  # the event loop's own (token texts, echo): not thread-safe
+        self.processor = RequestProcessor(model, tokenizer, config, self.methods, self.backends, self.metrics)
+        self.wire_tokenizer = copy.deepcopy(tokenizer)  # the event loop's own (token texts): not thread-safe
         self.created = int(time.time())
         self.draining = False
         self.active = 0  # completion requests being answered (a stream until its last event)
@@ -180,7 +168,7 @@ class Server:
         save the prefix cache to ``prefix_cache_dir`` if one is set."""
         self.draining = True
         self.scheduler.stop(_shutting_down(), timeout=WORKER_JOIN_S)
-        self.prompts.close()
+        self.processor.close()
         self.save_prefix_cache()
         if self.ranks is not None:
             self.ranks.close()
@@ -228,7 +216,7 @@ class Server:
     def warm_up(self) -> None:
         """One short generation per method built at start (first calls are slow; a method that
         cannot run on this model fails here, not on the first request)."""
-        self.backends.warm_up([method for _, method in self.methods.built.values()], self.prompts.vocab_size,
+        self.backends.warm_up([method for _, method in self.methods.built.values()], self.processor.vocab_size,
                               batched=self.scheduler.policy.max_running > 1)
 
     # --- requests ------------------------------------------------------------------------------
@@ -247,23 +235,17 @@ class Server:
         self.active -= 1
 
     async def _complete(self, request: Request, chat: bool) -> Response:
-        arrived = time.monotonic()
         label = "invalid"
         try:
             if self.draining:
                 raise self._refusal()
-            req = parse_request(await read_body(request, self.config.max_body_bytes),
-                                ChatRequest if chat else CompletionRequest)
-            self.check_model(req.model)
-            max_tokens = req.budget() or self.config.max_tokens
-            sampling = req.sampling(self.prompts.vocab_size, max_tokens)
-            label, method = self.methods.get(req.fastprefill.method)
-            backend = self.backends.for_method(method)  # a 503 once its rank pool has failed
-            self.prompts.check_lengths(req)
-            ids, method = await self.prompts.prompt_ids(req, method, max_tokens)
-            job = Job(ids, method, backend, label, max_tokens, sampling, req.stream, arrived,
-                      arrived + self.config.timeout_s, self.metrics, asyncio.get_running_loop())
+            job = await self.processor.process(await read_body(request, self.config.max_body_bytes), chat,
+                                               time.monotonic())
+            label = job.label
             self.scheduler.submit(job)
+        except Refused as refused:  # the processor's: counted under the method the request named
+            self.metrics.requests.labels(refused.label, refused.error.outcome).inc()
+            return _error(refused.error)
         except APIError as exc:
             self.metrics.requests.labels(label, exc.outcome).inc()
             return _error(exc)
@@ -275,13 +257,10 @@ class Server:
             error = internal_error(exc)
             self.metrics.requests.labels(label, error.outcome).inc()
             return _error(error)
-        echo = None
-        if isinstance(req, CompletionRequest) and req.echo:  # the prompt as sent (text), or its ids decoded
-            prompt = req.single_prompt()
-            echo = (prompt if isinstance(prompt, str) else self.wire_tokenizer.decode(prompt), ids[0].tolist())
+        echo = None if job.echo is None else (job.echo, job.input_ids[0].tolist())
         out = Responder(ResponseIds(chat, self.config.model_name), self.wire_tokenizer, echo)
-        if req.stream:
-            return _JobStream(job, self._stream(job, out, req.stream_options), self._ended)
+        if job.streaming:
+            return _JobStream(job, self._stream(job, out, job.stream_options), self._ended)
         while True:
             event = await job.next_event(request.is_disconnected)
             if event is None:  # the client has gone: nobody reads this
@@ -323,7 +302,7 @@ class Server:
             "reason": status.reason,
             "methods": {s.spec: s.body() for s in states},
             "model": self.config.model_name,
-            "method": served_name(self.methods.built[self.methods.default][1]),
+            "method": self.methods.built[self.methods.default][1].served_name(),
             "busy": self.scheduler.busy,
             "queue": {"waiting": self.scheduler.waiting, "capacity": self.config.queue_size,
                       "running": len(self.scheduler.running), "scheduler": self.config.scheduler},
@@ -335,24 +314,14 @@ class Server:
     def model_card(self) -> dict[str, Any]:
         """The served model as OpenAI's model object (plus ``context_length``)."""
         return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "fastprefill",
-                "context_length": self.prompts.context}
+                "context_length": self.processor.context}
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
 
-    def check_model(self, model_id: str) -> None:
-        """Refuse any model id but the served one.
-
-        Raises:
-            APIError: 404.
-        """
-        if model_id != self.config.model_name:
-            raise APIError(404, f"model {model_id!r} is not served here; this server serves "
-                                f"{self.config.model_name!r}", kind="not_found_error", param="model")
-
     def model_info(self, model_id: str) -> dict[str, Any]:
         """:meth:`model_card` if ``model_id`` names the served model (else a 404 :class:`APIError`)."""
-        self.check_model(model_id)
+        self.processor.check_model(model_id)
         return self.model_card()
 
 

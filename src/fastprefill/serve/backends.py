@@ -4,12 +4,15 @@ torchrun's), behind one interface chosen when the server starts.
 :class:`Backends` is built once with the server (vLLM's ``Executor.get_class`` is the model):
 it holds a :class:`LocalBackend` over the server's model and prefix cache and, when the server
 has a rank pool, a :class:`RankBackend` over it (:class:`~fastprefill.serve.ranks.ServedPool`,
-whose links are local processes or torchrun's ranks: the pool hides which).
-:meth:`Backends.for_method` is the one place that asks whether a method runs over several
-ranks (:func:`~fastprefill.methods.base.runs_on_ranks`, the test ``fastprefill generate`` uses
-too); a request's :class:`~fastprefill.serve.worker.Job` carries its backend from then on.
+whose links are local processes or torchrun's ranks: the pool hides which). It is the one
+place that asks whether a method runs over several ranks (the method says so,
+:attr:`~fastprefill.methods.base.Method.on_ranks`): :meth:`Backends.on_ranks` for
+``fastprefill generate``, torchrun's server and :func:`start_ranks`, :meth:`Backends.check` for
+the methods a server starts with, :meth:`Backends.for_method` for each request, whose
+:class:`~fastprefill.serve.worker.Job` carries its backend from then on.
 
-A backend turns a job into a unit of :class:`Work` for the scheduler: a local
+A backend (the :class:`~fastprefill.serve.worker.Backend` contract) turns a job into a unit of
+:class:`~fastprefill.serve.worker.Work` for the scheduler: a local
 :class:`~fastprefill.engine.Generation` (chunked prefill for an exact method, then decode steps
 the scheduler may batch), or a :class:`RankGeneration` (the whole prefill on the ranks as one
 unit, up to the first token, then one token per step as the last rank sends them).
@@ -17,100 +20,25 @@ unit, up to the first token, then one token per step as the last rank sends them
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.batch import DecodeBatch
+from fastprefill.distributed.rank import check_ranks
 from fastprefill.engine import Generation, StreamEvent, generate
-from fastprefill.methods.base import Method, runs_on_ranks
+from fastprefill.errors import ConfigError
+from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
+from fastprefill.serve.config import ServeConfig, serving_method
 from fastprefill.serve.protocol import APIError
 from fastprefill.serve.ranks import ServedPool
-from fastprefill.serve.worker import Job, ranks_down
+from fastprefill.serve.worker import Backend, Job, Work, ranks_down
 
-__all__ = ["Backend", "Backends", "LocalBackend", "RankBackend", "RankGeneration", "Work"]
-
-
-class Work(Protocol):
-    """One running request as the scheduler drives it (:class:`~fastprefill.engine.Generation`
-    is the reference implementation)."""
-
-    n_prompt: int
-    finished: bool
-
-    @property
-    def remaining(self) -> int:
-        """Prompt tokens still to prefill (after :meth:`lookup`)."""
-        ...
-
-    @property
-    def chunked(self) -> bool:
-        """Whether :meth:`prefill` may run part of the prompt."""
-        ...
-
-    @property
-    def prefilled(self) -> bool:
-        """Whether the first token is known."""
-        ...
-
-    def lookup(self) -> int:
-        """Find what is already computed (the prefix cache); returns :attr:`remaining`."""
-        ...
-
-    def prefill(self, budget: int | None = None) -> int:
-        """One unit of prefill (at most ``budget`` tokens when :attr:`chunked`); the tokens run."""
-        ...
-
-    def first_events(self) -> list[StreamEvent]:
-        """The first tokens' events (one per answer it holds), once :attr:`prefilled`."""
-        ...
-
-    def step(self) -> list[StreamEvent]:
-        """One decode step: the next tokens' events (the generation's last carries the timing)."""
-        ...
-
-    def publish(self) -> None:
-        """Once its first tokens are out: make what its prefill computed visible to other
-        requests (the prefix cache's blocks)."""
-        ...
-
-    def close(self) -> None:
-        """Stop early and free what the work holds (its K/V, the ranks)."""
-        ...
-
-
-class Backend(Protocol):
-    """What a job runs on (see the module docstring)."""
-
-    #: at most one of its works may run at a time (a rank pool runs one request at a time)
-    exclusive: bool
-    #: a failure of it ends the server (torchrun's ranks)
-    fatal: bool
-
-    def check(self) -> None:
-        """Raise :class:`~fastprefill.serve.protocol.APIError` if it cannot take a request now."""
-        ...
-
-    def unavailable(self) -> str | None:
-        """Why it cannot take a request now (``None``: it can); never waits."""
-        ...
-
-    def begin(self, job: Job) -> Work:
-        """The job's work."""
-        ...
-
-    def waits_for(self, work: Work, other: Work) -> int:
-        """Prompt tokens of ``work`` that ``other`` (running) will store and ``work`` lacks: worth
-        waiting for rather than computing twice (0: none)."""
-        ...
-
-    def warm_up(self, method: Method, vocab_size: int) -> None:
-        """One short generation with ``method`` (first calls are slow)."""
-        ...
+__all__ = ["Backends", "LocalBackend", "RankBackend", "RankGeneration", "rank_methods", "start_ranks"]
 
 
 def _warm_ids(vocab_size: int) -> list[int]:
@@ -137,7 +65,7 @@ class LocalBackend:
         """A :class:`~fastprefill.engine.Generation` of the job (it stores into the prefix cache
         only once it is complete)."""
         return Generation(self.model, self.tokenizer, job.input_ids, job.method, job.max_tokens,
-                          prefix_cache=self.prefix_cache, sampling=job.sampling)
+                          prefix_cache=self.prefix_cache, sampling=job.sampling, name=job.name)
 
     def waits_for(self, work: Work, other: Work) -> int:
         """The whole blocks of ``work``'s prompt past what it found in the prefix cache that
@@ -250,13 +178,11 @@ class RankBackend:
         return 0
 
     def begin(self, job: Job) -> RankGeneration:
-        assert runs_on_ranks(job.method)
-        events = self.pool.stream(job.input_ids, job.method, job.max_tokens, sampling=job.sampling)
+        events = self.pool.stream(job.input_ids, job.method, job.max_tokens, sampling=job.sampling, name=job.name)
         note = f"not used: {job.method.name} takes no cached prefix" if self.prefix_cache else None
         return RankGeneration(events, int(job.input_ids.shape[1]), note)
 
     def warm_up(self, method: Method, vocab_size: int) -> None:
-        assert runs_on_ranks(method)
         self.pool.warm_up(method, vocab_size)
 
 
@@ -268,14 +194,42 @@ class Backends:
         self.local = LocalBackend(model, tokenizer, prefix_cache)
         self.ranks = None if ranks is None else RankBackend(ranks, prefix_cache is not None)
 
+    @staticmethod
+    def on_ranks(method: Method) -> bool:
+        """Whether ``method`` runs on a rank pool rather than on the caller's own model (the method
+        says so: :attr:`~fastprefill.methods.base.Method.on_ranks`); the question behind every
+        choice of backend: this class's, ``fastprefill generate``'s and torchrun's server's."""
+        return method.on_ranks
+
+    @property
+    def pool_ranks(self) -> int:
+        """Ranks of the server's pool (1: it has none, so it runs no multi-rank method)."""
+        return 1 if self.ranks is None else self.ranks.pool.procs
+
+    def check(self, method: Method, spec: str) -> None:
+        """Refuse, when the server starts, a ``method`` (built from ``spec``) that no backend of this
+        server can run: a multi-rank one without a pool, or on another number of ranks.
+
+        Raises:
+            ConfigError: saying how to start a server that runs it.
+        """
+        if not self.on_ranks(method):
+            return
+        if self.ranks is None:
+            raise ConfigError(
+                f"{spec!r} runs over several ranks and this server has no rank pool: `fastprefill serve "
+                f"--method {spec}` starts one (from Python: create_app(..., ranks=start_ranks(config, "
+                "model_name))), or run it with `python -m fastprefill.launch` (or torchrun)")
+        check_ranks(method, self.pool_ranks, f"the server's rank pool has {self.pool_ranks}")
+
     def for_method(self, method: Method) -> Backend:
-        """The backend that runs ``method`` (the one place that asks whether it is multi-rank).
+        """The backend that runs ``method``, as resolved for the request's prompt.
 
         Raises:
             APIError: 503 when its rank pool has failed; 400 for a multi-rank method on a server
                 without a pool (the method table refuses those first).
         """
-        if not runs_on_ranks(method):
+        if not self.on_ranks(method):
             return self.local
         if self.ranks is None:
             raise APIError(400, f"{method.name} runs over several processes; this server has no rank pool",
@@ -285,7 +239,7 @@ class Backends:
 
     def unavailable(self, method: Method) -> str | None:
         """Why ``method`` cannot run now (``None``: it can), without raising or waiting (``/health``)."""
-        if not runs_on_ranks(method):
+        if not self.on_ranks(method):
             return self.local.unavailable()
         if self.ranks is None:
             return "it runs over several processes and this server has no rank pool"
@@ -299,3 +253,31 @@ class Backends:
         if batched:
             self.local.warm_up_batch(vocab_size)
 
+
+def start_ranks(config: ServeConfig, model: str, **pool: Any) -> ServedPool | None:
+    """The rank pool that ``config``'s methods need (``--method`` and ``--allow-method``), or
+    ``None`` when all of them run in one process (:meth:`Backends.on_ranks`).
+
+    Args:
+        model: what each rank loads (:func:`fastprefill.models.load`: a zoo name, a folder, ...;
+            on the CPU): the server's own model, in the dtype ``pool["dtype"]`` names.
+        pool: more :class:`~fastprefill.distributed.pool.RankPool` arguments (``threads_per_rank``,
+            ``pin``, ``start_method``).
+
+    Raises:
+        ConfigError: multi-rank methods asking for different numbers of ranks; see
+            :class:`~fastprefill.distributed.pool.RankPool` for a rank that cannot start.
+    """
+    needs = rank_methods({spec: serving_method(spec) for spec in (config.method, *config.allow_methods)})
+    if not needs:
+        return None
+    procs = {m.ranks for m in needs.values()}
+    if len(procs) > 1:
+        raise ConfigError(f"the multi-rank methods {sorted(needs)} ask for {sorted(procs)} ranks; the server keeps "
+                          "one rank pool, so give them all the same procs")
+    return ServedPool(model, procs.pop(), timeout_s=max(m.timeout_s for m in needs.values()), **pool)
+
+
+def rank_methods(methods: Mapping[str, Method]) -> dict[str, DistributedMethod]:
+    """Those of ``methods`` (by spec) that run on a rank pool (:meth:`Backends.on_ranks`)."""
+    return {spec: cast(DistributedMethod, m) for spec, m in methods.items() if Backends.on_ranks(m)}

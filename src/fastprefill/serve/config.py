@@ -1,24 +1,17 @@
-"""A server's settings (:class:`ServeConfig`) and the methods it serves (:class:`MethodTable`), with
-the server's defaults for them (:func:`serving_method`) and how responses and metrics name them."""
+"""A server's settings (:class:`ServeConfig`) and its defaults for the methods it serves
+(:func:`serving_method`, :data:`PER_REQUEST_METHODS`); the table of those methods is
+:mod:`fastprefill.serve.method_table`."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedModel
+from fastprefill.errors import check_fields, is_int, is_number
+from fastprefill.methods.base import Method
+from fastprefill.methods.registry import make_method
 
-from fastprefill.distributed.rank import check_ranks
-from fastprefill.errors import ConfigError, FastprefillError, check_fields, is_int, is_number
-from fastprefill.methods.base import Method, runs_on_ranks
-from fastprefill.methods.lazyllm import LazyLLM
-from fastprefill.methods.pruning import PruneOptions
-from fastprefill.methods.registry import METHODS, make_method, parse_spec
-from fastprefill.serve.protocol import APIError
-
-__all__ = ["MULTI_RANK_METHODS", "PER_REQUEST_METHODS", "SCHEDULERS", "SERVER_REVIVAL", "MethodTable", "ServeConfig",
-           "metric_label", "served_name", "serving_method"]
+__all__ = ["PER_REQUEST_METHODS", "SCHEDULERS", "SERVER_REVIVAL", "ServeConfig", "serving_method"]
 
 #: Methods a request may build by name: their settings are plain values. The others (``kvp``
 #: reads a checkpoint from the server's disk) serve only if named when the server starts.
@@ -30,8 +23,6 @@ PER_REQUEST_METHODS = frozenset({"full", "lazyllm", "random", "static", "gemfilt
 SERVER_REVIVAL = "none"
 #: The schedulers a server may run (:mod:`fastprefill.serve.scheduler`).
 SCHEDULERS = frozenset({"interleaved", "fifo"})
-#: Methods that run over several processes: served only by a server with a rank pool of their size.
-MULTI_RANK_METHODS = frozenset({"runahead", "tsp"})
 
 
 @dataclass(frozen=True)
@@ -126,86 +117,3 @@ def serving_method(spec: str) -> Method:
         ConfigError: as :func:`make_method`.
     """
     return make_method(spec, {"revival": SERVER_REVIVAL})  # only lazyllm declares revival
-
-
-def served_name(method: Method) -> str:
-    """How responses and ``/health`` name ``method``: its ``describe()``; LazyLLM's always names its
-    revival policy, so that a response says how it decoded (``lazyllm[four-stage revival=none]``)."""
-    return method.describe(show=("revival",)) if isinstance(method, LazyLLM) else method.describe()
-
-
-def metric_label(name: str, method: Method) -> str:
-    """The ``method`` label of ``/metrics``: the registry name, and for LazyLLM its revival policy
-    (``lazyllm[revival=none]``; ``budget:R`` counts as ``budget``), a bounded set whatever the
-    requests send."""
-    if isinstance(method, LazyLLM):
-        assert isinstance(method.options, PruneOptions)
-        return f"{name}[revival={method.options.revival.kind}]"
-    return name
-
-
-class MethodTable:
-    """The default method, the ones built at start, and per-request ones built by name, each
-    as the server runs it (:func:`serving_method`).
-
-    Args:
-        ranks: the ranks of the server's pool (:mod:`fastprefill.serve.ranks`); 1: no pool, so
-            no multi-rank method. A multi-rank method must run on exactly that many
-            (:func:`~fastprefill.distributed.rank.check_ranks`).
-    """
-
-    def __init__(self, model: PreTrainedModel, default: str, allowed: Sequence[str], ranks: int = 1) -> None:
-        self.default = default.strip()
-        self.ranks = ranks
-        self.built: dict[str, tuple[str, Method]] = {}
-        for spec in (self.default, *(s.strip() for s in allowed)):
-            name, _ = parse_spec(spec)
-            method = serving_method(spec)
-            if runs_on_ranks(method):
-                if ranks == 1:
-                    raise ConfigError(
-                        f"{spec!r} runs over several ranks and this server has no rank pool: `fastprefill serve "
-                        f"--method {spec}` starts one (from Python: create_app(..., ranks=start_ranks(config, "
-                        "model_name))), or run it with `python -m fastprefill.launch` (or torchrun)")
-                check_ranks(method, ranks, f"the server's rank pool has {ranks}")
-            method.check_model(model)
-            self.built[spec] = (metric_label(name, method), method)
-
-    def get(self, spec: str | None) -> tuple[str, Method]:
-        """``(metrics label, method)`` for a request's spec (``None``: the default); see
-        :func:`metric_label` and :func:`serving_method`. A multi-rank method may be named per
-        request when the server has a rank pool of its size (not with ``table``, a file on the
-        server's disk).
-
-        Raises:
-            APIError: 400 for an unknown or badly formed spec, or one not allowed per request.
-        """
-        spec = self.default if spec is None else spec.strip()
-        if spec in self.built:
-            return self.built[spec]
-        try:
-            name, options = parse_spec(spec)
-            if name in MULTI_RANK_METHODS:
-                return name, self._multi_rank(name, spec, options)
-            if name in METHODS and name not in PER_REQUEST_METHODS:
-                raise APIError(400, f"fastprefill.method: a request may name {sorted(PER_REQUEST_METHODS)} "
-                                    f"or a spec the server was started with ({sorted(self.built)}), not "
-                                    f"{spec!r}; start the server with --allow-method {spec!r} to offer it",
-                               param="fastprefill.method")
-            method = serving_method(spec)
-            return metric_label(name, method), method
-        except FastprefillError as exc:
-            raise APIError(400, f"fastprefill.method: {exc}", param="fastprefill.method") from None
-
-    def _multi_rank(self, name: str, spec: str, options: dict[str, str]) -> Method:
-        if self.ranks == 1:
-            raise APIError(400, f"fastprefill.method: {name} runs over several processes and is not available in "
-                                "this server, which was started without a rank pool; start one with `fastprefill "
-                                f"serve --method {name}:procs=N` (or --allow-method), or run it with `python -m "
-                                "fastprefill.launch` (or torchrun)", param="fastprefill.method")
-        if "table" in options:
-            raise APIError(400, f"fastprefill.method: {name}: a request may not name a table (a file on the "
-                                "server); start the server with that spec", param="fastprefill.method")
-        method = make_method(spec)
-        check_ranks(method, self.ranks, f"this server's rank pool has {self.ranks}")
-        return method

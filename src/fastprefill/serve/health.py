@@ -22,11 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastprefill.serve.config import served_name
-
 if TYPE_CHECKING:
     from fastprefill.serve.backends import Backends
-    from fastprefill.serve.config import MethodTable
+    from fastprefill.serve.method_table import MethodTable
     from fastprefill.serve.ranks import ServedPool
 
 __all__ = ["MethodState", "ServerStatus", "http_status", "method_states", "ranks_health", "server_status"]
@@ -40,7 +38,7 @@ class MethodState:
 
     Attributes:
         spec: the spec it was started with (``--method`` or ``--allow-method``).
-        name: how responses name it (:func:`~fastprefill.serve.config.served_name`).
+        name: how responses name it (:meth:`~fastprefill.methods.base.Method.served_name`).
         default: it is the server's default method.
         reason: why it cannot run now (``None``: it can).
     """
@@ -120,7 +118,7 @@ def server_status(states: Sequence[MethodState], draining: bool = False) -> Serv
 def method_states(table: MethodTable, backends: Backends) -> list[MethodState]:
     """Each method the server was started with (the default first) and whether its backend can
     run it now (:meth:`~fastprefill.serve.backends.Backends.unavailable`)."""
-    return [MethodState(spec, served_name(method), spec == table.default, backends.unavailable(method))
+    return [MethodState(spec, method.served_name(), spec == table.default, backends.unavailable(method))
             for spec, (_, method) in table.built.items()]
 
 

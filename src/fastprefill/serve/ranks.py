@@ -2,7 +2,7 @@
 
 ``fastprefill serve --method runahead:procs=2`` (or ``--allow-method runahead:procs=2``) starts a
 :class:`ServedPool` of that many ranks on this machine before the first request
-(:func:`start_ranks`); each holds the model. A request whose method runs over several ranks goes
+(:func:`fastprefill.serve.backends.start_ranks`); each holds the model. A request whose method runs over several ranks goes
 to the pool (one at a time); every other method runs in the server process, on the scheduler's
 thread (:mod:`fastprefill.serve.scheduler`), between the pool's units: a multi-rank prefill runs
 to its first token as one unit, then the last rank decodes on its own.
@@ -29,19 +29,18 @@ import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import wait
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 
 from fastprefill.distributed.pool import RankPool, RankPoolError
 from fastprefill.distributed.rank import Request
 from fastprefill.engine import StreamEvent
-from fastprefill.errors import ConfigError, FastprefillError
-from fastprefill.methods.base import DistributedMethod, runs_on_ranks
+from fastprefill.errors import FastprefillError
+from fastprefill.methods.base import DistributedMethod, Method
 from fastprefill.sampling import SamplingParams
-from fastprefill.serve.config import ServeConfig, serving_method
 
-__all__ = ["ServedPool", "start_ranks"]
+__all__ = ["ServedPool"]
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +145,11 @@ class ServedPool(RankPool):
                 link.join(1.0)
                 self._fail(f"idle: rank {rank} {link.gone()}; pool shut down")
 
-    def stream(self, input_ids: torch.Tensor, method: DistributedMethod, max_new_tokens: int, *,
-               stop_at_eos: bool = True, sampling: SamplingParams | None = None) -> Iterator[StreamEvent]:
-        """Generation of validated ``(1, T)`` ids over every rank (the last rank decodes with
-        ``sampling``), as
+    def stream(self, input_ids: torch.Tensor, method: Method, max_new_tokens: int, *, stop_at_eos: bool = True,
+               sampling: SamplingParams | None = None, name: str | None = None) -> Iterator[StreamEvent]:
+        """Generation of validated ``(1, T)`` ids over every rank, ``method`` as resolved for them
+        (the ranks take both as they are; the last rank decodes with ``sampling`` and names the
+        method ``name`` in its timing), as
         :func:`fastprefill.engine.stream`'s events (text deltas included). The last event carries
         the last rank's :class:`~fastprefill.engine.Timing`, its ``ttft_s`` (and ``total_s``) on
         this process's clock: from sending the request to the ranks through the first token's
@@ -160,17 +160,18 @@ class ServedPool(RankPool):
             RankPoolError: a rank died, failed, or sent nothing for ``method.timeout_s``; the
                 pool is shut down.
         """
+        request = Request(input_ids.reshape(-1).tolist(), method, max_new_tokens, stop_at_eos=stop_at_eos, stream=True,
+                          sampling=sampling, prepared=True, name=name)
         with self._busy:
-            yield from self._stream(input_ids, method, max_new_tokens, stop_at_eos=stop_at_eos, sampling=sampling)
+            yield from self._stream(request)
 
-    def _stream(self, input_ids: torch.Tensor, method: DistributedMethod, max_new_tokens: int, *,
-                stop_at_eos: bool = True, sampling: SamplingParams | None = None) -> Iterator[StreamEvent]:
+    def _stream(self, request: Request) -> Iterator[StreamEvent]:
         self._check_open()
-        timeout = float(method.timeout_s)
+        method = request.method
+        timeout = float(cast(DistributedMethod, method).timeout_s if method.on_ranks else self.timeout_s)
         pending = set(range(self.procs))
         t0 = time.perf_counter()
-        self._send_all(("run", Request(input_ids.reshape(-1).tolist(), method, max_new_tokens,
-                                       stop_at_eos=stop_at_eos, stream=True, sampling=sampling)))
+        self._send_all(("run", request))
         ttft: float | None = None
         last: StreamEvent | None = None
         invalid: tuple[str, FastprefillError | None] | None = None
@@ -207,33 +208,8 @@ class ServedPool(RankPool):
         last.timing.ttft_s = ttft
         yield last
 
-    def warm_up(self, method: DistributedMethod, vocab_size: int) -> None:
+    def warm_up(self, method: Method, vocab_size: int) -> None:
         """One short generation with ``method`` (the first run on the ranks is slow)."""
         ids = torch.tensor([[(1000 + i) % vocab_size for i in range(64)]])
         for _ in self.stream(ids, method, 2):
             pass
-
-
-def start_ranks(config: ServeConfig, model: str, **pool: Any) -> ServedPool | None:
-    """The rank pool that ``config``'s methods need (``--method`` and ``--allow-method``), or
-    ``None`` when all of them run in one process.
-
-    Args:
-        model: what each rank loads (:func:`fastprefill.models.load`: a zoo name, a folder, ...;
-            on the CPU): the server's own model, in the dtype ``pool["dtype"]`` names.
-        pool: more :class:`RankPool` arguments (``threads_per_rank``, ``pin``, ``start_method``).
-
-    Raises:
-        ConfigError: multi-rank methods asking for different numbers of ranks; see
-            :class:`RankPool` for a rank that cannot start.
-    """
-    needs = {spec: m for spec in (config.method, *config.allow_methods)
-             if runs_on_ranks(m := serving_method(spec))}
-    if not needs:
-        return None
-    procs = {m.procs for m in needs.values()}
-    if len(procs) > 1:
-        raise ConfigError(f"the multi-rank methods {sorted(needs)} ask for {sorted(procs)} ranks; the server keeps "
-                          "one rank pool, so give them all the same procs")
-    return ServedPool(model, procs.pop(), timeout_s=max(m.timeout_s for m in needs.values()), **pool)
-

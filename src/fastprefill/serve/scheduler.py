@@ -2,7 +2,7 @@
 
 **Mechanism** (:class:`Scheduler`). Prepared requests (:class:`~fastprefill.serve.worker.Job`)
 wait in a bounded queue (``queue_size``; a full queue is a 429). The scheduler thread admits up
-to ``max_running`` of them, each as a unit of :class:`~fastprefill.serve.backends.Work` from its
+to ``max_running`` of them, each as a unit of :class:`~fastprefill.serve.worker.Work` from its
 backend (the prefix-cache lookup happens at admission, so the uncached rest is known), and then
 repeats one *iteration*:
 
@@ -55,12 +55,11 @@ from fastprefill.distributed.pool import RankPoolError
 from fastprefill.engine import Generation, StreamEvent, Timing, TimingWindow
 from fastprefill.errors import FastprefillError
 from fastprefill.serve.answers import Collector
-from fastprefill.serve.backends import Work
-from fastprefill.serve.config import ServeConfig, served_name
+from fastprefill.serve.config import ServeConfig
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.pauses import LayerPauses
 from fastprefill.serve.protocol import APIError
-from fastprefill.serve.worker import Job, internal_error, ranks_down, timeout_error
+from fastprefill.serve.worker import Job, Work, internal_error, ranks_down, timeout_error
 
 __all__ = ["INTERLUDE_TOKENS", "FifoPolicy", "Running", "Scheduler", "ShortFirstPolicy", "make_policy"]
 
@@ -443,7 +442,6 @@ class Scheduler:
         finally:
             if run in self.running:
                 self.running.remove(run)
-        timing.method = served_name(job.method)  # LazyLLM: with its revival; auto: its choice
         m.finished(label, timing, run.collected.count)
         if job.settle("ok"):
             wait = (run.started or job.arrived) - job.arrived

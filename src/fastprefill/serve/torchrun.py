@@ -36,7 +36,8 @@ from fastprefill.distributed.rank import check_ranks
 from fastprefill.distributed.runtime import init_group, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.host import set_threads
-from fastprefill.methods.base import Method, runs_on_ranks
+from fastprefill.methods.base import Method
+from fastprefill.serve.backends import rank_methods
 from fastprefill.serve.config import ServeConfig, serving_method
 
 __all__ = ["WATCH_PERIOD_S", "check_specs", "serve", "under_torchrun"]
@@ -62,7 +63,7 @@ def check_specs(config: ServeConfig, world: int) -> dict[str, Method]:
         raise ConfigError("torchrun started 1 rank; a server over torchrun ranks needs at least 2 (to serve on one "
                           "process, run `fastprefill serve` without torchrun)")
     methods = {spec: serving_method(spec) for spec in (config.method, *config.allow_methods)}
-    multi = [m for m in methods.values() if runs_on_ranks(m)]
+    multi = list(rank_methods(methods).values())
     if not multi:
         raise ConfigError(f"under torchrun the server runs a multi-rank method over its {world} ranks: give --method "
                           f"(or --allow-method) runahead:procs={world} or tsp:procs={world}")
@@ -128,7 +129,7 @@ def serve(config: ServeConfig, *, host: str, port: int, threads: int, log_level:
         model, tokenizer = load(config.model_name, dtype=dtype)
         for method in methods.values():
             method.check_model(model)
-        timeout = max(m.timeout_s for m in methods.values() if runs_on_ranks(m))
+        timeout = max(m.timeout_s for m in rank_methods(methods).values())
         if os.environ.get("LOCAL_WORLD_SIZE", str(world)) == str(world):
             use_loopback()
         init_group(timeout_s=timeout)

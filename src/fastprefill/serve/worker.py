@@ -1,10 +1,11 @@
-"""A prepared request (:class:`Job`), the events it sends back, and the errors that end one.
+"""A prepared request (:class:`Job`), what runs it (the :class:`Backend` and :class:`Work`
+contracts), the events it sends back, and the errors that end one.
 
-A :class:`Job` is a request validated once (:class:`~fastprefill.serve.prompts.PromptChecker`:
-its prompt ids made by :func:`fastprefill.prompt.prepare_request`, its method resolved for the
-prompt) with the backend that runs it (:mod:`fastprefill.serve.backends`); the scheduler
-(:mod:`fastprefill.serve.scheduler`) and the backends consume it without checking it again.
-Events go back to the request's event loop with ``call_soon_threadsafe``.
+A :class:`Job` is a request prepared once (:meth:`fastprefill.serve.requests.RequestProcessor.process`:
+its prompt ids validated and tokenized, its method resolved for the prompt, then its backend
+chosen); the scheduler (:mod:`fastprefill.serve.scheduler`) and the backends
+(:mod:`fastprefill.serve.backends`, which implement the contracts) consume it without checking
+it again. Events go back to the request's event loop with ``call_soon_threadsafe``.
 
 Each job ends with exactly one outcome (:meth:`Job.settle`: the first caller wins, the HTTP
 side for a timeout, a disconnect or a shutdown, the scheduler otherwise), counted once in the
@@ -18,20 +19,96 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from fastprefill.events import StreamEvent
 from fastprefill.methods.base import Method
 from fastprefill.sampling import SamplingParams
 from fastprefill.serve.answers import Finished, Token
 from fastprefill.serve.metrics import ServeMetrics
-from fastprefill.serve.protocol import APIError
+from fastprefill.serve.protocol import APIError, StreamOptions
 
-if TYPE_CHECKING:
-    from fastprefill.serve.backends import Backend
+__all__ = ["Backend", "Failed", "Job", "Work", "internal_error", "ranks_down", "timeout_error"]
 
-__all__ = ["Failed", "Job", "internal_error", "ranks_down", "timeout_error"]
+
+class Work(Protocol):
+    """One running request as the scheduler drives it (:class:`~fastprefill.engine.Generation`
+    is the reference implementation)."""
+
+    n_prompt: int
+    finished: bool
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to prefill (after :meth:`lookup`)."""
+        ...
+
+    @property
+    def chunked(self) -> bool:
+        """Whether :meth:`prefill` may run part of the prompt."""
+        ...
+
+    @property
+    def prefilled(self) -> bool:
+        """Whether the first token is known."""
+        ...
+
+    def lookup(self) -> int:
+        """Find what is already computed (the prefix cache); returns :attr:`remaining`."""
+        ...
+
+    def prefill(self, budget: int | None = None) -> int:
+        """One unit of prefill (at most ``budget`` tokens when :attr:`chunked`); the tokens run."""
+        ...
+
+    def first_events(self) -> list[StreamEvent]:
+        """The first tokens' events (one per answer it holds), once :attr:`prefilled`."""
+        ...
+
+    def step(self) -> list[StreamEvent]:
+        """One decode step: the next tokens' events (the generation's last carries the timing)."""
+        ...
+
+    def publish(self) -> None:
+        """Once its first tokens are out: make what its prefill computed visible to other
+        requests (the prefix cache's blocks)."""
+        ...
+
+    def close(self) -> None:
+        """Stop early and free what the work holds (its K/V, the ranks)."""
+        ...
+
+
+class Backend(Protocol):
+    """What a job runs on: the server's own model, or its rank pool (:mod:`fastprefill.serve.backends`)."""
+
+    #: at most one of its works may run at a time (a rank pool runs one request at a time)
+    exclusive: bool
+    #: a failure of it ends the server (torchrun's ranks)
+    fatal: bool
+
+    def check(self) -> None:
+        """Raise :class:`~fastprefill.serve.protocol.APIError` if it cannot take a request now."""
+        ...
+
+    def unavailable(self) -> str | None:
+        """Why it cannot take a request now (``None``: it can); never waits."""
+        ...
+
+    def begin(self, job: Job) -> Work:
+        """The job's work."""
+        ...
+
+    def waits_for(self, work: Work, other: Work) -> int:
+        """Prompt tokens of ``work`` that ``other`` (running) will store and ``work`` lacks: worth
+        waiting for rather than computing twice (0: none)."""
+        ...
+
+    def warm_up(self, method: Method, vocab_size: int) -> None:
+        """One short generation with ``method`` (first calls are slow)."""
+        ...
 
 
 @dataclass
@@ -44,22 +121,26 @@ class Job:
     """A request prepared once, waiting for or running on the scheduler.
 
     Attributes:
-        input_ids: ``(1, T)`` ids from :func:`~fastprefill.prompt.prepare_request`.
+        input_ids: ``(1, T)`` ids, validated (:func:`~fastprefill.prompt.prepare_request`).
         method: the prefill method, resolved for this prompt (``auto``'s choice);
             ``label`` the metrics label of the spec the request named
-            (:func:`~fastprefill.serve.config.metric_label`).
-        backend: what runs it (the server's model, or its rank pool), chosen when it was prepared.
+            (:meth:`~fastprefill.methods.base.Method.metric_label`); ``name`` how the answer
+            names the method (:meth:`~fastprefill.methods.base.Method.served_name`).
+        backend: what runs it (the server's model, or its rank pool), chosen once the method was resolved.
         max_tokens: tokens to generate at most per answer (the first included).
         sampling: how the answers are decoded (stop strings, ``ignore_eos``, ``n``, log-probabilities...).
         streaming: send :class:`Token` events as tokens come.
         arrived: ``time.monotonic()`` when the request arrived.
         deadline: ``time.monotonic()`` after which the job times out (queue wait included).
+        echo: the prompt as text, for a completion that asks for it back (``None``: not asked).
+        stream_options: what a streamed answer adds (usage chunks).
     """
 
     input_ids: torch.Tensor
     method: Method
     backend: Backend
     label: str
+    name: str
     max_tokens: int
     sampling: SamplingParams
     streaming: bool
@@ -67,6 +148,8 @@ class Job:
     deadline: float
     metrics: ServeMetrics
     loop: asyncio.AbstractEventLoop
+    echo: str | None = None
+    stream_options: StreamOptions | None = None
     events: asyncio.Queue[Any] = field(init=False, default_factory=asyncio.Queue)
     outcome: str | None = field(init=False, default=None)
     _cancelled: threading.Event = field(init=False, default_factory=threading.Event)
