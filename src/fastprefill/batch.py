@@ -1,24 +1,35 @@
-"""Batched decode: running generations decode together, one forward of the model per step.
+"""Batched decode: running generations decode together, each decoder layer called once per step.
 
 The answers of several :class:`~fastprefill.engine.Generation` s (their
-:class:`~fastprefill.engine.Branch` es) that decode with the model's own forward
-(:class:`~fastprefill.methods.base.ModelDecoder` over an ordinary, not ragged, cache) are stacked
-as rows into one batch of **padded** K/V (:func:`fastprefill.cache.pad_caches`): layer ``l`` holds
-``(B, H_kv, N_max + s, d)``, row ``i`` left-padded by ``N_max - N_i`` zero keys. Each step feeds
-the ``(B, 1)`` last tokens with per-row position ids ``(B, 1)`` (each row's own next position)
-and a ``(B, N_max + s + 1)`` attention mask that hides the pads, so each row attends exactly its
-own keys, as when it decodes alone, and picks its token from its own ``(V,)`` logits row with its
-own sampler (:meth:`fastprefill.sampling.Choice.pick`: its parameters, its seeded generator). The batch is kept across steps while its members stay the
-same; when one joins or leaves, every row's K/V is written back into its own cache
-(:func:`fastprefill.cache.unpad_row`) and the batch is stacked again. An answer that finishes
-writes its row back (before its generation's prefix-cache store). A method with its own decode step (LazyLLM's
-revival) or a ragged cache (pruned layers) decodes alone, one forward per step.
+:class:`~fastprefill.engine.Branch` es) decode together whatever their method, on a model of a
+layer-loop family (:data:`~fastprefill.models.adapters.LAYER_LOOP_FAMILIES`): full prefill's
+and every other method's that decodes with the model's forward (kvp-prefix, GemFilter), over a
+pruned, ragged cache whose layers hold different key sets (static pruning, random drop,
+LazyLLM with ``revival=none``) or with the method's own step (LazyLLM's revival: ``all``,
+``budget:R``, ``catch-up``). Each answer's decoder gives its step a layer at a time
+(:class:`~fastprefill.methods.layer_steps.StepsDecoder`) and
+:func:`~fastprefill.methods.layer_steps.run_layers` runs every answer's rows of a layer in one
+call of that layer: the projections and MLP over all the rows at once, attention apart for each
+stream over its own cache, with that stream's own per-layer K/V length, mask and scores (a
+LazyLLM step's revived rows and selection included), so each stream's keys are exactly those it
+attends alone, nothing is padded and nothing is copied when a stream joins or leaves. Each
+answer picks its token from its own ``(V,)`` logits row with its own sampler
+(:meth:`fastprefill.sampling.Choice.pick`: its parameters, its seeded generator).
 
-Padded rather than ragged: a ragged batch (one flat key list per layer with per-row offsets)
-needs an attention kernel that takes offsets; the padded batch runs the model's own forward and
-attention function unchanged. Exactness: the pads' keys are masked to weight zero, so each row
-is its own computation; in float32 the tokens equal decoding each row alone (the tests assert
-it), in bfloat16 a batched matrix product may round differently.
+On a model of another family (only full prefill and methods without their own layer loop run
+there) the answers that decode with the model's forward over an ordinary cache are stacked as
+rows into one batch of **padded** K/V (:func:`fastprefill.cache.pad_caches`): layer ``l`` holds
+``(B, H_kv, N_max + s, d)``, row ``i`` left-padded by ``N_max - N_i`` zero keys; each step feeds
+``(B, 1)`` tokens at per-row positions with a ``(B, N_max + s + 1)`` attention mask that hides
+the pads. That batch is kept across steps while its members stay the same; when one joins or
+leaves, every row's K/V is written back into its own cache (:func:`fastprefill.cache.unpad_row`)
+and the batch is stacked again; an answer that finishes writes its row back (before its
+generation's prefix-cache store).
+
+Exactness: a stream's attention is its own computation in either path, and every other
+operation is row by row, so in float32 the tokens equal decoding each stream alone (the tests
+assert it for a batch mixing every method); in bfloat16 a matrix product over more rows may
+round differently.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ from transformers import PreTrainedModel
 from fastprefill.cache import pad_caches, unpad_row
 from fastprefill.engine import Branch, Generation, StreamEvent, TimingWindow
 from fastprefill.methods.base import ModelDecoder
+from fastprefill.methods.layer_steps import StepsDecoder, run_layers
+from fastprefill.models.adapters import DecoderAdapter, supports_layer_loop
 
 __all__ = ["DecodeBatch"]
 
@@ -40,43 +53,79 @@ class DecodeBatch:
 
     Args:
         model: the model every member runs on.
-        max_batch: rows in one forward at most (>= 1; 1 decodes every answer alone).
+        max_batch: rows in one step at most (>= 1; 1 decodes every answer alone).
+
+    Attributes:
+        members: the answers of the last batched step that are still decoding (``[]`` when the
+            last step decoded every answer alone).
     """
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 8) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
         self.max_batch = max_batch
+        #: the layer loop every answer's rows run through (None: another family, padded K/V)
+        self.adapter = DecoderAdapter(model) if supports_layer_loop(model.config) else None
         self.members: list[Branch] = []
         self._pads: list[int] = []
         self._cache = None
         self._mask: torch.Tensor | None = None  # (B, N) long: 1 for a row's keys, 0 for its pads
 
-    @staticmethod
-    def batchable(branch: Branch) -> bool:
-        """Whether ``branch`` decodes with the model's forward over an ordinary cache (it may join a batch)."""
+    def batchable(self, branch: Branch) -> bool:
+        """Whether ``branch`` may decode in this batch: on a layer-loop family, any answer of this
+        model whose decoder gives its step a layer at a time (every method's); elsewhere one that
+        decodes with the model's forward over an ordinary cache."""
+        if branch.gen.model is not self.model:
+            return False
+        if self.adapter is not None:
+            return isinstance(branch.decoder, StepsDecoder)
         return isinstance(branch.decoder, ModelDecoder) and not branch.ragged
 
     def step(self, gens: Sequence[Generation]) -> list[list[StreamEvent]]:
         """One decode step of every live answer of ``gens`` (prefilled, not finished): batchable
-        ones in forwards of at most :attr:`max_batch` rows, the others alone. Returns each
+        ones in steps of at most :attr:`max_batch` rows, the others alone. Returns each
         generation's events (one per answer that stepped), in the order of ``gens``."""
         rows = [b for g in gens for b in g.live]
         together = [b for b in rows if self.batchable(b)][: self.max_batch]
         if len(together) < 2:
             together = []
-        if [id(b) for b in together] != [id(b) for b in self.members]:
-            self._regroup(together, keep=rows)
         events: dict[int, StreamEvent] = {}
-        if together:
-            for branch, event in zip(together, self._forward(), strict=True):
-                events[id(branch)] = event
+        if self.adapter is not None:
+            if together:
+                events.update(zip(map(id, together), self._routed(together), strict=True))
+            self.members = [b for b in together if not b.finished]
+        else:
+            if [id(b) for b in together] != [id(b) for b in self.members]:
+                self._regroup(together, keep=rows)
+            if together:
+                events.update(zip(map(id, together), self._forward(), strict=True))
         for branch in rows:
             if id(branch) not in events:
                 events[id(branch)] = branch.step()
-        if any(b.finished for b in self.members):
+        if self.adapter is None and any(b.finished for b in self.members):
             left = [b for b in self.members if not b.finished]
             self._regroup(left, keep=left)
         return [[events[id(b)] for b in rows if b.gen is g] for g in gens]
+
+    def _routed(self, rows: list[Branch]) -> list[StreamEvent]:
+        """One step of ``rows`` (two or more) on the layer loop: each decoder layer called once on
+        every row's rows, each answer's token picked from its own logits row."""
+        assert self.adapter is not None
+        steps = [b.decoder.layer_steps(b.last_token) for b in rows]  # type: ignore[attr-defined]
+        with torch.inference_mode(), TimingWindow(self.model.device) as window:
+            logits = run_layers(self.adapter, steps).float()  # (B, V)
+            self._pick(rows, logits)
+        return [b.gen.accept(b, window.seconds) for b in rows]
+
+    @staticmethod
+    def _pick(rows: Sequence[Branch], logits: torch.Tensor) -> None:
+        """Each row's token from its ``(V,)`` row of ``logits`` ``(B, V)`` by its own sampler; the
+        greedy rows' read from the device at once."""
+        plain = [b.choice.sampler.argmax_only for b in rows]
+        tops = logits.argmax(dim=-1).tolist() if any(plain) else []  # (B,): the greedy rows' in one read
+        for row, branch in enumerate(rows):
+            branch.choice.pick(logits[row], tops[row] if plain[row] else None)
 
     def release(self) -> None:
         """Write every member's K/V back into its own cache and empty the batch."""
@@ -117,11 +166,7 @@ class DecodeBatch:
         with torch.inference_mode(), TimingWindow(device) as window:
             out = self.model(input_ids=ids, past_key_values=self._cache, attention_mask=mask, position_ids=positions,
                              use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1].float()  # (B, V)
-            plain = [b.choice.sampler.argmax_only for b in rows]
-            tops = logits.argmax(dim=-1).tolist() if any(plain) else []  # (B,): the greedy rows' in one read
-            for row, branch in enumerate(rows):
-                branch.choice.pick(logits[row], tops[row] if plain[row] else None)
+            self._pick(rows, out.logits[:, -1].float())  # (B, V)
         self._mask = mask
         for branch in rows:
             branch.decoder.position += 1

@@ -188,7 +188,7 @@ def test_a_generations_ttft_is_a_span_of_the_device_clock(monkeypatch, tiny_llam
 
 
 def test_a_decode_batch_step_reads_the_greedy_rows_tokens_at_once(tiny_llama, make_ids):
-    """One step of a padded decode batch reads its greedy rows' tokens from the device in one
+    """One step of a decode batch reads its greedy rows' tokens from the device in one
     transfer: the step's host reads do not grow with its rows (and the tokens are each stream's
     alone, as ``tests/unit/test_batch_sampling.py`` asserts for every sampling setting)."""
     from fastprefill.batch import DecodeBatch
@@ -210,7 +210,7 @@ def test_a_decode_batch_step_reads_the_greedy_rows_tokens_at_once(tiny_llama, ma
         return len(log.syncs), [g.choices[0].ids for g in gens]
 
     (two, tokens2), (four, tokens4) = step_reads(2), step_reads(4)
-    assert two == four <= 2  # the rows' tokens, and transformers' own look at the padding mask
+    assert two == four <= 2  # the rows' tokens (and, over padded rows, transformers' own look at the mask)
     alone = [generate(tiny_llama, None, make_ids(9 + 7 * i, i), FullPrefill(), 6, stop_at_eos=False).token_ids
              for i in range(4)]
     assert tokens4 == alone and tokens2 == alone[:2]

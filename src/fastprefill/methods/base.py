@@ -36,6 +36,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 
 from fastprefill.cache import make_roomy
 from fastprefill.errors import ConfigError, UnsupportedModelError
+from fastprefill.methods.layer_steps import LayerSteps, Rows
 from fastprefill.models.adapters import LAYER_LOOP_FAMILIES, DecoderAdapter, supports_layer_loop
 from fastprefill.models.attention import attention_backend
 
@@ -116,6 +117,10 @@ class ModelDecoder:
     """The model's own forward, one token at a time, over a prefill's cache (every method without
     its own :class:`~fastprefill.methods.base.Decoder`).
 
+    On a layer-loop family it is also a :class:`~fastprefill.methods.layer_steps.StepsDecoder`:
+    :meth:`layer_steps` is the same step a layer at a time, so a decode batch runs it with other
+    streams' (:func:`~fastprefill.methods.layer_steps.run_layers`).
+
     Args:
         model: the model the prefill ran on.
         out: the prefill; decoding continues at ``out.next_position`` and appends to ``out.cache``.
@@ -125,10 +130,12 @@ class ModelDecoder:
         self.model = model
         self.cache = make_roomy(out.cache)  # each step's K/V written in place, not the cache copied
         self.position = out.next_position
+        #: the model's layers one at a time (None: not a layer-loop family, no batched steps)
+        self.adapter = DecoderAdapter(model) if supports_layer_loop(model.config) else None
         # a ragged cache: one query attending every key of each layer, with no mask built from
         # layer 0's length (the adapter's attention function takes mask=None); the same function
         # for a plain cache where the model's attention backend is the C++ kernel
-        kernel = supports_layer_loop(model.config) and attention_backend(model)[0] == "kernel"
+        kernel = self.adapter is not None and attention_backend(model)[0] == "kernel"
         self.scope = DecoderAdapter(model).attention_scope if out.ragged or kernel else contextlib.nullcontext
 
     def step(self, token_id: int) -> torch.Tensor:
@@ -141,6 +148,24 @@ class ModelDecoder:
                              logits_to_keep=1)
         self.position += 1
         return out.logits[0, -1].float()  # (V,)
+
+    def layer_steps(self, token_id: int) -> LayerSteps:
+        """:meth:`step` a layer at a time (:data:`~fastprefill.methods.layer_steps.LayerSteps`):
+        the token's one row over this cache at every layer, attending every key there.
+
+        Raises:
+            UnsupportedModelError: the model is not a layer-loop family (:attr:`adapter` is None).
+        """
+        ad = self.adapter
+        if ad is None:
+            raise UnsupportedModelError(f"{type(self.model).__name__} runs no layer loop: it decodes with its own forward")
+        hidden = ad.embed(torch.tensor([[token_id]], device=ad.device))  # (1, 1, D)
+        positions = torch.tensor([self.position], device=ad.device)  # (1,)
+        rotary = ad.rotary(hidden, positions[None])
+        for _ in range(ad.num_layers):
+            (hidden,) = yield [Rows(self.cache, hidden, positions, rotary)]
+        self.position += 1
+        return hidden
 
     def stats(self) -> dict[str, Any]:
         """No counters: plain decoding."""

@@ -11,7 +11,7 @@ callable over a score row (:mod:`~fastprefill.methods.pruning.select`) from a sc
 (:mod:`~fastprefill.methods.pruning.options`), or a fixed subset.
 """
 
-from fastprefill.methods.pruning.decode import RevivalDecoder, catch_up, decode_step
+from fastprefill.methods.pruning.decode import RevivalDecoder, decode_step, decode_steps
 from fastprefill.methods.pruning.options import REVIVAL_POLICIES, PruneOptions, Revival
 from fastprefill.methods.pruning.prefill import (
     PrunedPrefill,
@@ -33,7 +33,7 @@ from fastprefill.methods.pruning.schedule import (
 )
 from fastprefill.methods.pruning.scorers import AttentionScorer, LogitScorer, RandomScorer, Scorer
 from fastprefill.methods.pruning.select import SelectFn, avg_pool_scores, pool_in_position_order, top_k_keep
-from fastprefill.methods.pruning.state import ComputeCounter, LazyState, new_state, run_rows
+from fastprefill.methods.pruning.state import ComputeCounter, LazyState, new_state, rows_for, run_rows
 
 __all__ = [
     "REVIVAL_POLICIES",
@@ -51,12 +51,12 @@ __all__ = [
     "Scorer",
     "SelectFn",
     "avg_pool_scores",
-    "catch_up",
     "check_depth_schedule",
     "check_keep",
     "check_layers",
     "check_schedule",
     "decode_step",
+    "decode_steps",
     "keep_count",
     "new_state",
     "pool_in_position_order",
@@ -64,6 +64,7 @@ __all__ = [
     "progressive_prefill",
     "recording_kept_positions",
     "resolve_depth_schedule",
+    "rows_for",
     "run_rows",
     "schedule_token_layers",
     "subset_prefill",

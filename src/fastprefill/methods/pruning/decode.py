@@ -3,15 +3,17 @@
 The prefill side (:mod:`~fastprefill.methods.pruning.prefill`) leaves a
 :class:`~fastprefill.methods.pruning.state.LazyState`: per-layer KV by position, the Aux Cache of
 deferred tokens and the compute counter. :class:`RevivalDecoder` is the method's own decode step
-over it (a :class:`~fastprefill.methods.base.Decoder`); :func:`decode_step` feeds one generated
-token under the revival policy of the state's options:
+over it (a :class:`~fastprefill.methods.base.Decoder`); :func:`decode_steps` feeds one generated
+token under the revival policy of the state's options, a layer at a time, so that a decode batch
+runs it with other streams' (:mod:`~fastprefill.methods.layer_steps`; :func:`decode_step` runs
+it alone):
 
 - ``all``, or at most ``R`` revived tokens per stage with ``budget:R``: stage-by-stage
   reselection from the new token's attention and revival from the Aux Cache
-  (:func:`_reselecting_step`);
+  (:func:`_reselecting_steps`);
 - ``none``: plain decoding over the cache, the new token attending every key present;
-- ``catch-up``: every deferred token-layer computed at the first step (:func:`catch_up`), plain
-  decoding after.
+- ``catch-up``: every deferred token-layer computed at the first step, in its layer calls
+  (:class:`_CatchUp`), plain decoding after.
 
 Without a schedule decoding is plain. Each (token, layer) is computed at most once under every
 policy.
@@ -35,18 +37,21 @@ from typing import Any
 
 import torch
 
+from fastprefill.methods.layer_steps import LayerSteps, Rows, run_layers
 from fastprefill.methods.pruning.schedule import keep_count, scored_layers
 from fastprefill.methods.pruning.select import cut_scores
-from fastprefill.methods.pruning.state import LazyState, run_rows
+from fastprefill.methods.pruning.state import LazyState, rows_for
 from fastprefill.models.attention import causal_mask
 
-__all__ = ["RevivalDecoder", "catch_up", "decode_step"]
+__all__ = ["RevivalDecoder", "decode_step", "decode_steps"]
 
 
 class RevivalDecoder:
     """LazyLLM's own decode step (a :class:`~fastprefill.methods.base.Decoder`): reselection and
     revival from the Aux Cache (``all``, ``budget:R``), or every deferred token-layer computed at
-    the first step (``catch-up``); see :func:`decode_step`.
+    the first step (``catch-up``); see :func:`decode_step`. A
+    :class:`~fastprefill.methods.layer_steps.StepsDecoder` too: a decode batch runs its
+    :meth:`layer_steps` with other streams', and :meth:`step` runs them alone.
 
     Args:
         state: the pruned prefill's state (its ``select`` is the policy's choice of tokens).
@@ -59,26 +64,41 @@ class RevivalDecoder:
         """Feed one token; ``(V,)`` float32 logits for the next one."""
         return decode_step(self.state, token_id)
 
+    def layer_steps(self, token_id: int) -> LayerSteps:
+        """One step feeding ``token_id``, a layer at a time (:func:`decode_steps`)."""
+        return decode_steps(self.state, token_id)
+
     def stats(self) -> dict[str, Any]:
         """Revivals per decode step and their totals (:meth:`LazyState.revival_stats`)."""
         return self.state.revival_stats()
 
 
 def decode_step(state: LazyState, token_id: int) -> torch.Tensor:
-    """One decode step under the state's revival policy (see the module docstring).
-
-    - ``all`` / ``budget:R`` with a schedule: stage-by-stage reselection from the new token's
-      attention and revival from the Aux Cache (:func:`_reselecting_step`).
-    - ``none``, ``catch-up`` or an empty schedule: plain decoding over the cache, the new
-      token attending every key present at every layer; ``catch-up`` first completes every
-      deferred token-layer (:func:`catch_up`) at the first step.
+    """One decode step under the state's revival policy, alone (:func:`decode_steps` run by
+    :func:`~fastprefill.methods.layer_steps.run_layers`).
 
     Returns:
         ``(V,)`` float32 logits for the next token.
     """
+    return run_layers(state.adapter, [decode_steps(state, token_id)])[0]
+
+
+def decode_steps(state: LazyState, token_id: int) -> LayerSteps:
+    """One decode step under the state's revival policy, a layer at a time (see the module docstring).
+
+    - ``all`` / ``budget:R`` with a schedule: stage-by-stage reselection from the new token's
+      attention and revival from the Aux Cache (:func:`_reselecting_steps`).
+    - ``none``, ``catch-up`` or an empty schedule: plain decoding over the cache, the new
+      token attending every key present at every layer; ``catch-up`` also completes every
+      deferred token-layer (:class:`_CatchUp`) at the first step.
+
+    Returns:
+        The step's :data:`~fastprefill.methods.layer_steps.LayerSteps` (its value: the token's
+        ``(1, 1, D)`` hidden state after the last layer).
+    """
     if state.schedule and state.options.revival.reselects:
-        return _reselecting_step(state, token_id)
-    return _plain_step(state, token_id)
+        return _reselecting_steps(state, token_id)
+    return _plain_steps(state, token_id)
 
 
 def _record_step(state: LazyState, tokens: int, token_stages: int, token_layers: int) -> None:
@@ -88,68 +108,79 @@ def _record_step(state: LazyState, tokens: int, token_stages: int, token_layers:
     state.revived_token_layers_per_step.append(token_layers)
 
 
-def _plain_step(state: LazyState, token_id: int) -> torch.Tensor:
+def _plain_steps(state: LazyState, token_id: int) -> LayerSteps:
     """The new token through every layer, attending every key there (``mask=None`` with a single
-    query is exact); with ``catch-up`` and tokens still deferred, :func:`catch_up` first."""
+    query is exact); with ``catch-up`` and tokens still deferred, the deferred rows in the same
+    layer calls, before it (:class:`_CatchUp`)."""
     ad = state.adapter
-    revived = (0, 0, 0)
-    if state.options.revival.kind == "catch-up" and len(state.aux):
-        revived = catch_up(state)
+    back = _CatchUp(state) if state.options.revival.kind == "catch-up" and len(state.aux) else None
     rows = torch.tensor([state.next_pos], device=ad.device)
-    with torch.inference_mode(), ad.attention_scope():
-        hidden = ad.embed(torch.tensor([[token_id]], device=ad.device))  # (1, 1, D)
-        rot = ad.rotary(hidden, rows[None])
-        for layer in range(ad.num_layers):
-            hidden = run_rows(state, layer, hidden, rows, rot, None)
-        logits = ad.head(hidden[:, -1:])[0, -1]
-    _record_step(state, *revived)
-    return logits
+    hidden = ad.embed(torch.tensor([[token_id]], device=ad.device))  # (1, 1, D)
+    rot = ad.rotary(hidden, rows[None])
+    for layer in range(ad.num_layers):
+        deferred = back.rows_at(layer) if back is not None else None
+        outs = yield [*([deferred] if deferred is not None else []), rows_for(state, layer, hidden, rows, rot, None)]
+        if back is not None and deferred is not None:
+            back.hidden = outs[0]
+        hidden = outs[-1]
+    _record_step(state, *(back.finish() if back is not None else (0, 0, 0)))
+    return hidden
 
 
-def catch_up(state: LazyState) -> tuple[int, int, int]:
-    """Compute every deferred (token, layer) pair, leaving KV for every prompt token at every layer.
+class _CatchUp:
+    """``catch-up``: every deferred (token, layer) pair, computed beside the first step's token,
+    leaving KV for every prompt token at every layer.
 
-    For each stage in order (from the first resume layer ``p_1 + 1`` up), one batched pass runs
-    the deferred rows through the stage's layers; the tokens deferred at the stage's start join
-    from the Aux Cache, so the rows grow stage by stage. Each row attends, by original position,
-    the KV present at the layer (the kept tokens' and the rows' own). Called before the first
-    generated token is fed (no generated KV exists yet); the Aux Cache ends empty and each pair
-    is computed once (counted).
-
-    Returns:
-        ``(tokens, token_stages, token_layers)`` computed: distinct deferred tokens, (token,
-        stage) pairs and (token, layer) pairs.
+    From the first resume layer ``p_1 + 1`` up, the deferred rows run through every layer in the
+    step's layer calls, before the new token (their K/V is written first, as a whole pass before
+    the token would); the tokens deferred at a stage's start join from the Aux Cache there, so the
+    rows grow stage by stage. Each row attends, by original position, the KV present at the layer
+    (the kept tokens' and the rows' own). The Aux Cache ends empty and each pair is computed once
+    (counted: :meth:`finish`).
     """
-    ad, cache, aux = state.adapter, state.cache, state.aux
-    step = len(state.revived_tokens_per_step)
-    resume = sorted({layer + 1 for layer, _ in state.schedule})
-    rows = torch.empty(0, dtype=torch.long, device=ad.device)  # (R,) original positions, any order
-    hidden: torch.Tensor | None = None  # (1, R, D)
-    rot: tuple[torch.Tensor, torch.Tensor] | None = None
-    tokens = token_stages = token_layers = 0
-    with torch.inference_mode(), ad.attention_scope():
-        for layer in range(resume[0], ad.num_layers):
-            if layer in resume:
-                join = torch.tensor(aux.positions(layer), dtype=torch.long, device=ad.device)
-                if join.numel():
-                    back = aux.take(layer, join).to(ad.dtype)
-                    state.revivals.extend((step, p, layer) for p in join.tolist())
-                    tokens += int(join.numel())
-                    rows = torch.cat([rows, join])
-                    hidden = back if hidden is None else torch.cat([hidden, back], dim=1)
-                    rot = ad.rotary(hidden, rows[None])
-                token_stages += int(rows.numel())
-            if hidden is None:
-                continue
-            mask = causal_mask(rows, cache.key_positions_after(layer, rows))
-            hidden = run_rows(state, layer, hidden, rows, rot, mask)
-            token_layers += int(rows.numel())
-    if len(aux):
-        raise RuntimeError(f"pruning invariant broken: {len(aux)} Aux Cache entries outside the schedule's resume layers")
-    return tokens, token_stages, token_layers
+
+    def __init__(self, state: LazyState) -> None:
+        self.state = state
+        self.resume = sorted({layer + 1 for layer, _ in state.schedule})
+        self.step = len(state.revived_tokens_per_step)
+        self.rows = torch.empty(0, dtype=torch.long, device=state.adapter.device)  # (R,) positions, any order
+        self.hidden: torch.Tensor | None = None  # (1, R, D)
+        self.rot: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tokens = self.token_stages = self.token_layers = 0
+
+    def rows_at(self, layer: int) -> Rows | None:
+        """The deferred rows to compute at ``layer`` (the ones resuming there join), or None."""
+        state, ad = self.state, self.state.adapter
+        if layer in self.resume:
+            join = torch.tensor(state.aux.positions(layer), dtype=torch.long, device=ad.device)
+            if join.numel():
+                back = state.aux.take(layer, join).to(ad.dtype)
+                state.revivals.extend((self.step, p, layer) for p in join.tolist())
+                self.tokens += int(join.numel())
+                self.rows = torch.cat([self.rows, join])
+                self.hidden = back if self.hidden is None else torch.cat([self.hidden, back], dim=1)
+                self.rot = ad.rotary(self.hidden, self.rows[None])
+            self.token_stages += int(self.rows.numel())
+        if self.hidden is None or self.rot is None:
+            return None
+        self.token_layers += int(self.rows.numel())
+        mask = causal_mask(self.rows, state.cache.key_positions_after(layer, self.rows))
+        return rows_for(state, layer, self.hidden, self.rows, self.rot, mask)
+
+    def finish(self) -> tuple[int, int, int]:
+        """``(tokens, token_stages, token_layers)`` computed: distinct deferred tokens, (token,
+        stage) pairs and (token, layer) pairs.
+
+        Raises:
+            RuntimeError: Aux Cache entries left outside the schedule's resume layers.
+        """
+        if len(self.state.aux):
+            raise RuntimeError(f"pruning invariant broken: {len(self.state.aux)} Aux Cache entries outside "
+                               "the schedule's resume layers")
+        return self.tokens, self.token_stages, self.token_layers
 
 
-def _reselecting_step(state: LazyState, token_id: int) -> torch.Tensor:
+def _reselecting_steps(state: LazyState, token_id: int) -> LayerSteps:
     """Stage-by-stage reselection and Aux Cache revival (``all`` / ``budget:R``).
 
     At each pruning layer the new token's attention row over the layer's keys (with
@@ -171,47 +202,45 @@ def _reselecting_step(state: LazyState, token_id: int) -> torch.Tensor:
     token_stages = token_layers = 0
     chosen_per_stage: list[torch.Tensor] = []
     acc: torch.Tensor | None = None  # (t+1,) scores by position summed over the stage (accumulate)
-    with torch.inference_mode(), ad.attention_scope():
-        hidden = ad.embed(torch.tensor([[token_id]], device=device))  # (1, R, D)
-        rot = ad.rotary(hidden, rows[None])
-        for layer in range(ad.num_layers):
-            mask = None
-            if selected is not None:
-                keys = cache.key_positions_after(layer, rows)  # (N,)
-                mask = causal_mask(rows, keys) & selected[keys][None, None, None, :]
-            scores: dict[int, torch.Tensor] | None = {} if layer in scored else None
-            hidden = run_rows(state, layer, hidden, rows, rot, mask, scores)
-            token_layers += int(rows.numel()) - 1
-            if scores is None:
+    hidden = ad.embed(torch.tensor([[token_id]], device=device))  # (1, R, D)
+    rot = ad.rotary(hidden, rows[None])
+    for layer in range(ad.num_layers):
+        mask = None
+        if selected is not None:
+            keys = cache.key_positions_after(layer, rows)  # (N,)
+            mask = causal_mask(rows, keys) & selected[keys][None, None, None, :]
+        scores: dict[int, torch.Tensor] | None = {} if layer in scored else None
+        (hidden,) = yield [rows_for(state, layer, hidden, rows, rot, mask, scores)]
+        token_layers += int(rows.numel()) - 1
+        if scores is None:
+            continue
+        keys = cache.positions(layer)  # (N,), the new token's key last
+        row = scores[layer][0]  # (N,) the new token's attention over this layer's keys
+        if opts.accumulate:
+            dense = torch.zeros(t + 1, dtype=row.dtype, device=device).index_copy_(0, keys, row)
+            acc = dense if acc is None else acc + dense
+            if layer not in prune:
                 continue
-            keys = cache.positions(layer)  # (N,), the new token's key last
-            row = scores[layer][0]  # (N,) the new token's attention over this layer's keys
-            if opts.accumulate:
-                dense = torch.zeros(t + 1, dtype=row.dtype, device=device).index_copy_(0, keys, row)
-                acc = dense if acc is None else acc + dense
-                if layer not in prune:
-                    continue
-                row, acc = acc[keys], None
-            chosen, absent = _reselect(state, layer, keys, row, selected, t)
-            # the revived rows carried so far rest in the Aux Cache at the next layer (their
-            # entry is exactly at layer + 1): the chosen ones go on below, the others wait there
-            if rows.numel() > 1:
-                aux.put(layer + 1, rows[:-1], hidden[:, :-1])
-            missing = chosen[absent]
-            chosen_per_stage.append(chosen)
-            selected = torch.zeros(t + 1, dtype=torch.bool, device=device)
-            selected[chosen] = True
-            back = _revive(state, layer + 1, missing, hidden.dtype, step, revived) if missing.numel() \
-                else hidden[:, :0]
-            token_stages += int(missing.numel())
-            rows = torch.cat([missing, new_pos])
-            hidden = torch.cat([back, hidden[:, -1:]], dim=1)
-            rot = ad.rotary(hidden, rows[None])
-        logits = ad.head(hidden[:, -1:])[0, -1]
+            row, acc = acc[keys], None
+        chosen, absent = _reselect(state, layer, keys, row, selected, t)
+        # the revived rows carried so far rest in the Aux Cache at the next layer (their
+        # entry is exactly at layer + 1): the chosen ones go on below, the others wait there
+        if rows.numel() > 1:
+            aux.put(layer + 1, rows[:-1], hidden[:, :-1])
+        missing = chosen[absent]
+        chosen_per_stage.append(chosen)
+        selected = torch.zeros(t + 1, dtype=torch.bool, device=device)
+        selected[chosen] = True
+        back = _revive(state, layer + 1, missing, hidden.dtype, step, revived) if missing.numel() \
+            else hidden[:, :0]
+        token_stages += int(missing.numel())
+        rows = torch.cat([missing, new_pos])
+        hidden = torch.cat([back, hidden[:, -1:]], dim=1)
+        rot = ad.rotary(hidden, rows[None])
     _record_step(state, len(revived), token_stages, token_layers)
     if chosen_per_stage:
         state.selected = chosen_per_stage
-    return logits
+    return hidden[:, -1:]
 
 
 def _reselect(

@@ -1,5 +1,6 @@
 """What a pruned prefill leaves for decoding: per-layer KV, the Aux Cache, the compute counter;
-and :func:`run_rows`, the one way prefill and decode run a layer on gathered rows of that state.
+and :func:`run_rows`, the one way prefill runs a layer on gathered rows of that state
+(:func:`rows_for`: the same rows as one group of a decode step, run with other streams').
 
 Shapes: positions ``(N,)`` int64; the counter is ``(L, N)`` int32.
 """
@@ -12,13 +13,14 @@ from typing import Any
 import torch
 
 from fastprefill.cache import AuxCache, PositionKVCache
+from fastprefill.methods.layer_steps import Rows
 from fastprefill.methods.pruning.options import PruneOptions
 from fastprefill.methods.pruning.schedule import Schedule
 from fastprefill.methods.pruning.scorers import AttentionScorer, Scorer
 from fastprefill.methods.pruning.select import SelectFn, top_k_keep
 from fastprefill.models.adapters import DecoderAdapter
 
-__all__ = ["LAST_QUERY", "ComputeCounter", "DeferredAuxCache", "LazyState", "new_state", "run_rows"]
+__all__ = ["LAST_QUERY", "ComputeCounter", "DeferredAuxCache", "LazyState", "new_state", "rows_for", "run_rows"]
 
 #: The paper's score (the last query's attention), used while decoding: the new token is the only query.
 LAST_QUERY = AttentionScorer()
@@ -178,3 +180,16 @@ def run_rows(
                               scorer=scorer)
     state.counter.add(layer, positions, bound=max(state.next_pos, state.prompt_len) + 1)
     return out
+
+
+def rows_for(
+    state: LazyState, layer: int, hidden: torch.Tensor, positions: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+    scores: dict[int, torch.Tensor] | None = None,
+) -> Rows:
+    """:func:`run_rows`' rows as one group of a decode step's layer call
+    (:func:`~fastprefill.methods.layer_steps.run_layers`): ``hidden`` ``(1, R, D)`` at
+    ``positions`` ``(R,)`` into ``state.cache`` (staged when the layer runs), scored by the new
+    token's attention (:data:`LAST_QUERY`) when ``scores`` is given; counted now."""
+    state.counter.add(layer, positions, bound=max(state.next_pos, state.prompt_len) + 1)
+    return Rows(state.cache, hidden, positions, rotary, mask, stage=True, scores=scores, scorer=LAST_QUERY)
