@@ -24,7 +24,7 @@ PAGES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").
 UNSOURCED_ALLOWED = {
     "README.md": 0,
     "docs/architecture.md": 0,
-    "docs/decisions.md": 45,
+    "docs/decisions.md": 0,
     "docs/prefix-cache.md": 0,
     "docs/results/baselines.md": 0,
     "docs/results/blend.md": 0,
