@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fastprefill.bench.records import environment, result_name, write_json
+from fastprefill.bench.records import environment, result_name
 from fastprefill.host import resolve_dtype
+from reporting import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SETTINGS = ("default", "keep_freed_memory")

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from fastprefill.bench.records import FULL, Record, RecordLog, environment, result_name, write_rows
+from fastprefill.bench.records import FULL, Record, RecordLog, environment, result_name
 from fastprefill.bench.runner import run_samples
 from fastprefill.bench.summary import bootstrap_ci
 from fastprefill.chunk_store import ChunkStore
@@ -55,6 +55,7 @@ from fastprefill.methods.registry import make_method
 from fastprefill.models import load as load_model
 from fastprefill.prompt import ChunkedPrompt, Passage
 from fastprefill.tune import wilson
+from reporting import write_rows
 from research.seams import SeamPrompt, SeamRecorder, seam_row, seam_tables
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -64,7 +64,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config
 
 from fastprefill.batch import DecodeBatch
-from fastprefill.bench.records import environment, write_json
+from fastprefill.bench.records import environment
 from fastprefill.engine import Generation, generate
 from fastprefill.host import DTYPES
 from fastprefill.methods.base import Method
@@ -73,6 +73,7 @@ from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.registry import make_method
 from fastprefill.prefix_cache import PrefixCache
 from fastprefill.sampling import SamplingParams
+from reporting import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config}

@@ -63,17 +63,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fastprefill.bench.records import FULL, RecordLog, environment, result_name, write_json, write_rows
-from fastprefill.bench.report import (
-    merge_eval_summaries,
-    plot_layer_errors,
-    plot_score_vs_cost,
-    plot_score_vs_flops,
-    redraw_layer_plot,
-    reference_table,
-)
+from fastprefill.bench.records import FULL, RecordLog, environment, result_name
 from fastprefill.bench.runner import run_samples
-from fastprefill.bench.summary import method_entry, references_by_model, summarize
+from fastprefill.bench.summary import summarize
 from fastprefill.data.tasks import get_task
 from fastprefill.errors import FastprefillError
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
@@ -98,6 +90,18 @@ from fastprefill.methods.registry import make_method
 from fastprefill.models import load as load_model
 from fastprefill.models.kv import prefix_kv, rotate_keys
 from fastprefill.models.shape import ModelShape
+from reporting import (
+    merge_eval_summaries,
+    method_entry,
+    plot_layer_errors,
+    plot_score_vs_cost,
+    plot_score_vs_flops,
+    redraw_layer_plot,
+    reference_table,
+    references_by_model,
+    write_json,
+    write_rows,
+)
 from research.ablation import ablation_table, ablation_variants, run_ablation
 from research.kvp import dev_gate, exclude_calibration, l_sweep, lsweep_table
 

@@ -39,10 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastprefill.bench.records import FULL, environment, result_name, write_rows
-from fastprefill.bench.report import markdown_table, write_paired_rows
-from fastprefill.bench.runner import Unscored, random_samples, run_benchmark, run_samples
-from fastprefill.bench.summary import needle_by_depth, summarize
+from fastprefill.bench.records import FULL, environment, result_name
+from fastprefill.bench.report import markdown_table
+from fastprefill.bench.runner import Unscored, run_benchmark, run_samples
+from fastprefill.bench.summary import summarize
 from fastprefill.engine import generate
 from fastprefill.errors import FastprefillError
 from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype, set_threads
@@ -51,6 +51,7 @@ from fastprefill.methods.baselines import matched_baselines
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.lazyllm import LATE_SCHEDULES, PRESETS, LazyLLM
 from fastprefill.models.shape import ModelShape
+from reporting import needle_by_depth, write_paired_rows, write_rows
 from research.ceiling import ceiling_summary, selection_ceiling
 from research.selection import (
     FIDELITY_CANDIDATES,
@@ -59,6 +60,7 @@ from research.selection import (
     describe_choice,
     fidelity_methods,
 )
+from samples import random_samples
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

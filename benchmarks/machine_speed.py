@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from fastprefill.bench.records import environment, result_name, write_json
+from fastprefill.bench.records import environment, result_name
 from fastprefill.host import DTYPES, resolve_dtype, set_threads
+from reporting import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SLOW = 1.5  # a sample this much slower than the fastest counts as the slow state

@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
-from fastprefill.bench.records import environment, result_name, write_json
+from fastprefill.bench.records import environment, result_name
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.models import load as load_model
 from fastprefill.models.packed import linears_packed, pack_linears
+from reporting import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SETTINGS = ("cold", "hit", "decode")

@@ -19,12 +19,13 @@ import argparse
 from pathlib import Path
 
 from fastprefill.bench.records import FULL, RecordLog, environment, result_name
-from fastprefill.bench.report import write_paired_rows, write_report
+from fastprefill.bench.report import write_report
 from fastprefill.bench.runner import run_samples
 from fastprefill.data.tasks import TASKS, get_task
 from fastprefill.host import DTYPES, dtype_name, keep_freed_memory, set_threads
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models import load as load_model
+from reporting import write_paired_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MATCH = ("task", "split", "seed", "n", "length", "max_new_tokens", "model", "dtype", "reference_dtype")

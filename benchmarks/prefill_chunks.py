@@ -49,12 +49,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fastprefill.bench.records import environment, result_name, write_rows
+from fastprefill.bench.records import environment, result_name
 from fastprefill.engine import Generation
 from fastprefill.host import DTYPES, dtype_name, keep_freed_memory, set_threads
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models import load as load_model
 from fastprefill.prompt import prepare_request
+from reporting import write_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BENCH = "prefill-chunks"

@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fastprefill.bench.records import FULL, Record, RecordLog, environment, result_name, save_records
-from fastprefill.bench.report import markdown_table, prefix_overhead_table, write_paired_rows
+from fastprefill.bench.report import markdown_table
 from fastprefill.bench.runner import first_token_kl
 from fastprefill.bench.summary import summarize
 from fastprefill.data.tasks.sessions import (
@@ -48,6 +48,7 @@ from fastprefill.engine import GenerationResult, generate
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.models.shape import ModelShape
 from fastprefill.prefix_cache import PrefixCache
+from reporting import prefix_overhead_table, write_paired_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MATCH = ("kind", "model", "lengths", "n", "questions", "turns", "max_new_tokens", "threads", "block_tokens",

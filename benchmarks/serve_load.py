@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import openai
 
-from fastprefill.bench.records import environment, result_name, write_json, write_rows
+from fastprefill.bench.records import environment, result_name
 from fastprefill.data.tasks import Sample, get_task
 from fastprefill.distributed.runtime import free_port
 from fastprefill.engine import generate
@@ -62,6 +62,7 @@ from fastprefill.errors import FastprefillError
 from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype, set_threads
 from fastprefill.models import load as load_model
 from fastprefill.serve.config import serving_method
+from reporting import write_json, write_rows
 
 GOAL = 1.05
 

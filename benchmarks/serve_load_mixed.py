@@ -45,9 +45,10 @@ from typing import Any
 import numpy as np
 import openai
 
-from fastprefill.bench.records import environment, result_name, write_rows
+from fastprefill.bench.records import environment, result_name
 from fastprefill.host import DTYPES, resolve_dtype
 from fastprefill.serve.config import ServeConfig
+from reporting import write_rows
 from serve_load import ServerProcess
 
 QUESTIONS = ["What is the capital of France?", "Say hello in Spanish.", "What is 12 times 7?",

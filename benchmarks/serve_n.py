@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastprefill.bench.records import environment, result_name, write_rows
+from fastprefill.bench.records import environment, result_name
 from fastprefill.host import DTYPES, resolve_dtype
+from reporting import write_rows
 from serve_load import ServerProcess
 from serve_load_mixed import _sized_document, _tokenizer
 

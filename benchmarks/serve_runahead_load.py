@@ -42,10 +42,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from fastprefill.bench.records import environment, result_name, write_json, write_rows
+from fastprefill.bench.records import environment, result_name
 from fastprefill.distributed.pool import RankPool
 from fastprefill.errors import FastprefillError
 from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype, set_threads
+from reporting import write_json, write_rows
 from serve_load import markdown, run_model, summarize
 
 

@@ -72,9 +72,10 @@ import openai
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from fastprefill.bench.records import environment, result_name, write_json, write_rows
+from fastprefill.bench.records import environment, result_name
 from fastprefill.errors import FastprefillError
 from fastprefill.host import DTYPES, resolve_dtype
+from reporting import write_json, write_rows
 from serve_load import ServerProcess
 
 GOAL_GROWTH = 1.10

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fastprefill.bench.records import FULL, load_records, read_rows
-from fastprefill.bench.report import markdown_table, prefix_overhead_table
+from fastprefill.bench.report import markdown_table
 from fastprefill.bench.summary import Summary, summarize
 from fastprefill.errors import ConfigError
 from figures.headline import check_summary_table
@@ -46,6 +46,7 @@ from figures.results import (
     parse_tables,
     script_summary,
 )
+from reporting import prefix_overhead_table
 from research.ceiling import ceiling_summary
 
 __all__ = ["EXTRA_COLUMNS", "KEY_COLUMNS", "page_sources", "recorded_commands", "result_tables", "verify_pages"]

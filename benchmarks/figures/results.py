@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from fastprefill.bench.records import FULL, Record, load_records, read_rows
-from fastprefill.bench.report import markdown_table, prefix_overhead_table, reference_table
-from fastprefill.bench.summary import method_entry, needle_by_depth, paired_row, summarize
+from fastprefill.bench.report import markdown_table
+from fastprefill.bench.summary import summarize
 from fastprefill.errors import ConfigError
+from reporting import method_entry, needle_by_depth, paired_row, prefix_overhead_table, reference_table
 from research.ablation import ablation_table
 from research.ceiling import ceiling_summary
 from research.selection import choose_by_fidelity, choose_default

@@ -23,7 +23,7 @@ from fastprefill.models.adapters import check_causal_lm
 from fastprefill.sampling import SamplingParams
 
 __all__ = ["ChunkedPrompt", "Passage", "PromptInput", "check_answers", "check_text", "context_length", "encode_prompt",
-           "prepare_generation", "prepare_prompt", "prepare_request"]
+           "prepare_generation", "prepare_request"]
 
 
 class Passage(str):
@@ -121,7 +121,7 @@ def encode_prompt(
     prompt: PromptInput,
     chat: bool = False,
 ) -> torch.Tensor:
-    """Turn a prompt into ``(1, T)`` int64 ids on the CPU (no model checks: see :func:`prepare_prompt`).
+    """Turn a prompt into ``(1, T)`` int64 ids on the CPU (no model checks: see :func:`prepare_request`).
 
     Args:
         tokenizer: used for text prompts.
@@ -161,20 +161,6 @@ def encode_prompt(
     if tensor.shape[1] == 0:
         raise PromptError("the prompt is empty (0 tokens); give some text to answer")
     return tensor
-
-
-def prepare_prompt(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    prompt: PromptInput,
-    method: Method | None = None,
-    *,
-    max_new_tokens: int = 64,
-    chat: bool = False,
-) -> torch.Tensor:
-    """Validate a request and return its ``(1, T)`` int64 ids on the model's device
-    (:func:`prepare_request`'s ids)."""
-    return prepare_request(model, tokenizer, prompt, method, max_new_tokens=max_new_tokens, chat=chat)[0]
 
 
 def prepare_request(

@@ -18,21 +18,21 @@ from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.pruning import keep_count
 from fastprefill.methods.registry import make_method
 from fastprefill.prefix_cache import PrefixCache
-from fastprefill.prompt import prepare_prompt
+from fastprefill.prompt import prepare_request
 from research.ceiling import ORACLES, selection_ceiling, summarize_ceiling
 from tests.kvp_helpers import compare_with_full, identity_method
 
 MB = 1 << 20
 
-def test_prepare_prompt_is_the_one_validator(tiny_llama, smollm2):
+def test_prepare_request_is_the_one_validator(tiny_llama, smollm2):
     """Valid bytes decode as text; the ids land on the model's device; stream refuses what it refuses."""
     model, tok = smollm2
-    ids = prepare_prompt(model, tok, "Hello wörld".encode())
+    ids = prepare_request(model, tok, "Hello wörld".encode())[0]
     assert ids.tolist() == [tok("Hello wörld")["input_ids"]] and ids.device == model.device
     with pytest.raises(PromptError, match="not valid UTF-8"):
         next(stream(model, tok, b"\xc3\x28"))
     with pytest.raises(ConfigError, match="a tokenizer is needed"):
-        prepare_prompt(tiny_llama, None, "text")
+        prepare_request(tiny_llama, None, "text")[0]
 
 
 

@@ -17,7 +17,7 @@ from fastprefill.batch import DecodeBatch
 from fastprefill.engine import Generation, generate
 from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
-from fastprefill.prompt import prepare_prompt
+from fastprefill.prompt import prepare_request
 from fastprefill.serve import ServeConfig, background, create_app
 from tests.integration.serving import MODEL, is_idle, metric_value, openai_client, wait_health
 
@@ -28,7 +28,7 @@ DOC = " ".join(f"Station {i} lies {3 * i + 7} km north of the river and opened i
 
 def _ids(smollm2, text: str):
     model, tok = smollm2
-    return prepare_prompt(model, tok, text, chat=True, max_new_tokens=16)
+    return prepare_request(model, tok, text, chat=True, max_new_tokens=16)[0]
 
 
 def _run(gen: Generation, chunk: int | None) -> tuple[list[int], int]:

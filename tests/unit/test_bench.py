@@ -10,21 +10,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fastprefill.bench.records import Record, RecordLog, load_records, save_records, write_rows
-from fastprefill.bench.report import markdown_table, write_paired_rows, write_report
-from fastprefill.bench.runner import Unscored, first_token_kl, random_samples, run_benchmark, run_samples
-from fastprefill.bench.summary import (
-    bootstrap_ci,
-    method_entry,
-    needle_by_depth,
-    paired_row,
-    references_by_model,
-    summarize,
-)
+from fastprefill.bench.records import Record, RecordLog, load_records, save_records
+from fastprefill.bench.report import markdown_table, write_report
+from fastprefill.bench.runner import Unscored, first_token_kl, run_benchmark, run_samples
+from fastprefill.bench.summary import bootstrap_ci, summarize
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.registry import make_method, parse_spec
+from reporting import (
+    method_entry,
+    needle_by_depth,
+    paired_row,
+    references_by_model,
+    write_paired_rows,
+    write_rows,
+)
+from samples import random_samples
 from tests import REPO
 
 RESULTS = REPO / "benchmarks" / "results"

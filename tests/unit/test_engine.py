@@ -12,7 +12,7 @@ from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.pruning import AttentionScorer
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.attention import causal_mask
-from fastprefill.prompt import prepare_prompt
+from fastprefill.prompt import prepare_request
 
 
 def _hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
@@ -118,9 +118,9 @@ def test_empty_and_overlong_prompts(tiny_llama):
         (b"   ", "empty"),
     ],
 )
-def test_prepare_prompt_refuses_bad_prompts(tiny_llama, prompt, match):
+def test_prepare_request_refuses_bad_prompts(tiny_llama, prompt, match):
     with pytest.raises(PromptError, match=match):
-        prepare_prompt(tiny_llama, None, prompt)
+        prepare_request(tiny_llama, None, prompt)[0]
 
 
 def test_method_support_is_a_static_query():

@@ -8,15 +8,15 @@ import json
 import pytest
 import torch
 
-from fastprefill.bench.report import (
+from fastprefill.errors import ConfigError
+from fastprefill.models.kv import prefix_kv
+from reporting import (
     label_lifts,
     merge_eval_summaries,
     plot_layer_errors,
     plot_score_vs_flops,
     redraw_layer_plot,
 )
-from fastprefill.errors import ConfigError
-from fastprefill.models.kv import prefix_kv
 from research.ablation import ablation_table, ablation_variants, run_ablation
 
 

@@ -18,8 +18,8 @@ from client_scores import (
     lm_eval_ll_results,
     rescore_row,
 )
-from fastprefill.bench.records import write_rows
 from figures.results import parse_table, verify_results
+from reporting import write_rows
 from serve_n import summarize, table
 
 # --------------------------------------------------------------------------- serve_n

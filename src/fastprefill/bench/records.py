@@ -6,9 +6,9 @@ every further line one :class:`Record`. :class:`RecordLog` writes the header whe
 and appends each record as soon as it exists, so an interrupted run keeps what it measured and
 ``resume=True`` continues it, skipping the ``(sample, method)`` pairs already on disk.
 
-Summary files (rows of dicts under a header, or one JSON document) are written with
-:func:`write_rows` and :func:`write_json`, atomically. :func:`result_name` chooses a run's file
-stem, so that a rerun with default settings never replaces a committed result.
+:func:`read_rows` reads a summary file (rows of dicts under a header; the benchmark scripts write
+them). :func:`result_name` chooses a run's file stem, so that a rerun with default settings never
+replaces a committed result.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ __all__ = [
     "read_rows",
     "result_name",
     "save_records",
-    "write_json",
-    "write_rows",
 ]
 
 #: The name of full prefill in every result file (the default reference of a summary).
@@ -225,20 +223,6 @@ def read_rows(path: str | Path, *, drop_torn_tail: bool = False) -> tuple[dict[s
     if not isinstance(first, dict) or "header" not in first:
         raise ConfigError(f"{path}: the first line must be a {{\"header\": ...}} object")
     return first["header"], rows[1:]
-
-
-def write_rows(path: str | Path, header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> Path:
-    """Write ``{"header": header}`` then one JSON object per row (a ``.summary.jsonl``), atomically."""
-    path = Path(path)
-    _atomic_write(path, json.dumps({"header": dict(header)}) + "\n" + "".join(json.dumps(dict(r)) + "\n" for r in rows))
-    return path
-
-
-def write_json(path: str | Path, document: Any) -> Path:
-    """Write one JSON document (indented), atomically."""
-    path = Path(path)
-    _atomic_write(path, json.dumps(document, indent=2))
-    return path
 
 
 #: What a header written before a key was recorded means by its absence: every result made

@@ -38,7 +38,7 @@ from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.pruning import recording_kept_positions
 
-__all__ = ["RESUME_GROW", "RESUME_MATCH", "PromptSample", "Unscored", "first_token_kl", "gold_kept_shares", "random_samples",
+__all__ = ["RESUME_GROW", "RESUME_MATCH", "PromptSample", "Unscored", "first_token_kl", "gold_kept_shares",
            "run_benchmark", "run_samples"]
 
 #: Header keys a resumed :func:`run_benchmark` file must share with the new run.
@@ -74,14 +74,6 @@ class Unscored:
 
     def score(self, sample: Any, text: str) -> dict[str, float]:
         return {"score": 0.0}
-
-
-def random_samples(vocab: int, length: int, n: int, seed: int, low: int = 100) -> list[PromptSample]:
-    """``n`` prompts of ``length`` token ids drawn uniformly from ``[low, vocab)`` (seeded)."""
-    if not 0 <= low < vocab:
-        raise ConfigError(f"random_samples: low must lie in [0, vocab={vocab}), got {low}")
-    gen = torch.Generator().manual_seed(seed)
-    return [PromptSample(str(i), torch.randint(low, vocab, (length,), generator=gen).tolist()) for i in range(n)]
 
 
 def _peak_mem_mb(device: torch.device) -> float:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +34,7 @@ import numpy as np
 from fastprefill.bench.records import FULL, Record
 from fastprefill.errors import ConfigError, is_number
 
-__all__ = ["Summary", "bootstrap_ci", "method_entry", "needle_by_depth", "paired_row", "references_by_model",
-           "summarize"]
+__all__ = ["Summary", "bootstrap_ci", "summarize"]
 
 #: Extras that are per-run facts, not counters to average.
 _NOT_COUNTERS = ("first_token", "first_token_kl", "gold_kept_share_per_stage")
@@ -235,84 +234,3 @@ def summarize(
     return out
 
 
-def paired_row(s: Summary) -> dict[str, Any]:
-    """A ``.summary.jsonl`` row: a method paired with its reference (keys as the LazyLLM
-    result files have them; ``*_full`` names the reference's figure)."""
-    return {
-        "length": s.length, "method": s.method, "n": s.n,
-        "score": s.score_mean, "score_full": s.reference_score_mean,
-        "score_diff": s.score_diff, "score_diff_ci95": list(s.score_diff_ci95),
-        "same_output_as_full": s.identical_answers,
-        "first_token_agreement": s.first_token_agreement,
-        "first_token_kl_median": s.first_token_kl_median,
-        "ttft_s_median": s.ttft_median_s,
-        "ttft_full_s_median": s.reference_ttft_median_s,
-        "speedup_median": s.speedup_paired_median,
-        "total_s_median": s.total_median_s,
-        "total_full_s_median": s.reference_total_median_s,
-        "total_speedup_median": s.total_speedup_paired_median,
-        "slower_total_share": s.slower_total_share,
-        "new_tokens_mean": s.new_tokens_mean,
-        "token_layer_fraction": s.token_layer_fraction, "ideal_speedup": s.ideal_speedup,
-        # distinct tokens revived per decode step (records before the counters were split: the old key)
-        "revived_per_step_mean": s.counters.get("revived_tokens_per_step", s.counters.get("revived_per_step", 0.0)),
-        "gold_kept_share_per_stage": s.gold_kept_share_per_stage,
-    }
-
-
-def method_entry(s: Summary, vs_full: Summary | None = None) -> dict[str, Any]:
-    """A ``.summary.json`` entry: one method against its own reference (and, through ``vs_full``,
-    the same cell paired with full prefill), as the KV Prediction result files have it."""
-    return {
-        "n": s.n,
-        "reference": s.reference,
-        "accuracy": s.score_mean,
-        **{f"mean_{m}": v for m, v in s.metric_means.items() if m != "score"},
-        "median_ttft_s": s.ttft_median_s,
-        "median_speedup_vs_reference": s.speedup_paired_median,
-        "median_speedup_vs_full": (vs_full or s).speedup_paired_median,
-        "median_ttft_flops": s.flops_median,
-        "first_token_agreement_with_reference": s.first_token_agreement,
-        "identical_answers_with_reference": s.identical_answers,
-        "median_first_token_kl": s.first_token_kl_median,
-        "median_new_tokens": s.new_tokens_median,
-    }
-
-
-def references_by_model(runs_on: Mapping[str, str], plain: Collection[str], main: str = FULL) -> dict[str, str]:
-    """Each method's reference when methods run on several models.
-
-    A method that is not a plain prefill is paired with the plain prefill of the model it runs
-    on; a plain prefill of another model (a smaller family member alone) with ``main``; a plain
-    prefill of ``main``'s model with itself.
-
-    Args:
-        runs_on: method -> the model it runs on.
-        plain: the methods that are full prefill of their model.
-        main: the plain prefill every other model's plain prefill is compared with.
-
-    Raises:
-        ConfigError: ``main`` is not a plain prefill in ``runs_on``, or a model has methods but
-            no plain prefill to pair them with.
-    """
-    if main not in runs_on or main not in plain:
-        raise ConfigError(f"references: {main!r} must be one of the plain prefills {sorted(set(plain) & set(runs_on))}")
-    full_on = {runs_on[name]: name for name in runs_on if name in plain}
-    full_on[runs_on[main]] = main
-    missing = sorted({m for n, m in runs_on.items() if n not in plain and m not in full_on})
-    if missing:
-        raise ConfigError(f"references: no full prefill of {missing} to pair their methods with")
-    return {name: (full_on[model] if name not in plain else (main if model != runs_on[main] else name))
-            for name, model in runs_on.items()}
-
-
-def needle_by_depth(records: Sequence[Record]) -> list[dict[str, Any]]:
-    """Retrieval rate per (length, depth, method), the depth read back from each needle sample id."""
-    from fastprefill.data.tasks import NeedleTask
-
-    task = NeedleTask()
-    hits: dict[tuple[Any, float, str], list[float]] = defaultdict(list)
-    for r in records:
-        hits[(r.length, task.depth_of(r.sample_id), r.method)].append(r.score)
-    return [{"length": ln, "depth": d, "method": m, "n": len(v), "retrieved": statistics.mean(v)}
-            for (ln, d, m), v in sorted(hits.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]

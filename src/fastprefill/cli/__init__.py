@@ -81,7 +81,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # --- generate ----------------------------------------------------------------------------------
 def _read_prompt(args: argparse.Namespace) -> bytes:
-    """The prompt as bytes (fastprefill.prompt.prepare_prompt refuses what is not UTF-8 text)."""
+    """The prompt as bytes (fastprefill.prompt.prepare_request refuses what is not UTF-8 text)."""
     if args.file:
         path = Path(args.file)
         if not path.is_file():

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["MAX_OUTPUT_CHARS", "SandboxResult", "network_isolation_available", "run_python"]
+__all__ = ["MAX_OUTPUT_CHARS", "SandboxResult", "run_python"]
 
 Status = Literal["passed", "failed", "timeout", "error"]
 
@@ -172,11 +172,6 @@ def _network_isolation_prefix() -> tuple[str, ...]:
     except (OSError, subprocess.SubprocessError):
         return ()
     return prefix if probe.returncode == 0 else ()
-
-
-def network_isolation_available() -> bool:
-    """Whether sandboxed programs also run in their own (empty) network namespace."""
-    return bool(_network_isolation_prefix())
 
 
 def _limit_child(memory_bytes: int, cpu_seconds: int) -> None:

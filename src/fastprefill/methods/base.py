@@ -232,7 +232,7 @@ class Method(ABC):
         Args:
             model: a causal LM in eval mode.
             input_ids: ``(1, T)`` int64 prompt ids on the model's device, ``T >= 1``, already
-                validated by :func:`fastprefill.prompt.prepare_prompt` (this method's
+                validated by :func:`fastprefill.prompt.prepare_request` (this method's
                 :meth:`check_model` and :meth:`check_prompt` included).
             prefix: only for a method that :attr:`takes_prefix`: a cache holding the exact
                 keys and values of positions ``0..P-1`` (``P < T``) at every layer, owned by
@@ -322,7 +322,7 @@ class DistributedMethod(Method):
         Args:
             model: the same model as on every other rank.
             input_ids: ``(1, T)`` int64, the whole prompt, validated by
-                :func:`fastprefill.prompt.prepare_prompt` as on the last rank.
+                :func:`fastprefill.prompt.prepare_request` as on the last rank.
             layer_hook: called as ``hook(rank, layer)`` after every layer, or ``None``.
 
         Returns:

@@ -2,7 +2,7 @@
 
 Requests are parsed from the raw body here (not by FastAPI) so that every refusal is a 400 in
 OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) and so that prompt
-text carries any byte that is not UTF-8 through to :func:`fastprefill.prompt.prepare_prompt`,
+text carries any byte that is not UTF-8 through to :func:`fastprefill.prompt.prepare_request`,
 which refuses it with its own message (see :func:`prompt_bytes`).
 
 A request's decoding fields become one :class:`~fastprefill.sampling.SamplingParams`
@@ -71,7 +71,7 @@ def prompt_bytes(text: str) -> bytes:
     The body is decoded with ``surrogateescape``, so a raw byte that is not UTF-8 arrives as a
     lone surrogate and goes back to that same byte here; a JSON ``\\ud800``-style escape (a
     lone surrogate, not text) becomes bytes that are not UTF-8 either. Either way
-    :func:`fastprefill.prompt.prepare_prompt` refuses them.
+    :func:`fastprefill.prompt.prepare_request` refuses them.
     """
     try:
         return text.encode("utf-8", "surrogateescape")

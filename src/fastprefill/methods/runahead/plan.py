@@ -9,7 +9,6 @@ lives in :mod:`.search` (cost model, grid search) and :mod:`.tables` (per-length
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,10 +97,6 @@ class PartitionPlan:
         """First original position of ``rank``'s chunk (= the prefix length it receives)."""
         return sum(self.chunks[:rank])
 
-    def prefix_lengths(self) -> tuple[int, ...]:
-        """``(s_0, ..., s_{P-1})`` with ``s_i = c_0 + ... + c_{i-1}`` (``s_0 = 0``)."""
-        return tuple(itertools.accumulate((0,) + self.chunks[:-1]))
-
     def attention_pairs(self, rank: int) -> int:
         """Query-key dot products per layer and head that ``rank``'s masked kernel computes:
         the ``c_i x (s_i + c_i)`` block of its queries over chunks ``0..i`` (the paper's count:
@@ -109,7 +104,3 @@ class PartitionPlan:
         computed)."""
         c, s = self.chunks[rank], self.start(rank)
         return c * (s + c)
-
-    def kv_rows_moved(self) -> int:
-        """Token rows of KV sent per layer along the chain: ``sum_{i>=1} s_i``."""
-        return sum(self.prefix_lengths()[1:])
