@@ -42,7 +42,7 @@ SOURCE = Path(__file__).with_name("attention.cpp")
 #: ``CPU_CAPABILITY`` macros) and the instructions it may use.
 VARIANTS: dict[str, list[str]] = {
     "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
-               "-mavx512dq", "-mfma", "-mf16c"],
+               "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
     "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
 #: ``-fopenmp`` compiles ATen's ``parallel_for`` (inline, OpenMP in torch's CPU builds) into OpenMP

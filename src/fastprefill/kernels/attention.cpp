@@ -41,6 +41,43 @@ constexpr int64_t kRowTargetDefault = 384;
 
 template <typename T> constexpr bool kVnni = std::is_same_v<T, at::BFloat16>;
 
+// max without NaN propagation (at::vec::maximum spends two more instructions on it): a NaN score
+// still reaches the output through exp.
+inline Vec fast_max(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_max_ps(a, b));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_max_ps(a, b));
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
+// Store 2 * Vec::size() floats (the first `count` of them) as T: one AVX512-BF16 instruction for
+// bfloat16 where the build has it (rounding to nearest even, as c10's conversion), else ATen's.
+template <typename T>
+inline void store_pair(const Vec& e0, const Vec& e1, T* out, int64_t count) {
+  if constexpr (kVnni<T>) {
+#if defined(__AVX512BF16__)
+    const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0));
+    if (count == 2 * Vec::size()) {
+      _mm512_storeu_si512(out, packed);
+    } else {
+      _mm512_mask_storeu_epi16(out, (__mmask32)((uint64_t(1) << count) - 1), packed);
+    }
+#else
+    at::vec::convert_from_float<T>(e0, e1).store(out, count);
+#endif
+  } else {
+    if (count >= Vec::size()) {
+      e0.store(out);
+      e1.store(out + Vec::size(), count - Vec::size());
+    } else {
+      e0.store(out, count);
+    }
+  }
+}
+
 // Pack one KV head's keys and values block by block for the two products.
 //   keys as B of S = Q K^T (d x w): bfloat16 VNNI [d/2][w][2], float32 [d][w];
 //   values as B of O += P V (w x d): bfloat16 VNNI [w/2][d][2], float32 [w][d].
@@ -79,10 +116,11 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
            int64_t h0, int64_t g, int64_t t0, int64_t t1, int64_t p, int64_t n, int64_t d,
            float scale, int64_t key_block, std::vector<T>& qbuf, std::vector<float>& s, std::vector<T>& pb,
            std::vector<float>& o, std::vector<float>& mx, std::vector<float>& sum) {
+  alignas(64) float tail[2 * Vec::size()];
   const int64_t qb = t1 - t0;
   const int64_t m = g * qb;
   qbuf.resize(m * d);
-  s.resize(m * key_block);
+  s.resize(m * key_block + 2 * Vec::size());  // the softmax reads whole vector pairs past a row's end
   pb.resize(m * key_block);
   o.assign(m * d, 0.f);
   mx.assign(m, kNegInf);
@@ -93,42 +131,51 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
   const int64_t last = std::min(n, p + t1);  // keys the block's last row sees
   const int64_t vec = Vec::size();
   for (int64_t j0 = 0; j0 < last; j0 += key_block) {
-    const int64_t w = std::min(key_block, n - j0);
-    const int64_t wp = (w + 1) & ~int64_t(1);
-    at::native::cpublas::brgemm(m, wp, d, d, wp, wp, false, qbuf.data(), kp + j0 * d, s.data(), kVnni<T>);
+    const int64_t wp = ((std::min(key_block, n - j0)) + 1) & ~int64_t(1);  // the packed block's width
+    // The columns computed: up to the last key any row of the block sees, rounded up to 32 (so that
+    // few distinct micro-kernel shapes are made) and never past the packed block.
+    const int64_t wc = std::min(wp, (std::min(key_block, last - j0) + 31) & ~int64_t(31));
+    at::native::cpublas::brgemm(m, wc, d, d, wp, wp, false, qbuf.data(), kp + j0 * d, s.data(), kVnni<T>);
     for (int64_t r = 0; r < m; ++r) {
       float* sr = s.data() + r * wp;
-      const int64_t lim = std::min(wp, p + t0 + (r % qb) - j0 + 1);  // keys [0, lim) allowed
+      T* pr = pb.data() + r * wp;
+      const int64_t lim = std::max<int64_t>(0, std::min(wc, p + t0 + (r % qb) - j0 + 1));  // keys [0, lim)
       float bmax = kNegInf;
       int64_t c = 0;
-      if (lim > 0) {
-        Vec vmax(kNegInf), vs(scale);
-        for (; c + vec <= lim; c += vec) {
-          Vec x = Vec::loadu(sr + c) * vs;
-          x.store(sr + c);
-          vmax = at::vec::maximum(vmax, x);
-        }
-        bmax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-        for (; c < lim; ++c) { sr[c] *= scale; bmax = std::max(bmax, sr[c]); }
+      {
+        Vec vmax(kNegInf);
+        for (; c + vec <= lim; c += vec) vmax = fast_max(vmax, Vec::loadu(sr + c));
+        bmax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return fast_max(a, b); }, vmax);
+        for (; c < lim; ++c) bmax = std::max(bmax, sr[c]);
       }
-      const float mnew = std::max(mx[r], bmax);
-      T* pr = pb.data() + r * wp;
+      const float mnew = std::max(mx[r], lim > 0 ? bmax * scale : kNegInf);
       if (mnew == kNegInf) {  // nothing allowed yet in this row (cannot happen past key 0)
-        std::fill_n(pr, wp, T(0));
+        std::fill_n(pr, wc, T(0));
         continue;
       }
-      const float alpha = std::exp(mx[r] - mnew);
-      Vec vm(mnew), acc(0.f);
-      c = 0;
-      for (; c + vec <= lim; c += vec) {
-        Vec e = (Vec::loadu(sr + c) - vm).exp_u20();
-        acc = acc + e;
-        e.store(sr + c);
+      // p = exp(s * scale - mnew), summed and written to the second product's input in one pass;
+      // the last partial pair of vectors goes through `tail`, its lanes past `lim` zeroed.
+      const Vec vs(scale), vm(mnew);
+      Vec acc0(0.f), acc1(0.f);  // two sums: one add chain per vector of the pair
+      for (c = 0; c < lim; c += 2 * vec) {
+        Vec e0 = at::vec::fmsub(Vec::loadu(sr + c), vs, vm).exp_u20();
+        Vec e1 = at::vec::fmsub(Vec::loadu(sr + c + vec), vs, vm).exp_u20();
+        const int64_t rest = lim - c;
+        if (rest < 2 * vec) {
+          e0.store(tail);
+          e1.store(tail + vec);
+          std::fill(tail + rest, tail + 2 * vec, 0.f);
+          e0 = Vec::loadu(tail);
+          e1 = Vec::loadu(tail + vec);
+        }
+        acc0 = acc0 + e0;
+        acc1 = acc1 + e1;
+        store_pair(e0, e1, pr + c, std::min<int64_t>(rest, 2 * vec));
       }
-      float bsum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
-      for (; c < std::max<int64_t>(lim, 0); ++c) { sr[c] = std::exp(sr[c] - mnew); bsum += sr[c]; }
-      for (c = std::max<int64_t>(lim, 0); c < wp; ++c) sr[c] = 0.f;
-      at::vec::convert(sr, pr, wp);
+      Vec acc = acc0 + acc1;
+      const float bsum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+      std::fill(pr + lim, pr + wc, T(0));
+      const float alpha = std::exp(mx[r] - mnew);
       sum[r] = sum[r] * alpha + bsum;
       mx[r] = mnew;
       if (alpha != 1.f) {
@@ -136,7 +183,7 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
         at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, orow, orow, d);
       }
     }
-    at::native::cpublas::brgemm(m, d, wp, wp, d, d, true, pb.data(), vp + j0 * d, o.data(), kVnni<T>);
+    at::native::cpublas::brgemm(m, d, wc, wp, d, d, true, pb.data(), vp + j0 * d, o.data(), kVnni<T>);
   }
   for (int64_t j = 0; j < g; ++j)
     for (int64_t t = 0; t < qb; ++t) {
@@ -203,6 +250,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "H_q must be a multiple of H_kv");
   TORCH_CHECK(q.size(2) <= k.size(2), "more queries than keys");
   TORCH_CHECK(q.size(3) % 2 == 0, "head size must be even");
+  TORCH_CHECK(scale > 0, "scale must be positive");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "unit stride on the head dimension");
   TORCH_CHECK(key_block >= 16 && key_block % 16 == 0 && row_target >= 1, "key_block a multiple of 16, row_target >= 1");
   if (q.scalar_type() == at::kBFloat16) return run<at::BFloat16>(q, k, v, scale, key_block, row_target);
