@@ -56,11 +56,11 @@ import openai
 
 from fastprefill.bench.records import environment, result_name
 from fastprefill.data.tasks import Sample, get_task
-from fastprefill.distributed.runtime import free_port
 from fastprefill.engine import generate
 from fastprefill.errors import FastprefillError
 from fastprefill.host import DTYPES, keep_freed_memory, resolve_dtype, set_threads
 from fastprefill.models import load as load_model
+from fastprefill.runtime import free_port
 from fastprefill.serve.config import serving_method
 from reporting import write_json, write_rows
 

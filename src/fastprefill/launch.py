@@ -3,7 +3,7 @@
 Two ways to run, chosen by the environment:
 
 (a) **Under torchrun** (``RANK`` and ``WORLD_SIZE`` set): this process is one rank. It joins the
-    default process group (:func:`fastprefill.distributed.runtime.init_group`: NCCL when the
+    default process group (:func:`fastprefill.runtime.init_group`: NCCL when the
     device is CUDA, one GPU per local rank; gloo on CPU), loads the model
     (:func:`fastprefill.models.load`), validates the request like every other rank, waits at a
     barrier so all ranks start together, and runs its role (:func:`fastprefill.distributed.rank.run_rank`):
@@ -51,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fastprefill.distributed.runtime import init_group, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
+from fastprefill.runtime import init_group, use_loopback
 
 if TYPE_CHECKING:
     from fastprefill.methods.base import Method

@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from fastprefill.cli import main
-from fastprefill.distributed.runtime import free_port
 from fastprefill.engine import generate
 from fastprefill.models import zoo
+from fastprefill.runtime import free_port
 from fastprefill.sampling import SamplingParams
 from tests import REPO
 

@@ -186,10 +186,29 @@ def test_shipped_tables_parse_and_plan():
     assert {p.stem for p in paths} >= {"smollm2-135m", "qwen2.5-coder-0.5b"}
     for p in paths:
         table = PartitionTable.load(p)
-        assert table.command.startswith("python -m fastprefill.methods.runahead.calibrate")
+        assert table.command.startswith("fastprefill calibrate-runahead")
         for n in (512, 3000, 8192):
             plan = table.plan(n, 2)
             assert plan.length == n and plan.chunks[0] >= plan.chunks[1]
+
+
+def test_calibration_fits_a_cost_model_and_the_command_writes_its_table(tiny_llama, tmp_path, monkeypatch):
+    """``calibrate`` fits the compute coefficients on the model and takes the communication ones
+    as given; ``fastprefill calibrate-runahead`` measures those (here stubbed: it starts two
+    processes), searches and writes a table that loads and records the command."""
+    from fastprefill.cli import main
+    from fastprefill.methods.runahead.calibrate import calibrate
+
+    cost = calibrate(tiny_llama, bandwidth_bytes_s=1e9, latency_s=1e-5, chunks=(8, 16), prefixes=(0, 16), repeats=1,
+                     progress=False)
+    assert cost.bandwidth_bytes_s == 1e9 and cost.latency_s == 1e-5 and cost.num_layers == tiny_llama.config.num_hidden_layers
+    monkeypatch.setattr("fastprefill.distributed.loopback.measure_loopback", lambda: (1e9, 1e-5))
+    monkeypatch.setattr("fastprefill.models.load", lambda name: (tiny_llama, None))
+    out = tmp_path / "table.json"
+    assert main(["calibrate-runahead", "--model", "tiny", "--out", str(out), "--ranks", "2", "--lengths", "64",
+                 "--repeats", "1"]) == 0
+    table = PartitionTable.load(out)
+    assert table.command.startswith("fastprefill calibrate-runahead --model tiny") and table.plan(64, 2).length == 64
 
 
 # --- communication object -----------------------------------------------------------------------------

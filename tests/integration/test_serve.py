@@ -25,11 +25,11 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from fastprefill.distributed.runtime import free_port
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import DistributedMethod
 from fastprefill.methods.registry import METHODS, make_method
+from fastprefill.runtime import free_port
 from fastprefill.serve import ServeConfig, background, create_app
 from fastprefill.serve.app import EXIT_GRACE_S
 from fastprefill.serve.backends import Backends

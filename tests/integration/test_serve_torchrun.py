@@ -21,9 +21,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from fastprefill.distributed.runtime import free_port
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
+from fastprefill.runtime import free_port
 from fastprefill.serve import ServeConfig
 from fastprefill.serve.app import EXIT_GRACE_S
 from fastprefill.serve.torchrun import WATCH_PERIOD_S, check_specs

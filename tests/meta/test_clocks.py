@@ -15,13 +15,13 @@ OTHER_CLOCKS = {
     "host.py": "the clock itself: device_clock synchronises, then reads it",
     "serve/ranks.py": "the driver's clock around ranks' replies; each rank synchronised before it replied",
     "distributed/pool.py": "the driver's clock around ranks' replies; each rank synchronised before it replied",
-    "methods/runahead/calibrate.py": "gloo send/recv of CPU tensors (the loopback's bandwidth)",
+    "distributed/loopback.py": "gloo send/recv of CPU tensors (the loopback's bandwidth)",
     "methods/kv_prediction/auxiliary/train.py": "a training run's wall seconds (a resumable budget), not a latency",
     "methods/kv_prediction/prefix/calibrate.py": "a calibration run's wall seconds, not a latency",
     "methods/kv_prediction/prefix/distill.py": "a distillation run's wall seconds, not a latency",
     "models/zoo.py": "a GGUF conversion's wall seconds",
-    "cli/train.py": "a training command's wall seconds, printed",
-    "cli/__init__.py": "the rank pool's warm-up, around ranks' replies",
+    "cli/train_kvp.py": "a training command's wall seconds, printed",
+    "cli/generate.py": "the rank pool's warm-up, around ranks' replies",
 }
 
 

@@ -13,7 +13,8 @@ import json
 import sys
 
 from fastprefill.bench.records import RESULT_SUFFIXES, result_name
-from fastprefill.cli import _bench_config, build_parser
+from fastprefill.cli import build_parser
+from fastprefill.cli.bench import bench_config
 
 
 def test_a_free_default_is_taken_and_a_taken_one_gets_the_next_run_number(tmp_path):
@@ -48,12 +49,12 @@ def _bench_args(*argv: str) -> argparse.Namespace:
 def test_fastprefill_bench_default_name_does_not_replace_a_result(tmp_path):
     (tmp_path / "smollm2-135m_needle.jsonl").write_text("{}\n")
     out = ["--out", str(tmp_path), "--task", "needle"]
-    assert _bench_config(_bench_args(*out))["name"] == "smollm2-135m_needle-run2"
-    assert _bench_config(_bench_args(*out, "--name", "smollm2-135m_needle"))["name"] == "smollm2-135m_needle"
-    assert _bench_config(_bench_args(*out, "--resume"))["name"] == "smollm2-135m_needle"
+    assert bench_config(_bench_args(*out))["name"] == "smollm2-135m_needle-run2"
+    assert bench_config(_bench_args(*out, "--name", "smollm2-135m_needle"))["name"] == "smollm2-135m_needle"
+    assert bench_config(_bench_args(*out, "--resume"))["name"] == "smollm2-135m_needle"
     config = tmp_path / "c.toml"
     config.write_text(f'task = "needle"\nout = "{tmp_path}"\nname = "smollm2-135m_needle"\n')
-    assert _bench_config(_bench_args("--config", str(config)))["name"] == "smollm2-135m_needle"
+    assert bench_config(_bench_args("--config", str(config)))["name"] == "smollm2-135m_needle"
 
 
 def test_a_script_rerun_with_defaults_writes_a_new_file(tmp_path, capsys):

@@ -389,10 +389,11 @@ def test_cli_errors_exit_2_without_traceback(capsys, tmp_path):
 
 
 def test_cli_bench_config_files_parse():
-    from fastprefill.cli import _bench_config, build_parser
+    from fastprefill.cli import build_parser
+    from fastprefill.cli.bench import bench_config
 
     for path in sorted((REPO / "benchmarks" / "configs").glob("*.toml")):
-        cfg = _bench_config(build_parser().parse_args(["bench", "--config", str(path)]))
+        cfg = bench_config(build_parser().parse_args(["bench", "--config", str(path)]))
         assert cfg["name"] == path.stem and cfg["out"] == "benchmarks/results"
 
 

@@ -94,3 +94,8 @@ def sampling_params(args: argparse.Namespace) -> Any:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, stop=tuple(args.stop), min_tokens=args.min_tokens,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+
+
+def _names(registry: Any) -> str:
+    """The names of a registry, comma-separated, for a help text."""
+    return ", ".join(registry)

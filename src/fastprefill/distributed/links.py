@@ -11,8 +11,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fastprefill.distributed.rank import send_error, serve_rank
-from fastprefill.distributed.runtime import init_group, use_loopback
 from fastprefill.host import set_threads
+from fastprefill.runtime import init_group, use_loopback
 
 __all__ = ["ProcessLink", "RankLink", "worker_main"]
 

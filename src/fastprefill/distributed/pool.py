@@ -1,7 +1,7 @@
 """A persistent pool of ranks that serves prompts with a distributed method.
 
 :class:`RankPool` spawns ``procs`` worker processes on this machine, joins them in a gloo
-process group on a free 127.0.0.1 port (:mod:`fastprefill.distributed.runtime`), fixes each
+process group on a free 127.0.0.1 port (:mod:`fastprefill.runtime`), fixes each
 rank's torch thread count and optionally pins rank ``r`` to one CPU core
 (``os.sched_setaffinity``). Every worker loads the model *once* (:func:`fastprefill.models.load`);
 the pool then stays alive and the driver sends it prompts. That keeps model loading out of TTFT,
@@ -42,10 +42,10 @@ import torch
 
 from fastprefill.distributed.links import ProcessLink, RankLink, worker_main
 from fastprefill.distributed.rank import Request
-from fastprefill.distributed.runtime import free_port
 from fastprefill.errors import ConfigError, FastprefillError, is_int
 from fastprefill.host import DTYPES, resolve_dtype
 from fastprefill.methods.base import DistributedMethod, Method
+from fastprefill.runtime import free_port
 
 if TYPE_CHECKING:
     from fastprefill.sampling import SamplingParams

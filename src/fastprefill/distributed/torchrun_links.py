@@ -2,7 +2,7 @@
 machine or several.
 
 Under torchrun every process is a rank of the default process group (joined with
-:func:`~fastprefill.distributed.runtime.init_group`). Rank 0 drives: it builds a ``RankPool``
+:func:`~fastprefill.runtime.init_group`). Rank 0 drives: it builds a ``RankPool``
 from :func:`driver_links`, and every other rank answers it with :func:`serve_driver` (the loop
 of :mod:`fastprefill.distributed.rank`, the same protocol as a local pool's workers). Rank 0's
 own share of each prefill runs in a thread of its process, over a pipe (:class:`ThreadLink`).

@@ -33,10 +33,10 @@ import sys
 from typing import Any
 
 from fastprefill.distributed.rank import check_ranks
-from fastprefill.distributed.runtime import init_group, use_loopback
 from fastprefill.errors import ConfigError, FastprefillError
 from fastprefill.host import set_threads
 from fastprefill.methods.base import Method
+from fastprefill.runtime import init_group, use_loopback
 from fastprefill.serve.backends import rank_methods
 from fastprefill.serve.config import ServeConfig, serving_method
 

@@ -282,8 +282,8 @@ class KVRunahead(_DistributedPrefill):
             any table the grid search runs on an uncalibrated FLOP cost model); or explicit chunk
             sizes ``(c_0, ..., c_{P-1})`` that must sum to the prompt length, as a tuple or as
             a string like ``"600/424"`` (the CLI's and the registry's form).
-        table: path to a partition table JSON (built by ``python -m
-            fastprefill.methods.runahead.calibrate``), or ``None``.
+        table: path to a partition table JSON (built by ``fastprefill calibrate-runahead``), or
+            ``None``.
         timeout_s: bound on every communication wait (a dead or hung rank raises instead).
 
     Raises:

@@ -4,7 +4,8 @@
 per-layer pipeline of the chain exactly as :mod:`fastprefill.methods.runahead.method` runs it
 (own q/k/v, wait for the prefix, send on, attention + MLP), and the all-gather baseline
 (:meth:`CostModel.tsp_s`). Its coefficients come from FLOP counts (:meth:`CostModel.from_flops`)
-or from timing a decoder layer on this machine (:func:`fastprefill.methods.runahead.calibrate.calibrate`).
+or from timing a decoder layer on this machine (:func:`fastprefill.methods.runahead.calibrate.calibrate`,
+which ``fastprefill calibrate-runahead`` runs).
 
 *choose* (the search): the paper searches partitions offline with a grid search on measured
 TTFT; we search on the calibrated cost model instead, because one measured candidate costs a

@@ -5,7 +5,7 @@ run time. A :class:`PartitionTable` holds them for one model shape, with the cal
 :class:`~fastprefill.methods.runahead.search.CostModel` the search used. Shipped tables live in
 ``tables/`` next to this file (:data:`TABLES_DIR`) and are rebuilt by::
 
-    python -m fastprefill.methods.runahead.calibrate --model smollm2-135m \\
+    fastprefill calibrate-runahead --model smollm2-135m \\
         --out src/fastprefill/methods/runahead/tables/smollm2-135m.json
 """
 
