@@ -29,7 +29,6 @@ CALLED_IMPLICITLY = frozenset({"forward", "main"})
 #: Tolerated, each with why; one that the product uses again, or that is gone, must be removed
 #: from here (the test says so). ``"path:name"``, path under ``src/fastprefill``.
 KNOWN_OUTSIDE_USE: dict[str, str] = {
-    "cache.py:LayerCache": "the per-layer cache contract the caches meet (a Protocol: checked, not called)",
     "data/tasks/needle.py:depth_of": "reads back the sample id format the task writes (benchmarks' needle_by_depth)",
     "data/tasks/sessions.py:score_answer": "the sessions task's scoring, which only prefix_bench runs so far",
     "data/tasks/sessions.py:messages_for": "the sessions task's conversations, which only prefix_bench runs so far",
