@@ -50,8 +50,8 @@ from fastprefill.chunk_store import ChunkStore
 from fastprefill.data.tasks import get_task
 from fastprefill.engine import generate
 from fastprefill.host import DTYPES, dtype_name, keep_freed_memory, set_threads
-from fastprefill.methods.blend import POLICIES, Blend
 from fastprefill.methods.registry import make_method
+from fastprefill.methods.research.blend import POLICIES, Blend
 from fastprefill.models import load as load_model
 from fastprefill.prompt import ChunkedPrompt, Passage
 from fastprefill.tune import wilson

@@ -152,7 +152,7 @@ def fill_methods(keeps: Sequence[float], policies: Sequence[str], shares: Sequen
     under each fill policy (``none``, ``zero-shot``, ``calibrated:DIR``) and, for an active
     policy, each fill share, named ``lazyllm-k<keep %>/<policy kind>`` (``...-s<share %>`` when
     only a share of the pruned tokens is filled)."""
-    from fastprefill.methods.pruning.fill import Fill
+    from fastprefill.methods.research.fill import Fill
 
     out: dict[str, Method] = {}
     for keep in keeps:

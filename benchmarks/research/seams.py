@@ -1,7 +1,7 @@
 """Which seams fail: a blended cache's K/V against full prefill's, per token, binned by seam.
 
 A blend prompt is a lead, passages, the glue between them and the question. Each passage's K/V
-was computed without its neighbours (:mod:`fastprefill.methods.blend`); where the blended cache
+was computed without its neighbours (:mod:`fastprefill.methods.research.blend`); where the blended cache
 (after the recompute) differs from full prefill's, and whether that decides the answer, is read
 from the dev gate's own runs (``benchmarks/blend_gate.py``), outside TTFT:
 
@@ -36,8 +36,8 @@ import torch
 from fastprefill.bench.records import FULL, Record
 from fastprefill.cache import layer_kv
 from fastprefill.methods.base import PrefillOutput
-from fastprefill.methods.blend import Blend
 from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.research.blend import Blend
 
 __all__ = ["GOLD_GROUPS", "OFFSET_EDGES", "KVSink", "KeepingBlend", "KeepingFull", "SeamPrompt", "SeamRecorder",
            "agreement_by_gold", "gold_group", "offset_labels", "seam_row", "seam_stats", "seam_summary",
@@ -123,7 +123,7 @@ class SeamRecorder:
         return method
 
     def blend(self, name: str, **settings: Any) -> KeepingBlend:
-        """A :class:`~fastprefill.methods.blend.Blend` with ``settings``, recorded as ``name``."""
+        """A :class:`~fastprefill.methods.research.blend.Blend` with ``settings``, recorded as ``name``."""
         method = KeepingBlend(**settings)
         self.sinks[name] = method.sink
         return method

@@ -35,7 +35,7 @@ from fastprefill.sampling import SamplingParams
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Blend": "fastprefill.methods.blend",
+    "Blend": "fastprefill.methods.research.blend",
     "ChunkStore": "fastprefill.chunk_store",
     "ChunkedPrompt": "fastprefill.prompt",
     "Passage": "fastprefill.prompt",

@@ -12,7 +12,7 @@ by whole blocks as before.
 **Where a chunk is computed: after an anchor.** A chunk's K/V depend on what it was computed
 after. The store keys a chunk by its tokens *and* its anchor, the tokens before it when it was
 computed (empty: the chunk alone from position 0); the entry keeps the chunk's first position
-(the anchor's length). Blending (:mod:`fastprefill.methods.blend`) chooses the anchor: the
+(the anchor's length). Blending (:mod:`fastprefill.methods.research.blend`) chooses the anchor: the
 prompt's *lead* (everything before its first passage: the chat template's system turn and the
 instructions) by default, or nothing. The model fingerprint and dtype are the store's own
 (checked at binding), so they need not be in each key.

@@ -12,8 +12,8 @@ from fastprefill.bench.runner import PromptSample, Unscored, run_samples
 from fastprefill.chunk_store import ChunkStore
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
-from fastprefill.methods.blend import Blend
 from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.research.blend import Blend
 from fastprefill.models.kv import key_shift_error
 from fastprefill.prompt import ChunkedPrompt, Passage
 from research.seams import SeamPrompt, SeamRecorder

@@ -375,10 +375,10 @@ def test_a_fills_flops_are_dropping_plus_the_maps_plus_attention_to_the_filled_r
                                                                                    make_ids):
     """Counted: a fill's FLOPs = dropping's + the maps' for the filled rows + the kept rows'
     attention to the filled rows before them, at every layer after the cut."""
-    from fastprefill.methods.pruning.fill import Fill, FillMaps
     from fastprefill.methods.pruning.options import PruneOptions
     from fastprefill.methods.pruning.prefill import progressive_prefill
     from fastprefill.methods.pruning.select import top_k_keep
+    from fastprefill.methods.research.fill import Fill, FillMaps
 
     out, _ = calibrated
     ad = DecoderAdapter(tiny_qwen2)

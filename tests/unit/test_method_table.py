@@ -16,11 +16,11 @@ import torch
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.baselines import GemFilter, RandomDrop, StaticPruning
-from fastprefill.methods.blend import Blend
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.methods.registry import METHODS, make_method
+from fastprefill.methods.research.blend import Blend
 from fastprefill.methods.runahead import KVRunahead, SequenceParallel
 
 #: layers of the selection pass a row pays on top of the full count (layers 0..s on the whole prompt)

@@ -13,8 +13,8 @@ from fastprefill.bench.records import FULL, Record
 from fastprefill.bench.runner import PromptSample, Unscored, run_samples
 from fastprefill.chunk_store import ChunkStore
 from fastprefill.engine import generate
-from fastprefill.methods.blend import Blend
 from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.research.blend import Blend
 from fastprefill.prompt import ChunkedPrompt
 from figures.pages import result_tables
 from figures.results import verify_results

@@ -43,10 +43,10 @@ from fastprefill.errors import ConfigError
 from fastprefill.methods.auto import TuneProfile
 from fastprefill.methods.base import Method, PrefillOutput
 from fastprefill.methods.baselines import GemFilter, RandomDrop, StaticPruning
-from fastprefill.methods.blend import Blend
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import KVPrediction, KVPrefix
 from fastprefill.methods.lazyllm import LazyLLM
+from fastprefill.methods.research.blend import Blend
 from fastprefill.methods.runahead import KVRunahead, SequenceParallel
 
 __all__ = ["METHODS", "AutoMethod", "MethodEntry", "convert", "make_method", "method_names", "parse_spec"]

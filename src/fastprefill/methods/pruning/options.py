@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fastprefill.errors import ConfigError, is_int, is_number
-from fastprefill.methods.pruning.fill import Fill
+from fastprefill.methods.research.fill import Fill
 
 __all__ = ["MAX_POOL_KERNEL", "MAX_SCORE_WINDOW", "REVIVAL_POLICIES", "PruneOptions", "Revival"]
 
@@ -103,7 +103,7 @@ class PruneOptions:
         decode_protect: at a decode step every stage's set also always holds every generated
             token (the sinks and the last ``keep_recent`` prompt tokens are kept anyway).
         revival: the decoding :class:`Revival` policy.
-        fill: what later layers keep of a pruned token (:class:`~fastprefill.methods.pruning.fill.Fill`;
+        fill: what later layers keep of a pruned token (:class:`~fastprefill.methods.research.fill.Fill`;
             ``none``, the paper: nothing). Any other needs ``revival=none`` and a one-cut
             schedule.
         fill_share: in ``(0, 1]``: the share of a cut's pruned tokens that get filled rows, those

@@ -35,12 +35,12 @@ from fastprefill.cache import PositionKVCache, layer_kv
 from fastprefill.errors import ConfigError
 from fastprefill.methods.base import ComputeStats, PrefillOutput
 from fastprefill.methods.pruning.decode import RevivalDecoder
-from fastprefill.methods.pruning.fill import FillMaps
 from fastprefill.methods.pruning.options import PruneOptions
 from fastprefill.methods.pruning.schedule import Schedule, keep_count, scored_layers
 from fastprefill.methods.pruning.scorers import AttentionScorer, Scorer
 from fastprefill.methods.pruning.select import SelectFn, cut_scores
 from fastprefill.methods.pruning.state import LazyState, new_state, run_rows
+from fastprefill.methods.research.fill import FillMaps
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.attention import causal_mask
 from fastprefill.models.shape import causal_pairs
