@@ -75,6 +75,42 @@ def test_kernel_matches_sdpa_within_its_own_error(variant, dtype, shape):
     assert err <= max(1.5 * sdpa_err, floor), f"kernel error {err:.3g} vs SDPA's {sdpa_err:.3g}"
 
 
+def _masked_sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+
+@pytest.mark.parametrize("variant", ["avx512", "avx2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_Hq{}_Hkv{}_T{}_N{}_d{}".format(*s))
+@pytest.mark.parametrize("broadcast", ["full", "batch", "rows"])
+def test_a_masked_call_matches_sdpa_within_its_own_error(variant, dtype, shape, broadcast):
+    """A boolean (B, 1, T, N) mask (a pruned cache's keys, rows over a prefix, a padded batch): every
+    row attends exactly the keys its mask row allows, the mask shared by the heads; B or T may be 1."""
+    mod = _variant_module(variant)
+    q, k, v = _inputs(shape, dtype, seed=1)
+    b, _, _, t, n, d = shape
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.rand(1 if broadcast == "batch" else b, 1, 1 if broadcast == "rows" else t, n, generator=gen) < 0.6
+    mask[..., -1] = True  # no row hidden entirely (SDPA's answer for one is NaN)
+    ref = _masked_sdpa(q.double(), k.double(), v.double(), mask)
+    out = mod.causal_attention(q, k, v, 1 / math.sqrt(d), mask=mask)
+    assert out.shape == (b, t, shape[1], d) and out.dtype == dtype
+    sdpa_err = (_masked_sdpa(q, k, v, mask).double() - ref).abs().max().item()
+    err = (out.double() - ref).abs().max().item()
+    floor = 2e-6 if dtype == torch.float32 else 4e-3
+    assert err <= max(1.5 * sdpa_err, floor), f"kernel error {err:.3g} vs SDPA's {sdpa_err:.3g}"
+
+
+def test_a_row_its_mask_hides_entirely_gets_zeros():
+    mod = _variant_module("avx2")
+    q, k, v = _inputs((1, 4, 2, 6, 300, 64), torch.float32)
+    mask = torch.ones(1, 1, 6, 300, dtype=torch.bool)
+    mask[0, 0, 2] = False
+    out = mod.causal_attention(q, k, v, 0.125, mask=mask)
+    assert torch.equal(out[0, 2], torch.zeros_like(out[0, 2]))
+    torch.testing.assert_close(out[0, 3], _masked_sdpa(q, k, v, mask)[0, 3])
+
+
 def test_kernel_rejects_bad_inputs_with_a_message():
     mod = _variant_module("avx2")
     q, k, v = _inputs((1, 4, 2, 8, 8, 64), torch.float32)
@@ -86,6 +122,12 @@ def test_kernel_rejects_bad_inputs_with_a_message():
         mod.causal_attention(q, k.double(), v, 0.125)
     with pytest.raises(RuntimeError, match="4-D"):
         mod.causal_attention(q[0], k, v, 0.125)
+    with pytest.raises(RuntimeError, match="positive"):
+        mod.causal_attention(q, k, v, 0.0)
+    with pytest.raises(RuntimeError, match="boolean"):
+        mod.causal_attention(q, k, v, 0.125, mask=torch.zeros(1, 1, 8, 8))
+    with pytest.raises(RuntimeError, match=r"\(B, 1, T, N\)"):
+        mod.causal_attention(q, k, v, 0.125, mask=torch.ones(1, 4, 8, 8, dtype=torch.bool))
 
 
 def test_backend_choice_is_validated_and_sdpa_never_calls_the_kernel(monkeypatch):
@@ -97,7 +139,7 @@ def test_backend_choice_is_validated_and_sdpa_never_calls_the_kernel(monkeypatch
 
     def counting(dtype):
         fn = real(dtype)
-        return None if fn is None else (lambda *a: calls.append(1) or fn(*a))
+        return None if fn is None else (lambda *a, **kw: calls.append(1) or fn(*a, **kw))
 
     monkeypatch.setattr(attn, "attention_kernel", counting)
     ids = torch.randint(0, model.config.vocab_size, (1, 40))
@@ -153,3 +195,37 @@ def test_the_kernel_runs_on_torchs_threads(variant):
             assert module.threads_used(64) == threads
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_masked_layer_runs_on_the_kernel_and_matches_sdpa(monkeypatch):
+    """A layer-loop call with a boolean mask (what LazyLLM passes over a prefix or a pruned cache)
+    goes to the kernel under ``auto`` and gives SDPA's output."""
+    from transformers import DynamicCache
+
+    from fastprefill.models.adapters import DecoderAdapter
+
+    model, _ = load_model("random:qwen2", dtype="float32")
+    ad = DecoderAdapter(model)
+    calls = []
+    real = attn.attention_kernel
+
+    def counting(dtype):
+        fn = real(dtype)
+        return None if fn is None else (lambda *a, **kw: calls.append(kw.get("mask") is not None) or fn(*a, **kw))
+
+    monkeypatch.setattr(attn, "attention_kernel", counting)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=gen)
+    positions = torch.arange(40)[None]
+    mask = attn.causal_mask(positions[0], positions[0]) & (torch.rand(40, 40, generator=gen) < 0.7)
+    mask |= torch.eye(40, dtype=torch.bool)[None, None]
+    outs = {}
+    with torch.inference_mode():
+        for backend in ("sdpa", "auto"):
+            if attn.set_attention_backend(model, backend) == "sdpa" and backend == "auto":
+                pytest.skip(f"kernel unavailable: {attn.attention_backend(model)[1]}")
+            with ad.attention_scope():
+                outs[backend] = ad.layer(0, ad.embed(ids), positions, DynamicCache(config=model.config), mask=mask)
+    attn.set_attention_backend(model, "auto")
+    assert calls == [True]
+    torch.testing.assert_close(outs["auto"], outs["sdpa"], atol=1e-5, rtol=1e-5)

@@ -56,10 +56,11 @@ _VARIANT_OF_ISA = {"AVX512": "avx512", "AVX512_BF16": "avx512", "AMX": "avx512",
 #: Elementwise tolerance of the load-time check against SDPA, by dtype (SDPA's own rounding).
 _CHECK_ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
-#: ``kernel(q, k, v, scale) -> out``: q ``(B, H_q, T, d)``, k and v ``(B, H_kv, N, d)`` (unit
-#: stride on ``d``), out ``(B, T, H_q, d)``; query ``t`` sits at position ``N - T + t`` and
-#: attends keys ``0 .. N - T + t``.
-AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+#: ``kernel(q, k, v, scale, mask=None) -> out``: q ``(B, H_q, T, d)``, k and v ``(B, H_kv, N, d)``
+#: (unit stride on ``d``), out ``(B, T, H_q, d)``. Without a mask query ``t`` sits at position
+#: ``N - T + t`` and attends keys ``0 .. N - T + t``; with a boolean ``mask`` ``(B, 1, T, N)``
+#: (``B``, ``T`` may be 1) it attends the keys its row allows, and a row allowing none gets zeros.
+AttentionKernel = Callable[..., torch.Tensor]
 
 
 def _key(variant: str) -> str:
@@ -178,15 +179,20 @@ def _self_check(fn: AttentionKernel, dtype: torch.dtype) -> str:
     """Compare ``fn`` with SDPA on a small random grouped-query input (a whole prefill and a
     suffix over cached keys); ``""`` if they agree within :data:`_CHECK_ATOL`, else what differed."""
     gen = torch.Generator().manual_seed(0)
-    for t, n in ((45, 45), (7, 300), (1, 260)):
+    for t, n, masked in ((45, 45, False), (7, 300, False), (1, 260, False), (9, 300, True)):
         q = torch.randn(1, 4, t, 64, generator=gen).to(dtype)
         k, v = (torch.randn(1, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
         allowed = torch.arange(n)[None, :] <= torch.arange(n - t, n)[:, None]  # (T, N)
+        if masked:
+            allowed = allowed & (torch.rand(t, n, generator=gen) < 0.7)
+            allowed[:, 0] = True
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.float(), k.float(), v.float(), attn_mask=allowed, enable_gqa=True).transpose(1, 2)
-        err = (fn(q, k, v, 1 / math.sqrt(64)).float() - ref).abs().max().item()
+        out = fn(q, k, v, 1 / math.sqrt(64), mask=allowed[None, None] if masked else None)
+        err = (out.float() - ref).abs().max().item()
         if not err <= _CHECK_ATOL[dtype]:
-            return f"its check against SDPA failed ({t} queries over {n} keys, {dtype}: max error {err:.3g})"
+            kind = "masked " if masked else ""
+            return f"its check against SDPA failed ({t} {kind}queries over {n} keys, {dtype}: max error {err:.3g})"
     return ""
 
 

@@ -2,7 +2,10 @@
 // cached keys (a prefix-cache hit, a chunk of a chunked or paused prefill) and a decode step.
 //
 // Query row t of T sits at position P + t, P = N - T, and attends keys 0 .. P + t of N (the
-// lower-right causal mask; T = N is a whole prefill, T = 1 a decode step). For each batch row,
+// lower-right causal mask; T = N is a whole prefill, T = 1 a decode step). Given a boolean mask
+// (B, 1, T, N) shared by the heads (LazyLLM's rows over a prefix or beside filled rows, a decode
+// step over a pruned cache, a padded batch), row t attends exactly the keys its mask row allows
+// instead, and a row it hides entirely gets zeros. For each batch row,
 // KV head and block of query rows, the G query heads that share the KV head are stacked into one
 // block of G * QB rows, so every key and value block is read once per group rather than once per
 // head; each block's two products run on oneDNN's batch-reduce GEMM micro-kernels through
@@ -22,6 +25,7 @@
 #include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -114,8 +118,9 @@ template <typename T>
 void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
            T* out, int64_t os_t, int64_t os_h,
            int64_t h0, int64_t g, int64_t t0, int64_t t1, int64_t p, int64_t n, int64_t d,
-           float scale, int64_t key_block, std::vector<T>& qbuf, std::vector<float>& s, std::vector<T>& pb,
-           std::vector<float>& o, std::vector<float>& mx, std::vector<float>& sum) {
+           float scale, int64_t key_block, const bool* mask, int64_t ms_t,
+           std::vector<T>& qbuf, std::vector<float>& s, std::vector<T>& pb,
+           std::vector<float>& o, std::vector<float>& mx, std::vector<float>& sum, std::vector<float>& madd) {
   alignas(64) float tail[2 * Vec::size()];
   const int64_t qb = t1 - t0;
   const int64_t m = g * qb;
@@ -128,7 +133,9 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
   for (int64_t j = 0; j < g; ++j)
     for (int64_t t = 0; t < qb; ++t)
       std::copy_n(q + (h0 + j) * qs_h + (t0 + t) * qs_t, d, qbuf.data() + (j * qb + t) * d);
-  const int64_t last = std::min(n, p + t1);  // keys the block's last row sees
+  // keys the block's last row sees (with a mask: every key; the mask says which count)
+  const int64_t last = mask ? n : std::min(n, p + t1);
+  if (mask) madd.resize(key_block + 2 * Vec::size());
   const int64_t vec = Vec::size();
   for (int64_t j0 = 0; j0 < last; j0 += key_block) {
     const int64_t wp = ((std::min(key_block, n - j0)) + 1) & ~int64_t(1);  // the packed block's width
@@ -139,7 +146,18 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
     for (int64_t r = 0; r < m; ++r) {
       float* sr = s.data() + r * wp;
       T* pr = pb.data() + r * wp;
-      const int64_t lim = std::max<int64_t>(0, std::min(wc, p + t0 + (r % qb) - j0 + 1));  // keys [0, lim)
+      // keys [0, lim) are computed; with a mask, those it hides get -inf added (their p is 0)
+      // (the real keys only: a packed block's last column may be padding)
+      const int64_t lim = mask ? std::min(wc, n - j0) : std::max<int64_t>(0, std::min(wc, p + t0 + (r % qb) - j0 + 1));
+      if (mask) {
+        const bool* mrow = mask + (t0 + r % qb) * ms_t + j0;
+        float* ma = madd.data();
+        for (int64_t c2 = 0; c2 < lim; ++c2) ma[c2] = mrow[c2] ? 0.f : kNegInf;
+        for (int64_t c2 = 0; c2 < lim; c2 += vec) {  // never past the row: the next row follows it
+          const int64_t k2 = std::min(vec, lim - c2);
+          (Vec::loadu(sr + c2, k2) + Vec::loadu(ma + c2, k2)).store(sr + c2, k2);
+        }
+      }
       float bmax = kNegInf;
       int64_t c = 0;
       {
@@ -188,7 +206,7 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
   for (int64_t j = 0; j < g; ++j)
     for (int64_t t = 0; t < qb; ++t) {
       const int64_t r = j * qb + t;
-      const float inv = 1.f / sum[r];
+      const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;  // a row its mask hides entirely: zeros
       float* orow = o.data() + r * d;
       at::vec::map([inv](Vec x) { return x * Vec(inv); }, orow, orow, d);
       at::vec::convert(orow, out + (t0 + t) * os_t + (h0 + j) * os_h, d);
@@ -197,7 +215,7 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
 
 template <typename T>
 at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-               int64_t key_block, int64_t row_target) {
+               int64_t key_block, int64_t row_target, const at::Tensor& mask) {
   const int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3);
   const int64_t hkv = k.size(1), n = k.size(2);
   const int64_t g = hq / hkv, p = n - t;
@@ -211,6 +229,9 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, do
   T* od = out.data_ptr<T>();
   T* kpd = packed_k.data_ptr<T>();
   T* vpd = packed_v.data_ptr<T>();
+  const bool* md = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+  const int64_t ms_b = md && mask.size(0) > 1 ? mask.stride(0) : 0;
+  const int64_t ms_t = md && mask.size(2) > 1 ? mask.stride(2) : 0;
   at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t bi = i / hkv, h = i % hkv;
@@ -224,7 +245,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, do
   // contiguous ranges parallel_for hands each thread carry about equal causal work.
   at::parallel_for(0, b * hkv * nq, 1, [&](int64_t lo, int64_t hi) {
     std::vector<T> qbuf, pb;
-    std::vector<float> s, o, mx, sum;
+    std::vector<float> s, o, mx, sum, madd;
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t head = i / nq, k2 = i % nq;
       const int64_t blk = (k2 % 2 == 0) ? k2 / 2 : nq - 1 - k2 / 2;
@@ -232,7 +253,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, do
       const int64_t t0 = blk * qb, t1 = std::min(t, t0 + qb);
       block<T>(qd + bi * q.stride(0), q.stride(1), q.stride(2), kpd + head * npad * d, vpd + head * npad * d,
                od + bi * t * hq * d, hq * d, d, h * g, g, t0, t1, p, n, d, static_cast<float>(scale),
-               key_block, qbuf, s, pb, o, mx, sum);
+               key_block, md ? md + bi * ms_b : nullptr, ms_t, qbuf, s, pb, o, mx, sum, madd);
     }
     at::native::cpublas::brgemm_release(kVnni<T>);
   });
@@ -240,7 +261,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, do
 }
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                            int64_t key_block, int64_t row_target) {
+                            int64_t key_block, int64_t row_target, const std::optional<at::Tensor>& mask_arg) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D (B, H, T, d)");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v of one dtype");
@@ -248,13 +269,24 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have one shape");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "q and k differ in batch or head size");
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "H_q must be a multiple of H_kv");
-  TORCH_CHECK(q.size(2) <= k.size(2), "more queries than keys");
+  at::Tensor mask;
+  if (mask_arg.has_value() && mask_arg->defined()) {
+    mask = *mask_arg;
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.device().is_cpu(),
+                "mask must be a boolean CPU tensor (B, 1, T, N)");
+    TORCH_CHECK((mask.size(0) == q.size(0) || mask.size(0) == 1) && mask.size(1) == 1 &&
+                (mask.size(2) == q.size(2) || mask.size(2) == 1) && mask.size(3) == k.size(2),
+                "mask must be (B, 1, T, N) (B and T may be 1: broadcast), one mask for every head");
+    if (mask.stride(3) != 1) mask = mask.contiguous();
+  } else {
+    TORCH_CHECK(q.size(2) <= k.size(2), "more queries than keys");
+  }
   TORCH_CHECK(q.size(3) % 2 == 0, "head size must be even");
   TORCH_CHECK(scale > 0, "scale must be positive");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "unit stride on the head dimension");
   TORCH_CHECK(key_block >= 16 && key_block % 16 == 0 && row_target >= 1, "key_block a multiple of 16, row_target >= 1");
-  if (q.scalar_type() == at::kBFloat16) return run<at::BFloat16>(q, k, v, scale, key_block, row_target);
-  return run<float>(q, k, v, scale, key_block, row_target);
+  if (q.scalar_type() == at::kBFloat16) return run<at::BFloat16>(q, k, v, scale, key_block, row_target, mask);
+  return run<float>(q, k, v, scale, key_block, row_target, mask);
 }
 
 // How many threads ATen's parallel_for, as compiled into this extension, runs `tasks` one-task
@@ -273,8 +305,9 @@ int64_t threads_used(int64_t tasks) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention", &causal_attention,
-        "causal attention of the last T of N positions: q (B,H_q,T,d), k/v (B,H_kv,N,d) -> (B,T,H_q,d)",
+        "attention of q (B,H_q,T,d) over k/v (B,H_kv,N,d) -> (B,T,H_q,d): causal for the last T of N "
+        "positions, or where a boolean mask (B,1,T,N) is True",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("key_block") = kKeyBlockDefault,
-        py::arg("row_target") = kRowTargetDefault);
+        py::arg("row_target") = kRowTargetDefault, py::arg("mask") = py::none());
   m.def("threads_used", &threads_used, "threads parallel_for runs `tasks` one-task chunks on", py::arg("tasks"));
 }

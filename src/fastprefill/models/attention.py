@@ -12,8 +12,9 @@ full prefill over a cached prefix use it. Inside, the fused SDPA kernel computes
   original position at the cost of a causal prefill (:func:`_suffix_causal_sdpa`);
 - otherwise as transformers' own SDPA attention.
 
-Where no mask is given (a whole causal prefill, a suffix over cached keys, a decode step) and
-the model's attention backend (:func:`set_attention_backend`, chosen once per model: ``"auto"``
+Where no mask is given (a whole causal prefill, a suffix over cached keys, a decode step) or a
+boolean mask shared by the heads (LazyLLM's rows over a prefix or beside filled rows, a decode
+step over a pruned cache, a padded batch), and the model's attention backend (:func:`set_attention_backend`, chosen once per model: ``"auto"``
 by default) resolves to fastprefill's C++ kernel (:mod:`fastprefill.kernels`: grouped-query
 heads stacked over each key block, oneDNN's micro-GEMMs, online softmax), the kernel computes
 the output instead; where it cannot run (not built, a CPU without the instructions, another
@@ -152,10 +153,11 @@ def _fastprefill_sdpa(
     memo: dict[tuple[int, int], torch.Tensor] | None = kwargs.pop(MASK_MEMO_KWARG, None)
     plain = dropout == 0.0 and "position_bias" not in kwargs and all(
         kwargs.get(name) is None for name in ("sliding_window", "softcap", "s_aux"))
-    kernel = _kernel_for(module, query, key, value) if plain and attention_mask is None and query.shape[2] <= key.shape[2] else None
-    if kernel is not None:  # a whole causal prefill, a suffix over cached keys, a decode step
+    kernel = _kernel_for(module, query, key, value) if plain and _kernel_takes(query, key, attention_mask) else None
+    if kernel is not None:  # a whole causal prefill, a suffix over cached keys, a decode step, or masked rows
         d = query.shape[-1]
-        out = kernel(query, key, value, float(scaling) if scaling is not None else d ** -0.5)  # (B, T, H_q, d)
+        out = kernel(query, key, value, float(scaling) if scaling is not None else d ** -0.5,
+                     mask=attention_mask)  # (B, T, H_q, d)
     elif dropout == 0.0 and "position_bias" not in kwargs and _gqa_with_shared_mask(query, key, attention_mask):
         out = _gqa_masked_sdpa(query, key, value, attention_mask, scaling)
     elif attention_mask is None and 1 < query.shape[2] < key.shape[2] and dropout == 0.0 and "position_bias" not in kwargs:
@@ -169,6 +171,17 @@ def _fastprefill_sdpa(
             raise ValueError(f"{SCORE_SINK_KWARG} needs a {SCORER_KWARG} (what a score is)")
         sink[module.layer_idx] = scorer(query, key, attention_mask, scaling)
     return out, None
+
+
+def _kernel_takes(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether the C++ kernel computes this call: no mask and no more queries than keys (causal
+    for the last ``T`` of ``N`` positions), or a boolean ``(B, 1, T, N)`` mask shared by the
+    heads (``B`` and ``T`` may be 1, broadcast)."""
+    if attention_mask is None:
+        return query.shape[2] <= key.shape[2]
+    m = attention_mask
+    return (m.dtype == torch.bool and m.dim() == 4 and m.shape[1] == 1 and m.shape[0] in (1, query.shape[0])
+            and m.shape[2] in (1, query.shape[2]) and m.shape[3] == key.shape[2])
 
 
 def _gqa_with_shared_mask(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
