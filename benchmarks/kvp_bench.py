@@ -71,11 +71,7 @@ from fastprefill.errors import FastprefillError
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxAlone, AuxSpec, KVPrediction, KVPredictor
-from fastprefill.methods.kv_prediction.auxiliary.fit import (
-    error_summary,
-    fit_least_squares,
-    kv_relative_errors,
-)
+from fastprefill.methods.kv_prediction.auxiliary.fit import fit_least_squares, kv_relative_errors
 from fastprefill.methods.kv_prediction.auxiliary.models import check_tokenizers
 from fastprefill.methods.kv_prediction.auxiliary.train import TrainConfig, train_kvp
 from fastprefill.methods.kv_prediction.corpus import training_corpus
@@ -91,6 +87,7 @@ from fastprefill.models import load as load_model
 from fastprefill.models.kv import prefix_kv, rotate_keys
 from fastprefill.models.shape import ModelShape
 from reporting import (
+    error_summary,
     merge_eval_summaries,
     method_entry,
     plot_layer_errors,
@@ -152,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     errors = kv_relative_errors(base, aux_model, method.predictor, held)
     phases = json.loads(Path(args.out, "config.json").read_text()).get("heldout_errors", {})
     meta = {"command": " ".join(shlex.quote(a) for a in sys.argv), "wall_seconds_this_run": seconds,
-            "train_config": vars(cfg), "predictor_parameters": method.predictor.num_parameters(),
+            "train_config": vars(cfg), "predictor_parameters": sum(p.numel() for p in method.predictor.parameters()),
             "heldout_rel_error": errors, "heldout_by_phase": phases, **environment(args.threads, base)}
     write_json(Path(args.out, "train_meta.json"), meta)
     write_json(Path(args.results, f"kvp_train_{Path(args.out).name}.json"), meta)  # the figures' result file

@@ -10,7 +10,8 @@ the ones ``fastprefill bench`` writes (those are :mod:`fastprefill.bench.report`
   several KV Prediction runs on one plot.
 - :func:`write_paired_rows`: the ``<stem>.summary.jsonl`` of a task run.
 - :func:`prefix_overhead_table`: a prefix-cache run's own costs (the second table of its ``<stem>.md``).
-- :func:`needle_by_depth`: retrieval rate per needle depth.
+- :func:`needle_by_depth`: retrieval rate per needle depth; :func:`error_summary`: a KV
+  Prediction run's per-layer errors as means.
 - :func:`write_json`, :func:`write_rows`: one JSON document, or rows under a header (a
   ``.summary.jsonl``, of :func:`paired_row` s for a task run), written atomically.
 """
@@ -323,3 +324,8 @@ def needle_by_depth(records: Sequence[Record]) -> list[dict[str, Any]]:
         hits[(r.length, task.depth_of(r.sample_id), r.method)].append(r.score)
     return [{"length": ln, "depth": d, "method": m, "n": len(v), "retrieved": statistics.mean(v)}
             for (ln, d, m), v in sorted(hits.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]
+
+
+def error_summary(errors: dict[str, list[float]]) -> dict[str, float]:
+    """Means over layers of :func:`fastprefill.methods.kv_prediction.auxiliary.fit.kv_relative_errors`' lists (``mean_k``, ``mean_v``, ``mean_r2_k``, ...)."""
+    return {f"mean_{key}": sum(vals) / len(vals) for key, vals in errors.items() if vals}

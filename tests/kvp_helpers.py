@@ -16,9 +16,19 @@ from fastprefill.models.random import random_ids
 from fastprefill.models.shape import ModelShape
 
 
+def identity_predictor(shape: ModelShape) -> KVPredictor:
+    """Identity maps between two models of the same ``shape`` (the corenet identity check)."""
+    pred = KVPredictor(shape, shape, layer_map=tuple(range(shape.num_layers)))
+    with torch.no_grad():
+        for lin in [*pred.k_maps, *pred.v_maps]:
+            lin.weight.copy_(torch.eye(pred.out_features))
+            lin.bias.zero_()
+    return pred
+
+
 def identity_method(model) -> KVPrediction:
     aux = copy.deepcopy(model)
-    return KVPrediction(KVPredictor.identity(ModelShape.from_config(model.config)), AuxSpec.model("copy"), aux)
+    return KVPrediction(identity_predictor(ModelShape.from_config(model.config)), AuxSpec.model("copy"), aux)
 
 
 def compare_with_full(model, method, ids, steps=8, atol=1e-5):

@@ -25,8 +25,9 @@ from fastprefill.bench.runner import first_token_kl
 from fastprefill.methods.base import Method
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import KVPrediction
-from fastprefill.methods.kv_prediction.auxiliary.fit import error_summary, kv_relative_errors
+from fastprefill.methods.kv_prediction.auxiliary.fit import kv_relative_errors
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
+from reporting import error_summary
 from research.ablation import run_ablation
 
 __all__ = ["GATE_KL", "GATE_V_ERROR", "GateResult", "dev_gate", "exclude_calibration", "l_sweep"]

@@ -32,9 +32,6 @@ KNOWN_OUTSIDE_USE: dict[str, str] = {
     "data/tasks/needle.py:depth_of": "reads back the sample id format the task writes (benchmarks' needle_by_depth)",
     "data/tasks/sessions.py:score_answer": "the sessions task's scoring, which only prefix_bench runs so far",
     "data/tasks/sessions.py:messages_for": "the sessions task's conversations, which only prefix_bench runs so far",
-    "methods/kv_prediction/auxiliary/fit.py:error_summary": "to move beside kvp_bench (methods/kv_prediction is "
-                                                             "being edited in another change)",
-    "methods/kv_prediction/auxiliary/predictor.py:num_parameters": "as error_summary",
     "methods/runahead/search.py:single_s": "the cost model's one-rank time, read by the projection figures "
                                            "(benchmarks/figures, being edited in another change)",
     "methods/runahead/search.py:tsp_s": "as single_s",

@@ -15,16 +15,13 @@ from fastprefill.cli import main
 from fastprefill.demo import demo_prefix_layer
 from fastprefill.errors import ConfigError
 from fastprefill.methods.kv_prediction import AuxSpec, KVPrediction, KVPredictor
-from fastprefill.methods.kv_prediction.auxiliary.fit import (
-    error_summary,
-    fit_least_squares,
-    kv_relative_errors,
-)
+from fastprefill.methods.kv_prediction.auxiliary.fit import fit_least_squares, kv_relative_errors
 from fastprefill.methods.kv_prediction.auxiliary.train import TrainConfig, train_kvp
 from fastprefill.methods.kv_prediction.prefix import KVPrefix
 from fastprefill.methods.registry import make_method
 from fastprefill.models.kv import attention_inputs, prefix_kv
 from fastprefill.models.shape import ModelShape
+from reporting import error_summary
 from research.kvp import GATE_V_ERROR, dev_gate, l_sweep
 from tests.kvp_helpers import ByteTokenizer
 

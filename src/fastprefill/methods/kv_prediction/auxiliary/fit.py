@@ -21,7 +21,7 @@ from fastprefill.errors import ConfigError
 from fastprefill.methods.kv_prediction.auxiliary.predictor import KVPredictor
 from fastprefill.models.kv import prefix_kv
 
-__all__ = ["error_summary", "fit_least_squares", "kv_relative_errors"]
+__all__ = ["fit_least_squares", "kv_relative_errors"]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -121,6 +121,3 @@ def kv_relative_errors(
     return out
 
 
-def error_summary(errors: dict[str, list[float]]) -> dict[str, float]:
-    """Means over layers of :func:`kv_relative_errors`' lists (``mean_k``, ``mean_v``, ``mean_r2_k``, ...)."""
-    return {f"mean_{key}": sum(vals) / len(vals) for key, vals in errors.items() if vals}

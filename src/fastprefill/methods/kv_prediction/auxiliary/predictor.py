@@ -124,19 +124,6 @@ class KVPredictor(nn.Module):
         self.k_maps = nn.ModuleList(nn.Linear(self.in_features, self.out_features) for _ in range(n))
         self.v_maps = nn.ModuleList(nn.Linear(self.in_features, self.out_features) for _ in range(n))
 
-    @classmethod
-    def identity(cls, shape: ModelShape) -> KVPredictor:
-        """Identity maps between two models of the same ``shape`` (the corenet identity check)."""
-        pred = cls(shape, shape, layer_map=tuple(range(shape.num_layers)))
-        with torch.no_grad():
-            for lin in [*pred.k_maps, *pred.v_maps]:
-                lin.weight.copy_(torch.eye(pred.out_features))
-                lin.bias.zero_()
-        return pred
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def flops(self, n_tokens: int) -> float:
         """Multiply-add FLOPs of predicting ``n_tokens`` positions for every base layer (K and V)."""
         return 2.0 * 2 * self.base_shape.num_layers * n_tokens * self.in_features * self.out_features
