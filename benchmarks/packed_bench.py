@@ -12,10 +12,15 @@ Each setting runs once as a warm-up, then ``--repeats`` times, packed and unpack
 Reported: medians, ``unpacked / packed`` per setting, and whether the greedy next token agrees.
 With ``--against unfused`` the baseline is the same model packed with its MLPs left unfused
 (``pack_linears`` without ``fuse_mlps``, its MLPs compiled as before), so the comparison is what
-fusing the SwiGLU into the products adds: ``fused`` against ``unfused``.
+fusing the SwiGLU into the products adds: ``fused`` against ``unfused``. With ``--against
+own-attention`` the baseline is the same model with its attention modules' own forward
+(``fuse_attention(model, fused=False)``: transformers' rotary passes, three q/k/v products), so the comparison is
+what fastprefill's attention forward adds (``fuse_attention``); its rows also give the median of
+the per-round paired ratios with their range.
 
     python benchmarks/packed_bench.py --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b --lengths 2048 4096
     python benchmarks/packed_bench.py --against unfused
+    python benchmarks/packed_bench.py --against own-attention --model qwen2.5-coder-0.5b
     python benchmarks/packed_bench.py --model qwen2.5-coder-0.5b --lengths 2048 --dtype float32 --pack
 """
 
@@ -32,6 +37,7 @@ import torch
 from fastprefill.bench.records import environment, result_name
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.models import load as load_model
+from fastprefill.models.adapters import fuse_attention
 from fastprefill.models.packed import linears_packed, pack_linears
 from reporting import write_json
 
@@ -64,19 +70,24 @@ def _runs(model: Any, ids: torch.Tensor, suffix: int) -> dict[str, tuple[float, 
 
 
 def _labels(against: str) -> tuple[str, str]:
-    """What the default load and its baseline are called: packed / unpacked, or fused / unfused."""
-    return ("packed", "unpacked") if against == "unpacked" else ("fused", "unfused")
+    """What the default load and its baseline are called: packed / unpacked, fused / unfused, or
+    fused attention / own attention."""
+    return {"unpacked": ("packed", "unpacked"), "unfused": ("fused", "unfused"),
+            "own-attention": ("fused attention", "own attention")}[against]
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     new, base = _labels(args.against)
     packed, _ = load_model(name, dtype=args.dtype, pack=args.pack or None, progress=False)
-    baseline, _ = load_model(name, dtype=args.dtype, pack=False, progress=False)
+    baseline, _ = load_model(name, dtype=args.dtype, pack=args.against == "own-attention" and (args.pack or None),
+                             progress=False)
     if not linears_packed(packed):
         raise SystemExit(f"{name} in {args.dtype} is not packed on this machine (--pack packs it anyway): "
                          "nothing to compare")
     if args.against == "unfused":
         pack_linears(baseline)  # packed, MLPs as the model has them (compiled)
+    if args.against == "own-attention":
+        fuse_attention(baseline, fused=False)  # everything else as loaded
     models = {new: packed, base: baseline}
     rows = []
     for length in args.lengths:
@@ -92,8 +103,11 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                     times[key][setting].append(seconds)
                     tokens.setdefault(key, {})[setting] = token
         med = {k: {s: statistics.median(v) for s, v in d.items()} for k, d in times.items()}
+        paired = {s: [b / n for b, n in zip(times[base][s], times[new][s], strict=True)] for s in SETTINGS}
         row = {"length": length, "times": times, "medians": med,
                f"{base}_over_{new}": {s: med[base][s] / med[new][s] for s in SETTINGS},
+               "paired": {s: statistics.median(v) for s, v in paired.items()},
+               "paired_range": {s: [min(v), max(v)] for s, v in paired.items()},
                "same_token": {s: tokens[new][s] == tokens[base][s] for s in SETTINGS}}
         rows.append(row)
         print(f"{name} {length}: " + ", ".join(
@@ -111,16 +125,24 @@ def machine(env: dict[str, Any]) -> str:
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     new, base = _labels(result.get("against", "unpacked"))
-    title = ("Packed against unpacked linear weights" if base == "unpacked"
-             else "SwiGLU fused into the packed products against packed unfused MLPs")
+    title = {"unpacked": "Packed against unpacked linear weights",
+             "unfused": "SwiGLU fused into the packed products against packed unfused MLPs",
+             "own attention": ("fastprefill's attention forward (one-pass rotary, one q/k/v product) "
+                               "against the model's own")}[base]
     lines = [f"# {title}: {result['model']}, {env['dtype']}", "",
              (f"{machine(env)}. Medians of {result['repeats']} runs each, {new} and {base} "
               f"alternating; hit: the last {result['suffix']} tokens over the cached rest."), "",
              f"| T | setting | {new} (ms) | {base} (ms) | {base} / {new} | same next token |", "|---|---|---|---|---|---|"]
+    paired = all("paired" in r for r in result["rows"])
+    if paired:  # the per-round paired ratios beside the ratio of medians
+        lines[-2:] = [f"| T | setting | {new} (ms) | {base} (ms) | {base} / {new} | paired [min, max] | same next token |",
+                      "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         for s in SETTINGS:
+            pair = (f" {r['paired'][s]:.2f} [{r['paired_range'][s][0]:.2f}, {r['paired_range'][s][1]:.2f}] |"
+                    if paired else "")
             lines.append(f"| {r['length']} | {s} | {r['medians'][new][s] * 1000:.1f} | "
-                         f"{r['medians'][base][s] * 1000:.1f} | {r[f'{base}_over_{new}'][s]:.2f} | "
+                         f"{r['medians'][base][s] * 1000:.1f} | {r[f'{base}_over_{new}'][s]:.2f} |{pair} "
                          f"{'yes' if r['same_token'][s] else 'no'} |")
     return "\n".join(lines) + "\n"
 
@@ -157,14 +179,15 @@ def run_all(args: argparse.Namespace, prefix: str, run: Any, render: Any, stem: 
 
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__, repeats=5)
-    p.add_argument("--against", choices=("unpacked", "unfused"), default="unpacked",
-                   help="the baseline: the model unpacked, or packed with its MLPs unfused")
+    p.add_argument("--against", choices=("unpacked", "unfused", "own-attention"), default="unpacked",
+                   help="the baseline: the model unpacked, packed with its MLPs unfused, or with its attention "
+                        "modules' own forward")
     p.add_argument("--pack", action="store_true",
                    help="pack where the default does not (a float32 model); results named <prefix>_<model>_<dtype>")
     args = p.parse_args(argv)
     if min(args.lengths) <= args.suffix or args.suffix < 1 or args.repeats < 1:
         p.error("every length must exceed --suffix >= 1, and --repeats >= 1")
-    prefix = "packed" if args.against == "unpacked" else "fused"
+    prefix = {"unpacked": "packed", "unfused": "fused", "own-attention": "fused_attention"}[args.against]
     stem = (lambda name, result: f"{prefix}_{name}_{result['environment']['dtype']}") if args.pack else None
     run_all(args, prefix, run_model, markdown, stem=stem)
 

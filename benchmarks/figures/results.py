@@ -339,7 +339,8 @@ def _check_ablation(report: VerifyReport, path: Path) -> None:
 
 
 #: ``.json`` results whose ``.md`` a benchmark script renders: file-name prefix -> (module, function)
-RENDERED = {"attention_": ("attention_bench", "markdown"), "machine_speed_": ("machine_speed", "markdown")}
+RENDERED = {"attention_": ("attention_bench", "markdown"), "machine_speed_": ("machine_speed", "markdown"),
+            "fused_attention_": ("packed_bench", "markdown")}
 
 
 def _check_rendered(report: VerifyReport, path: Path) -> None:

@@ -229,3 +229,36 @@ def test_a_masked_layer_runs_on_the_kernel_and_matches_sdpa(monkeypatch):
     attn.set_attention_backend(model, "auto")
     assert calls == [True]
     torch.testing.assert_close(outs["auto"], outs["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["avx512", "avx2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 37, 14, 2, 64), (2, 5, 12, 2, 128), (1, 1, 4, 4, 64), (1, 9, 2, 1, 10)],
+                         ids=lambda s: "B{}_T{}_Hq{}_Hkv{}_d{}".format(*s))
+def test_the_rotary_kernel_gives_eagers_bits(variant, dtype, shape):
+    """x * cos + rotate_half(x) * sin with every operation rounded as eager rounds it, read from a
+    column slice of a merged q/k/v product, written head-major."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    mod = _variant_module(variant)
+    b, t, hq, hkv, d = shape
+    gen = torch.Generator().manual_seed(4)
+    qkv = (3 * torch.randn(b, t, (hq + 2 * hkv) * d, generator=gen)).to(dtype)
+    q, k = qkv[..., :hq * d], qkv[..., hq * d:(hq + hkv) * d]
+    angles = 10 * torch.randn(b, t, d, generator=gen)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q.view(b, t, hq, d).transpose(1, 2), k.view(b, t, hkv, d).transpose(1, 2),
+                                          cos, sin)
+    got_q, got_k = mod.rotary(q, cos, sin, hq), mod.rotary(k, cos, sin, hkv)
+    assert got_q.is_contiguous() and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_the_rotary_kernel_rejects_bad_inputs_with_a_message():
+    mod = _variant_module("avx2")
+    x, cos = torch.randn(1, 4, 128), torch.randn(1, 4, 64)
+    with pytest.raises(RuntimeError, match="heads of even size"):
+        mod.rotary(x, cos, cos, 3)
+    with pytest.raises(RuntimeError, match=r"\(B or 1, T, d\)"):
+        mod.rotary(x, cos[:, :2], cos[:, :2], 2)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        mod.rotary(x, cos.double(), cos, 2)

@@ -126,15 +126,15 @@ def environment(threads: int, model: Any, device: Any = None) -> dict[str, Any]:
     """Where and how a benchmark ran (recorded in every result header): threads, versions, the
     CPU, the precision of ``model`` (a model, or its ``torch.dtype``) with the CPU's bfloat16
     capability (:func:`fastprefill.host.precision_report`), and whether its decoder blocks are
-    compiled, its linear weights packed and its attention on the C++ kernel or SDPA (``None`` when
-    only a dtype is given); for a model on
+    compiled, its linear weights packed, its attention on the C++ kernel or SDPA and its attention
+    modules on fastprefill's fused forward (``None`` when only a dtype is given); for a model on
     a GPU (or a dtype and a GPU ``device``) also ``"accelerator"``: the GPU, its driver, CUDA and
     cuDNN (:func:`fastprefill.host.accelerator_report`)."""
     import torch
     import transformers
 
     from fastprefill.host import accelerator_report, precision_report
-    from fastprefill.models.adapters import blocks_compiled
+    from fastprefill.models.adapters import attention_fused, blocks_compiled
     from fastprefill.models.attention import attention_backend
     from fastprefill.models.packed import linears_packed
 
@@ -147,6 +147,7 @@ def environment(threads: int, model: Any, device: Any = None) -> dict[str, Any]:
         "compiled": None if isinstance(model, torch.dtype) else blocks_compiled(model),
         "packed": None if isinstance(model, torch.dtype) else linears_packed(model),
         "attention": None if isinstance(model, torch.dtype) else attention_backend(model)[0],
+        "attention_fused": None if isinstance(model, torch.dtype) else attention_fused(model),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["VARIANTS", "KernelStatus", "attention_kernel", "build", "kernel_dir", "kernel_status"]
+__all__ = ["VARIANTS", "KernelStatus", "attention_kernel", "build", "kernel_dir", "kernel_status", "rotary_kernel"]
 
 SOURCE = Path(__file__).with_name("attention.cpp")
 #: The builds: variant -> the compiler flags that select ATen's vector code for it (torch's
@@ -49,7 +49,9 @@ VARIANTS: dict[str, list[str]] = {
 #: regions; without it the pragma is ignored and the kernel runs on one thread whatever
 #: ``torch.get_num_threads()`` says. Linked with it too: at run time the ``libgomp.so.1`` that torch
 #: already loaded serves the extension (one thread pool, sized by ``torch.set_num_threads``).
-_COMMON_FLAGS = ["-O3", "-fopenmp"]
+#: ``-ffp-contract=off``: no multiply-add fused where the source rounds in between (the rotary
+#: rounds every product as transformers' eager code does, for the same bits).
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _LINK_FLAGS = ["-fopenmp"]
 #: torch's reading of the CPU (``torch.backends.cpu.get_cpu_capability()``) -> the variant it runs.
 _VARIANT_OF_ISA = {"AVX512": "avx512", "AVX512_BF16": "avx512", "AMX": "avx512", "AVX2": "avx2"}
@@ -175,9 +177,12 @@ def _load(variant: str) -> tuple[Any | None, str]:
     return module, ""
 
 
-def _self_check(fn: AttentionKernel, dtype: torch.dtype) -> str:
-    """Compare ``fn`` with SDPA on a small random grouped-query input (a whole prefill and a
-    suffix over cached keys); ``""`` if they agree within :data:`_CHECK_ATOL`, else what differed."""
+def _self_check(module: Any, dtype: torch.dtype) -> str:
+    """Compare the build's attention with SDPA on a small random grouped-query input (a whole
+    prefill, a suffix over cached keys, a decode step, masked rows), within :data:`_CHECK_ATOL`,
+    and its rotary embedding with the eager formula, bit for bit; ``""`` if both agree, else what
+    differed."""
+    fn = module.causal_attention
     gen = torch.Generator().manual_seed(0)
     for t, n, masked in ((45, 45, False), (7, 300, False), (1, 260, False), (9, 300, True)):
         q = torch.randn(1, 4, t, 64, generator=gen).to(dtype)
@@ -193,6 +198,13 @@ def _self_check(fn: AttentionKernel, dtype: torch.dtype) -> str:
         if not err <= _CHECK_ATOL[dtype]:
             kind = "masked " if masked else ""
             return f"its check against SDPA failed ({t} {kind}queries over {n} keys, {dtype}: max error {err:.3g})"
+    x = torch.randn(2, 5, 4 * 64, generator=gen).to(dtype)
+    angles = torch.randn(2, 5, 64, generator=gen)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    heads = x.view(2, 5, 4, 64).transpose(1, 2)  # (B, H, T, d)
+    half = torch.cat((-heads[..., 32:], heads[..., :32]), dim=-1)
+    if not torch.equal(module.rotary(x, cos, sin, 4), heads * cos[:, None] + half * sin[:, None]):
+        return f"its rotary embedding differs from the eager formula's bits ({dtype})"
     return ""
 
 
@@ -212,7 +224,7 @@ def kernel_status(dtype: torch.dtype) -> KernelStatus:
     module, reason = _load(variant)
     if module is None:
         return KernelStatus(dtype, variant, False, reason)
-    reason = _self_check(module.causal_attention, dtype)
+    reason = _self_check(module, dtype)
     return KernelStatus(dtype, variant, not reason, reason)
 
 
@@ -224,6 +236,22 @@ def attention_kernel(dtype: torch.dtype) -> AttentionKernel | None:
         return None
     module, _ = _load(status.variant)
     return module.causal_attention
+
+
+#: ``rotary(x, cos, sin, heads) -> out``: x ``(B, T, H * d)`` (unit last stride), cos and sin
+#: ``(B or 1, T, d)`` of x's dtype; out ``(B, H, T, d)`` contiguous, ``x * cos + rotate_half(x) * sin``
+#: rounded as transformers' eager rotary rounds it (bit for bit).
+RotaryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def rotary_kernel(dtype: torch.dtype) -> RotaryKernel | None:
+    """The one-pass rotary embedding for ``dtype`` (see :data:`RotaryKernel`), or ``None`` where the
+    attention kernel's build does not run (:func:`kernel_status` says why): the two share a build."""
+    status = kernel_status(dtype)
+    if not status.available:
+        return None
+    module, _ = _load(status.variant)
+    return module.rotary
 
 
 def _main(argv: list[str]) -> int:

@@ -289,6 +289,93 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return run<float>(q, k, v, scale, key_block, row_target, mask);
 }
 
+// Rotary position embedding as transformers' eager apply_rotary_pos_emb computes it, in one pass:
+// out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) over the halves of each head,
+// every product and the sum rounded to the dtype as eager's separate operations round them (the
+// result is bit for bit eager's), written head-major for the cache and attention.
+//   x (B, T, H * d), unit last stride (a column slice of a merged product is fine); cos, sin
+//   (B or 1, T, d) of x's dtype. Returns (B, H, T, d), contiguous.
+template <typename T>
+inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+template <typename T>
+void rotary_row(const T* x, const T* c, const T* sn, T* out, int64_t d) {
+  const int64_t half = d / 2;
+  using bVec = at::vec::Vectorized<T>;
+  int64_t i = 0;
+  if constexpr (kVnni<T>) {
+    const int64_t bv = bVec::size();  // 32 bfloat16
+    for (; i + bv <= half; i += bv) {
+      auto [x1a, x1b] = at::vec::convert_to_float<T>(bVec::loadu(x + i));
+      auto [x2a, x2b] = at::vec::convert_to_float<T>(bVec::loadu(x + half + i));
+      auto [c1a, c1b] = at::vec::convert_to_float<T>(bVec::loadu(c + i));
+      auto [c2a, c2b] = at::vec::convert_to_float<T>(bVec::loadu(c + half + i));
+      auto [s1a, s1b] = at::vec::convert_to_float<T>(bVec::loadu(sn + i));
+      auto [s2a, s2b] = at::vec::convert_to_float<T>(bVec::loadu(sn + half + i));
+      auto rnd = [](const Vec& a, const Vec& b) { return at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b)); };
+      auto [p1a, p1b] = rnd(x1a * c1a, x1b * c1b);                   // x1 * cos1
+      auto [r1a, r1b] = rnd(Vec(0.f) - x2a * s1a, Vec(0.f) - x2b * s1b);  // (-x2) * sin1
+      auto [p2a, p2b] = rnd(x2a * c2a, x2b * c2b);                   // x2 * cos2
+      auto [r2a, r2b] = rnd(x1a * s2a, x1b * s2b);                   // x1 * sin2
+      at::vec::convert_from_float<T>(p1a + r1a, p1b + r1b).store(out + i);
+      at::vec::convert_from_float<T>(p2a + r2a, p2b + r2b).store(out + half + i);
+    }
+  } else {
+    const int64_t fv = Vec::size();
+    for (; i + fv <= half; i += fv) {
+      const Vec x1 = Vec::loadu(x + i), x2 = Vec::loadu(x + half + i);
+      const Vec p1 = x1 * Vec::loadu(c + i), r1 = (Vec(0.f) - x2) * Vec::loadu(sn + i);
+      const Vec p2 = x2 * Vec::loadu(c + half + i), r2 = x1 * Vec::loadu(sn + half + i);
+      (p1 + r1).store(out + i);
+      (p2 + r2).store(out + half + i);
+    }
+  }
+  for (; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
+    out[i] = static_cast<T>(round_to<T>(x1 * static_cast<float>(c[i])) + round_to<T>(-x2 * static_cast<float>(sn[i])));
+    out[half + i] = static_cast<T>(round_to<T>(x2 * static_cast<float>(c[half + i])) +
+                                   round_to<T>(x1 * static_cast<float>(sn[half + i])));
+  }
+}
+
+template <typename T>
+at::Tensor rotary_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  const int64_t b = x.size(0), t = x.size(1), d = x.size(2) / heads;
+  auto out = at::empty({b, heads, t, d}, x.options());
+  const T* xd = x.data_ptr<T>();
+  const T* cd = cos.data_ptr<T>();
+  const T* sd = sin.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  const int64_t xs_b = x.stride(0), xs_t = x.stride(1);
+  const int64_t cs_b = cos.size(0) > 1 ? cos.stride(0) : 0, cs_t = cos.stride(1);
+  const int64_t ss_b = sin.size(0) > 1 ? sin.stride(0) : 0, ss_t = sin.stride(1);
+  at::parallel_for(0, b * t, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t bi = i / t, ti = i % t;
+      const T* xr = xd + bi * xs_b + ti * xs_t;
+      const T* cr = cd + bi * cs_b + ti * cs_t;
+      const T* sr = sd + bi * ss_b + ti * ss_t;
+      for (int64_t h = 0; h < heads; ++h)
+        rotary_row<T>(xr + h * d, cr, sr, od + ((bi * heads + h) * t + ti) * d, d);
+    }
+  });
+  return out;
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && sin.dim() == 3, "x (B, T, H*d), cos and sin (B, T, d)");
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type(), "x, cos, sin of one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(heads > 0 && x.size(2) % heads == 0 && (x.size(2) / heads) % 2 == 0, "H*d must split into heads of even size");
+  const int64_t d = x.size(2) / heads;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(2) == d && cos.size(1) == x.size(1) &&
+              (cos.size(0) == x.size(0) || cos.size(0) == 1), "cos and sin must be (B or 1, T, d)");
+  TORCH_CHECK(x.stride(2) == 1 && cos.stride(2) == 1 && sin.stride(2) == 1, "unit stride on the last dimension");
+  if (x.scalar_type() == at::kBFloat16) return rotary_impl<at::BFloat16>(x, cos, sin, heads);
+  return rotary_impl<float>(x, cos, sin, heads);
+}
+
 // How many threads ATen's parallel_for, as compiled into this extension, runs `tasks` one-task
 // chunks on: torch's intra-op thread count when the build has OpenMP, 1 when the pragma was lost.
 int64_t threads_used(int64_t tasks) {
@@ -309,5 +396,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "positions, or where a boolean mask (B,1,T,N) is True",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("key_block") = kKeyBlockDefault,
         py::arg("row_target") = kRowTargetDefault, py::arg("mask") = py::none());
+  m.def("rotary", &rotary, "x (B,T,H*d) rotated as transformers' eager rotary, bit for bit -> (B,H,T,d)",
+        py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"));
   m.def("threads_used", &threads_used, "threads parallel_for runs `tasks` one-task chunks on", py::arg("tasks"));
 }

@@ -19,7 +19,7 @@ import torch
 from fastprefill.errors import ConfigError
 from fastprefill.host import cpu_info, resolve_dtype
 from fastprefill.models import random as random_models
-from fastprefill.models.adapters import compile_blocks, fuse_mlps
+from fastprefill.models.adapters import compile_blocks, fuse_attention, fuse_mlps
 from fastprefill.models.attention import attention_backend
 from fastprefill.models.packed import can_pack, onednn_bf16, pack_linears, packable
 from fastprefill.models.pretrained import load_pretrained
@@ -79,6 +79,10 @@ def load(
             where it cannot apply it raises ConfigError.
         cache_dir, progress: for zoo models (see :func:`~fastprefill.models.pretrained.load_pretrained`).
 
+    On the CPU, a Llama or Qwen2 model's attention modules run fastprefill's forward
+    (:func:`~fastprefill.models.adapters.fuse_attention`: the rotary embedding in one pass, bit for
+    bit eager's, and packed q, k and v projections as one product).
+
     Raises:
         ConfigError: an unknown ``dtype``; ``pack=True`` off the CPU, for a model neither
             bfloat16 nor float32, or in bfloat16 where oneDNN has no bfloat16 path on this CPU.
@@ -103,6 +107,8 @@ def load(
     if pack:
         pack_linears(model)
         fuse_mlps(model)
+    if torch.device(device).type == "cpu":
+        fuse_attention(model)
     if compile is None:
         compile = torch.device(device).type == "cpu" and _inductor_can_compile()
     if compile:

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PackedLinear", "PackedSwiGLU", "can_pack", "linears_packed", "onednn_bf16", "pack_linears", "packable"]
+__all__ = ["MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "linears_packed", "onednn_bf16", "pack_linears",
+           "packable"]
 
 
 def onednn_bf16() -> bool:
@@ -138,6 +139,61 @@ class PackedSwiGLU(torch.nn.Module):
         linear = torch.ops.mkldnn._linear_pointwise
         gated = linear(x, gate.packed_weight(), gate.bias, "swish", [None], "")  # silu(x Wg + bg)
         return self.down_proj(linear.binary(x, gated, up.packed_weight(), up.bias, "mul"))  # (x Wu + bu) * gated
+
+
+class MergedProduct:
+    """Several :class:`PackedLinear` layers over one input as one oneDNN product: their weights
+    stacked along the output dimension and packed once (a decoder layer's q, k and v projections,
+    for example), so the input is read once and one product runs instead of several.
+
+    The layers stay what they are (their parameters, ``state_dict`` and their own calls); the
+    merged copy replaces their own packed copies (re-made on use if a layer is called alone) and
+    is re-made when any weight changes. Each output column is the same dot product as the layer's
+    own, though oneDNN may pick another kernel for the wider product, so results can differ from
+    separate products in the last bits.
+
+    Args:
+        layers: the layers, in the order their outputs are wanted; one ``in_features``.
+    """
+
+    def __init__(self, layers: list[PackedLinear]) -> None:
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self._packed: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+        self._for: tuple[tuple[int, int], ...] = ()
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether the merged product serves ``x``: every layer's packed product would."""
+        return all(layer.applies(x) for layer in self.layers)
+
+    def _weights(self) -> torch.Tensor:
+        stamps = tuple(_stamp(layer.weight) for layer in self.layers)
+        if self._packed is None or stamps != self._for:
+            with torch.no_grad():
+                weight = torch.cat([layer.weight.detach() for layer in self.layers])  # (sum out, in)
+                biases = [layer.bias for layer in self.layers]
+                self._bias = None if all(b is None for b in biases) else torch.cat([
+                    b.detach() if b is not None else layer.weight.new_zeros(layer.out_features)
+                    for b, layer in zip(biases, self.layers)])
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2048)
+            for layer in self.layers:
+                layer._packed = None  # the merged copy serves them; a lone call re-packs its own
+            self._for = stamps
+        return self._packed
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MergedProduct:
+        """A copy over the copied layers, packed again on first use (a packed tensor has no storage to copy)."""
+        return MergedProduct([copy.deepcopy(layer, memo) for layer in self.layers])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_packed": None, "_for": ()}  # pickled without the packed copy
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``(..., in)`` -> one ``(..., out_i)`` view per layer (of one merged output)."""
+        packed = self._weights()
+        merged = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self._bias, "none", [None], "")
+        return list(merged.split(self.sizes, dim=-1))
 
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:
