@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from fastprefill.distributed.rank import check_ranks
@@ -92,6 +93,10 @@ def _same_model(model: Any, tokenizer: Any, name: str) -> None:
                           "machine needs the same model files")
 
 
+#: How long a rank that has no message to print waits before it exits with a refusal.
+_QUIET_EXIT_DELAY_S = 5.0
+
+
 def _exit(code: int) -> None:
     """End this process now: a thread may still wait in a collective with a lost rank."""
     sys.stdout.flush()
@@ -112,7 +117,8 @@ def serve(config: ServeConfig, *, host: str, port: int, threads: int, log_level:
 
     Raises:
         FastprefillError: a setting or the model refused, on every rank alike (on all but each
-            machine's first local rank the error is not raised: they return 2 without a message).
+            machine's first local rank the error is not raised: they return 2 without a message, a few
+            seconds later, so that torchrun stops them after the first rank's message is out).
     """
     import torch.distributed as dist
 
@@ -137,6 +143,9 @@ def serve(config: ServeConfig, *, host: str, port: int, threads: int, log_level:
     except FastprefillError:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             raise  # the one message of this machine
+        # torchrun stops every rank as soon as one exits: leave after the machine's first rank,
+        # so that it is never stopped before its message is out
+        time.sleep(_QUIET_EXIT_DELAY_S)
         return 2
     if rank != 0:
         return _serve_other(model, tokenizer, rank, world, timeout)
