@@ -32,6 +32,7 @@ MIXED = (
 
 
 def _prefilled(model, make_ids, cases) -> list[Generation]:
+    """Each case's generation over ``make_ids(n, 20 + i)``, prefilled to its first token."""
     gens = [Generation(model, None, make_ids(n, 20 + i), make_method(spec), budget, stop_at_eos=False)
             for i, (spec, n, budget) in enumerate(cases)]
     for gen in gens:
@@ -41,6 +42,7 @@ def _prefilled(model, make_ids, cases) -> list[Generation]:
 
 
 def _alone(model, make_ids, cases) -> list[list[int]]:
+    """Each case's tokens decoded alone (``generate``), over the same ids as :func:`_prefilled`."""
     return [generate(model, None, make_ids(n, 20 + i), make_method(spec), budget, stop_at_eos=False).token_ids
             for i, (spec, n, budget) in enumerate(cases)]
 
