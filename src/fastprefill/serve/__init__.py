@@ -1,14 +1,17 @@
 """An OpenAI-compatible HTTP server over one model, with the prefill method chosen per request.
 
 ``fastprefill serve --model NAME`` runs :func:`create_app` under uvicorn (:func:`run`, which
-drains on SIGTERM); ``app.py`` holds the routes, ``config.py`` the settings and the method
-table, ``runner.py`` uvicorn and the draining shutdown, ``worker.py`` the prepared request and its
-events, ``backends.py`` what runs a request (the model, or the rank pool), ``scheduler.py`` the one
-thread that runs every request's work and its bounded queue, ``ranks.py`` the rank pool of multi-rank methods (KV-Runahead),
-``torchrun.py`` the server over torchrun's ranks (``fastprefill serve`` under torchrun),
-``protocol.py`` the wire format, ``limits.py`` the body-size and prompt-length limits checked
-before any model work, ``prompts.py`` the prompts' validation on checker threads beside the
-scheduler, ``metrics.py`` the Prometheus series. The user's page is ``docs/serving.md``.
+drains on SIGTERM); ``app.py`` holds the routes, ``requests.py`` the request processor (a
+request becomes one prepared job: every refusal comes from there), ``config.py`` the settings,
+``method_table.py`` the methods served, ``worker.py`` the prepared job, its events and the
+backend and work contracts, ``backends.py`` what runs a job (the model, or the rank pool; the one
+place that asks whether a method runs on ranks), ``scheduler.py`` the one thread that runs every
+job's work and its bounded queue, ``pauses.py`` a chunk paused between layers, ``ranks.py`` the
+rank pool of multi-rank methods (KV-Runahead), ``torchrun.py`` the server over torchrun's ranks
+(``fastprefill serve`` under torchrun), ``runner.py`` uvicorn and the draining shutdown,
+``protocol.py`` the wire format, ``answers.py`` the answers' chunks, ``limits.py`` the body-size
+and prompt-length limits, ``health.py`` ``/health``'s rules, ``metrics.py`` the Prometheus
+series. The user's page is ``docs/serving.md``.
 """
 
 from __future__ import annotations
