@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastprefill.bench.records import FULL, environment, result_name
+from fastprefill.bench.records import FULL, environment, result_name, save_records
 from fastprefill.bench.report import markdown_table
 from fastprefill.bench.runner import Unscored, run_benchmark, run_samples
 from fastprefill.bench.summary import summarize
@@ -219,20 +219,24 @@ def cmd_equivalence(args: argparse.Namespace) -> None:
 
 
 def cmd_speed(args: argparse.Namespace) -> None:
-    """TTFT of full vs each preset on random-token prompts of ``length`` (no scoring)."""
+    """TTFT of full vs each preset on random-token prompts of ``length`` (no scoring): the records as
+    ``<name>.jsonl`` and, re-derivable from them, the paired summary as ``<name>.summary.jsonl``
+    (speedup as the median of per-prompt ratios, beside the ideal ``1 / token-layer fraction``)."""
     set_threads(args.threads)
     model, tok = _load(args.model, args.dtype)
     length = args.lengths[0]
     methods: dict[str, Method] = {FULL: FullPrefill(), **{p: LazyLLM(preset=p) for p in args.presets}}
     samples = random_samples(model.get_input_embeddings().num_embeddings, length, args.n, args.seed)
     records = run_samples(model, tok, Unscored(), samples, methods, length=length, max_new_tokens=1, desc="speed")
-    rows = [{"method": s.method, "length": length, "n": s.n, "ttft_s_median": s.ttft_median_s,
-             "speedup": s.speedup, "token_layer_fraction": s.token_layer_fraction, "ideal_speedup": s.ideal_speedup}
-            for s in summarize(records)]
-    for row in rows:
-        print(row)
-    write_rows(Path(args.out) / f"{result_name(args.out, f'lazyllm_speed_{args.model}_{length}', name=args.name)}.jsonl",
-               {"bench": "lazyllm-speed", "model": args.model, **environment(args.threads, model)}, rows)
+    summaries = summarize(records)
+    for s in summaries:
+        print(f"{s.method}: TTFT {s.ttft_median_s:.3f} s, speedup {s.speedup_paired_median:.2f}x, "
+              f"ideal {s.ideal_speedup:.2f}x (token-layer fraction {s.token_layer_fraction:.3f})")
+    name = result_name(args.out, f"lazyllm_speed_{args.model}_{length}", name=args.name)
+    header = {"bench": "lazyllm-speed", "model": args.model, **environment(args.threads, model),
+              "methods": {k: m.describe() for k, m in methods.items()}}
+    save_records(Path(args.out) / f"{name}.jsonl", header, records)
+    write_paired_rows(Path(args.out) / f"{name}.summary.jsonl", header, summaries)
 
 
 def cmd_ceiling(args: argparse.Namespace) -> None:

@@ -77,3 +77,12 @@ def test_the_command_line_names_the_installed_command_for_python_m(monkeypatch):
     assert command_line() == "fastprefill tune --n 3"
     monkeypatch.setattr(sys, "argv", ["benchmarks/prefix_bench.py", "chat"])
     assert command_line() == "python benchmarks/prefix_bench.py chat"
+
+
+def test_the_command_line_is_from_the_checkouts_root_wherever_it_ran(monkeypatch):
+    from fastprefill.bench.records import command_line
+    from tests import REPO
+
+    monkeypatch.chdir(REPO / "benchmarks")
+    monkeypatch.setattr(sys, "argv", ["packed_bench.py", "--against", "own-attention"])
+    assert command_line() == "python benchmarks/packed_bench.py --against own-attention"

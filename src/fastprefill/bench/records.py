@@ -99,7 +99,12 @@ def command_line() -> str:
     first = sys.argv[0]
     if Path(first).parts[-2:] == ("cli", "__main__.py"):  # python -m fastprefill.cli: the installed command
         first = "fastprefill"
-    first = f"python {os.path.relpath(first)}" if first.endswith(".py") else Path(first).name
+    if first.endswith(".py"):  # the script's path from the checkout's root, wherever it was started from
+        script = Path(first).resolve()
+        root = next((p for p in script.parents if (p / "pyproject.toml").exists()), None)
+        first = f"python {script.relative_to(root) if root is not None else os.path.relpath(first)}"
+    else:
+        first = Path(first).name
     return " ".join([first, *sys.argv[1:]])
 
 
