@@ -3,10 +3,12 @@
 The methods (LazyLLM, KV-Runahead, KV Prediction) run the model layer by layer with their own
 positions, masks and caches. They do that through :class:`DecoderAdapter`, which calls the
 model's *own* decoder layers (``model.model.layers[i]``), its own rotary embedding and its own
-final norm and head. Nothing is monkey-patched: the only extension point used is transformers'
+final norm and head. Nothing is monkey-patched: the extension point used is transformers'
 ``AttentionInterface``, where fastprefill's attention function (:mod:`fastprefill.models.attention`)
 is selected on a model only inside :meth:`DecoderAdapter.attention_scope`, which restores the
-previous choice in ``finally``.
+previous choice in ``finally``. On the CPU the loader also gives each attention module
+:class:`FusedAttention`'s forward (:func:`fuse_attention`: the module's own class with that one
+method, as :class:`~fastprefill.models.packed.PackedLinear` does for ``nn.Linear``).
 
 Tensor shapes used throughout (batch ``B`` is always 1 in fastprefill's engine):
 
@@ -159,9 +161,10 @@ class FusedAttention(torch.nn.Module):
     (``config._attn_implementation``, fastprefill's or SDPA), with two differences in how:
 
     - the rotary embedding of the queries and keys is one pass of the C++ build
-      (:func:`fastprefill.kernels.rotary_kernel`) instead of eager's six element-wise passes and
-      two concatenations per tensor, rounded as eager rounds it, so its bits are eager's; where the
-      build does not run (another device or dtype, a gradient, not built) eager's formula runs;
+      (:func:`fastprefill.kernels.rotary_kernel`) instead of eager's element-wise passes and
+      concatenation per tensor, rounded as eager rounds it, so its bits are eager's; where the
+      build does not run (another device or dtype, a gradient, not built, cos and sin not
+      ``(B, T, d)`` with a unit last stride) eager's formula runs;
     - where the q, k and v projections are packed (:class:`~fastprefill.models.packed.PackedLinear`),
       they run as one product (:class:`~fastprefill.models.packed.MergedProduct`), the input read
       once; oneDNN may round that product's columns differently in the last bits.
@@ -182,7 +185,8 @@ class FusedAttention(torch.nn.Module):
         q, k, v = self._projections(hidden_states)  # (B, T, H_q * d), (B, T, H_kv * d) twice
         cos, sin = position_embeddings
         rotate = rotary_kernel(q.dtype) if (
-            q.device.type == "cpu" and cos.dtype == q.dtype and sin.dtype == q.dtype
+            q.device.type == "cpu" and cos.dtype == sin.dtype == q.dtype and cos.dim() == sin.dim() == 3
+            and cos.stride(-1) == sin.stride(-1) == 1
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))) else None
         if rotate is not None:
             query, key = rotate(q, cos, sin, h_q), rotate(k, cos, sin, h_kv)  # (B, H, T, d)
