@@ -79,8 +79,8 @@ def _labels(against: str) -> tuple[str, str]:
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     new, base = _labels(args.against)
     packed, _ = load_model(name, dtype=args.dtype, pack=args.pack or None, progress=False)
-    baseline, _ = load_model(name, dtype=args.dtype, pack=args.against == "own-attention" and (args.pack or None),
-                             progress=False)
+    base_pack = (args.pack or None) if args.against == "own-attention" else False  # own attention: packed as new
+    baseline, _ = load_model(name, dtype=args.dtype, pack=base_pack, progress=False)
     if not linears_packed(packed):
         raise SystemExit(f"{name} in {args.dtype} is not packed on this machine (--pack packs it anyway): "
                          "nothing to compare")

@@ -228,14 +228,17 @@ def kernel_status(dtype: torch.dtype) -> KernelStatus:
     return KernelStatus(dtype, variant, not reason, reason)
 
 
+def _checked_module(dtype: torch.dtype) -> Any | None:
+    """The build that runs ``dtype`` on this CPU, loaded and checked, or ``None`` (:func:`kernel_status` says why)."""
+    status = kernel_status(dtype)
+    return _load(status.variant)[0] if status.available else None
+
+
 def attention_kernel(dtype: torch.dtype) -> AttentionKernel | None:
     """The causal attention kernel for ``dtype`` on this CPU (see :data:`AttentionKernel`), or
     ``None`` (:func:`kernel_status` says why)."""
-    status = kernel_status(dtype)
-    if not status.available:
-        return None
-    module, _ = _load(status.variant)
-    return module.causal_attention
+    module = _checked_module(dtype)
+    return None if module is None else module.causal_attention
 
 
 #: ``rotary(x, cos, sin, heads) -> out``: x ``(B, T, H * d)`` (unit last stride), cos and sin
@@ -247,11 +250,8 @@ RotaryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.T
 def rotary_kernel(dtype: torch.dtype) -> RotaryKernel | None:
     """The one-pass rotary embedding for ``dtype`` (see :data:`RotaryKernel`), or ``None`` where the
     attention kernel's build does not run (:func:`kernel_status` says why): the two share a build."""
-    status = kernel_status(dtype)
-    if not status.available:
-        return None
-    module, _ = _load(status.variant)
-    return module.rotary
+    module = _checked_module(dtype)
+    return None if module is None else module.rotary
 
 
 def _main(argv: list[str]) -> int:

@@ -173,7 +173,8 @@ class FusedAttention(torch.nn.Module):
     returns ``((B, T, D), None)`` as the module's own forward does.
     """
 
-    #: the module that defines the model's own attention class (its eager rotary and attention)
+    #: the model's own attention class, and the module that defines it (its eager rotary and attention)
+    _own: type | None = None
     _family: Any = None
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -220,7 +221,7 @@ class FusedAttention(torch.nn.Module):
 @functools.cache
 def _fused_class(cls: type) -> type:
     """``cls`` (a family's attention class) with :class:`FusedAttention`'s forward."""
-    return type(f"Fused{cls.__name__}", (FusedAttention, cls), {"__module__": __name__,
+    return type(f"Fused{cls.__name__}", (FusedAttention, cls), {"__module__": __name__, "_own": cls,
                                                                  "_family": sys.modules[cls.__module__]})
 
 
@@ -238,7 +239,7 @@ def fuse_attention(model: Any, fused: bool = True) -> int:
         if fused and not isinstance(attn, FusedAttention):
             attn.__class__ = _fused_class(type(attn))
         elif not fused and isinstance(attn, FusedAttention):
-            attn.__class__ = type(attn).__mro__[2]  # (Fused<cls>, FusedAttention, <cls>, ...)
+            attn.__class__ = attn._own
             attn.__dict__.pop("_fastprefill_qkv", None)
         else:
             continue
