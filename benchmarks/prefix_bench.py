@@ -10,7 +10,7 @@ Subcommands (each writes ``<name>.jsonl`` records, ``<name>.summary.jsonl`` pair
   overhead on a miss), ``cache-hit`` every later question (the document is cached). ``length``
   in the records is the document budget.
 - ``chat``: multi-turn conversations: the document and question 1 in turn 1, one follow-up
-  question per later turn, the model's own answers in between (those of the run without a
+  question per later turn (:func:`chat_turn`, :func:`messages_for`), the model's own answers in between (those of the run without a
   cache, so both runs see the same prompts). ``length`` in the records is the turn (1, 2, ...);
   ``cache`` is the run with a prefix cache carried across the conversation's turns.
 - ``evict``: the ``questions`` workload with a cache bounded to ``--cache-docs`` documents'
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,8 @@ from fastprefill.bench.records import FULL, Record, RecordLog, environment, resu
 from fastprefill.bench.report import markdown_table
 from fastprefill.bench.runner import first_token_kl
 from fastprefill.bench.summary import summarize
-from fastprefill.data.tasks.sessions import (
-    DocumentSession,
-    document_sessions,
-    messages_for,
-    question_prompt,
-    score_answer,
-)
+from fastprefill.data.metrics import exact_match, qa_f1
+from fastprefill.data.tasks.sessions import DocumentSession, document_sessions, question_prompt
 from fastprefill.engine import GenerationResult, generate
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.models.shape import ModelShape
@@ -58,6 +53,31 @@ MATCH = ("kind", "model", "lengths", "n", "questions", "turns", "max_new_tokens"
 def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+def chat_turn(session: DocumentSession, index: int) -> str:
+    """The user message of chat turn ``index``: turn 0 is :func:`question_prompt`; later turns ask
+    the next question alone."""
+    if index == 0:
+        return question_prompt(session, 0)
+    return f"Question: {session.questions[index][0]}\nAnswer:"
+
+
+def score_answer(session: DocumentSession, index: int, text: str) -> dict[str, float]:
+    """F1 and exact match of ``text`` against question ``index``'s answers."""
+    answers = session.questions[index][1]
+    f1 = qa_f1(text, answers)
+    return {"score": f1, "f1": f1, "em": exact_match(text, answers)}
+
+
+def messages_for(session: DocumentSession, answers: Sequence[str]) -> list[dict[str, str]]:
+    """The chat messages of turn ``len(answers)``: every earlier turn with its answer, then the
+    next question."""
+    out: list[dict[str, str]] = []
+    for i, answer in enumerate(answers):
+        out += [{"role": "user", "content": chat_turn(session, i)}, {"role": "assistant", "content": answer}]
+    out.append({"role": "user", "content": chat_turn(session, len(answers))})
+    return out
 
 
 def _record(method: str, length: int, sample_id: str, res: GenerationResult, metrics: dict[str, float],

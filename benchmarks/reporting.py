@@ -10,7 +10,8 @@ the ones ``fastprefill bench`` writes (those are :mod:`fastprefill.bench.report`
   several KV Prediction runs on one plot.
 - :func:`write_paired_rows`: the ``<stem>.summary.jsonl`` of a task run.
 - :func:`prefix_overhead_table`: a prefix-cache run's own costs (the second table of its ``<stem>.md``).
-- :func:`needle_by_depth`: retrieval rate per needle depth; :func:`error_summary`: a KV
+- :func:`needle_by_depth`: retrieval rate per needle depth (:func:`needle_depth`: a sample's depth
+  read back from its id); :func:`error_summary`: a KV
   Prediction run's per-layer errors as means.
 - :func:`write_json`, :func:`write_rows`: one JSON document, or rows under a header (a
   ``.summary.jsonl``, of :func:`paired_row` s for a task run), written atomically.
@@ -314,14 +315,21 @@ def references_by_model(runs_on: Mapping[str, str], plain: Collection[str], main
             for name, model in runs_on.items()}
 
 
-def needle_by_depth(records: Sequence[Record]) -> list[dict[str, Any]]:
-    """Retrieval rate per (length, depth, method), the depth read back from each needle sample id."""
+def needle_depth(sample_id: str, depths: Sequence[float] | None = None) -> float:
+    """The requested needle depth of the needle sample with id ``"<split>-<seed>-<index>"``
+    (records keep only the id): sample ``i`` of a :class:`~fastprefill.data.tasks.NeedleTask`
+    uses ``depths[i % len(depths)]``, the task's default depths unless ``depths`` is given."""
     from fastprefill.data.tasks import NeedleTask
 
-    task = NeedleTask()
+    depths = NeedleTask().depths if depths is None else depths
+    return depths[int(sample_id.rsplit("-", 1)[1]) % len(depths)]
+
+
+def needle_by_depth(records: Sequence[Record]) -> list[dict[str, Any]]:
+    """Retrieval rate per (length, depth, method), the depth read back from each needle sample id."""
     hits: dict[tuple[Any, float, str], list[float]] = defaultdict(list)
     for r in records:
-        hits[(r.length, task.depth_of(r.sample_id), r.method)].append(r.score)
+        hits[(r.length, needle_depth(r.sample_id), r.method)].append(r.score)
     return [{"length": ln, "depth": d, "method": m, "n": len(v), "retrieved": statistics.mean(v)}
             for (ln, d, m), v in sorted(hits.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]
 

@@ -32,6 +32,26 @@ PAPER = {300e9: ">1.4x", 10e9: ">1.6x"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def single_s(cost: CostModel, total: int) -> float:
+    """Predicted TTFT of one rank's plain causal prefill of ``total`` tokens (a chain of one)."""
+    return cost.runahead_s([total])
+
+
+def tsp_s(cost: CostModel, total: int, procs: int) -> float:
+    """Predicted TTFT of the all-gather baseline, TSP (even chunks, padded to the largest).
+
+    Every layer: own linear work, a ring all-gather of ``(P-1)`` chunks of KV, attention of the
+    own queries over all ``T`` keys (a masked kernel computes the whole rectangle), and all ranks
+    move in lockstep. One rank is plain prefill.
+    """
+    if procs == 1:
+        return single_s(cost, total)
+    c = -(-total // procs)
+    per_layer = (cost.layer_overhead_s + cost.linear_s_per_token * c + (procs - 1) * cost.transfer_s(c)
+                 + cost.attn_s_per_pair * c * total)
+    return cost.num_layers * per_layer + cost.head_s
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--procs", type=int, default=8)
@@ -53,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             r = {
                 "benchmark": "runahead_projection", "kind": "MODEL PROJECTION", "model_shape": "llama-7b",
                 "procs": args.procs, "bandwidth_gbs": bw, "length": n, "tflops": args.tflops,
-                "single_s": cost.single_s(n), "tsp_s": cost.tsp_s(n, args.procs),
+                "single_s": single_s(cost, n), "tsp_s": tsp_s(cost, n, args.procs),
                 "runahead_even_s": cost.runahead_s(PartitionPlan.even(n, args.procs).chunks),
                 "runahead_searched_s": cost.runahead_s(plan.chunks), "searched_chunks": list(plan.chunks),
                 "paper_vs_tsp": PAPER.get(bw * 1e9, "n/a"),

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastprefill.models.random import random_ids, random_model
+from fastprefill.models.random import random_model
+from tests import random_ids
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +26,7 @@ def tiny_qwen2():
 @pytest.fixture(scope="session")
 def make_ids():
     """``make_ids(n, seed)``: ``(1, n)`` token ids drawn from the tiny models' vocabulary (128) by a
-    generator seeded with ``seed``, the same on every machine (:func:`random_ids`). A helper that
+    generator seeded with ``seed``, the same on every machine (:func:`tests.random_ids`). A helper that
     needs prompts takes it as its first argument."""
     return random_ids
 

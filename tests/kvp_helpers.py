@@ -12,8 +12,8 @@ from fastprefill.engine import decoder_for
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.kv_prediction import AuxSpec, KVPrediction, KVPredictor
 from fastprefill.methods.kv_prediction.auxiliary.train import TrainConfig, train_kvp
-from fastprefill.models.random import random_ids
 from fastprefill.models.shape import ModelShape
+from tests import random_ids
 
 
 def identity_predictor(shape: ModelShape) -> KVPredictor:

@@ -14,9 +14,9 @@ from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.research.blend import Blend
-from fastprefill.models.kv import key_shift_error
 from fastprefill.prompt import ChunkedPrompt, Passage
 from research.seams import SeamPrompt, SeamRecorder
+from tests.blend_helpers import key_shift_error
 
 MB = 1 << 20
 PASSAGES = [

@@ -38,6 +38,7 @@ from fastprefill.methods.runahead import (
 from fastprefill.methods.runahead.tables import TABLES_DIR, find_table
 from fastprefill.models import load
 from fastprefill.models.shape import ModelShape
+from runahead_projection import single_s, tsp_s
 
 ATOL = 1e-4
 SHAPE_7B = ModelShape(32, 4096, 32, 32, 128, 11008, 32000, 4096)
@@ -151,7 +152,11 @@ def test_search_gives_later_ranks_shorter_chunks_and_beats_even():
         assert plan.length == 8192 and min(plan.chunks) >= 1
         assert list(plan.chunks) == sorted(plan.chunks, reverse=True)
         assert cost.runahead_s(plan.chunks) < cost.runahead_s(PartitionPlan.even(8192, procs).chunks)
-        assert cost.runahead_s(plan.chunks) < cost.tsp_s(8192, procs) < cost.single_s(8192)
+        assert cost.runahead_s(plan.chunks) < tsp_s(cost, 8192, procs) < single_s(cost, 8192)
+    # one rank: TSP and the chain are plain prefill, L * (overhead + linear + causal pairs) + head
+    plain = cost.num_layers * (cost.layer_overhead_s + cost.linear_s_per_token * 8192
+                               + cost.attn_s_per_pair * 8192 * 8193 / 2) + cost.head_s
+    assert tsp_s(cost, 8192, 1) == single_s(cost, 8192) == pytest.approx(plain, rel=1e-12)
     # no local move of a single token improves the searched plan
     plan = search_partition(1000, 3, cost)
     best = cost.runahead_s(plan.chunks)

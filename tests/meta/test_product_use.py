@@ -28,18 +28,7 @@ CALLED_IMPLICITLY = frozenset({"forward", "main"})
 
 #: Tolerated, each with why; one that the product uses again, or that is gone, must be removed
 #: from here (the test says so). ``"path:name"``, path under ``src/fastprefill``.
-KNOWN_OUTSIDE_USE: dict[str, str] = {
-    "data/tasks/needle.py:depth_of": "reads back the sample id format the task writes (benchmarks' needle_by_depth)",
-    "data/tasks/sessions.py:score_answer": "the sessions task's scoring, which only prefix_bench runs so far",
-    "data/tasks/sessions.py:messages_for": "the sessions task's conversations, which only prefix_bench runs so far",
-    "methods/runahead/search.py:single_s": "the cost model's one-rank time, read by the projection figures "
-                                           "(benchmarks/figures, being edited in another change)",
-    "methods/runahead/search.py:tsp_s": "as single_s",
-    "models/attention.py:set_attention_backend": "models/ is being edited in another change",
-    "models/kv.py:key_shift_error": "models/ is being edited in another change",
-    "models/random.py:random_ids": "models/ is being edited in another change",
-    "models/zoo.py:entry_dir": "models/ is being edited in another change",
-}
+KNOWN_OUTSIDE_USE: dict[str, str] = {}
 
 
 def _names(nodes: Iterable[ast.AST]) -> Counter[str]:

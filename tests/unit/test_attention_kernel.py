@@ -165,6 +165,16 @@ def test_kernel_refused_where_it_cannot_run():
     assert attn.attention_backend(model)[0] == "sdpa"  # the refused choice left nothing behind
 
 
+def test_load_chooses_the_backend_and_refuses_a_bad_choice_before_loading(monkeypatch):
+    model, _ = load_model("random:llama", dtype="float32", attention="sdpa")
+    assert attn.attention_backend(model) == ("sdpa", "")
+    with pytest.raises(ConfigError, match="cannot run here"):
+        load_model("random:llama", dtype="float16", attention="kernel")
+    monkeypatch.setattr("fastprefill.models.random_models.load", lambda *a, **kw: pytest.fail("loaded"))
+    with pytest.raises(ConfigError, match="attention='flash': choose one of auto, kernel, sdpa"):
+        load_model("random:llama", attention="flash")
+
+
 def test_an_unbuilt_kernel_says_how_to_build_it(monkeypatch, tmp_path):
     monkeypatch.setenv("FASTPREFILL_CACHE_DIR", str(tmp_path))
     kernels._load.cache_clear()

@@ -21,6 +21,7 @@ from fastprefill.methods.registry import make_method, parse_spec
 from reporting import (
     method_entry,
     needle_by_depth,
+    needle_depth,
     paired_row,
     references_by_model,
     write_paired_rows,
@@ -137,15 +138,12 @@ def test_bootstrap_ci_brackets_mean_and_shrinks_with_n():
 
 
 def test_needle_by_depth_reads_the_depth_from_the_sample_id():
-    from fastprefill.data.tasks import NeedleTask
-
-    task = NeedleTask()
     recs = [_rec(m, f"test-0-{i}", 1.0, float(i % 2 == 0 or m == "full"), length=1024)
             for i in range(10) for m in ("full", "lazy")]
     rows = needle_by_depth(recs)
     assert sum(r["n"] for r in rows) == 20
     for row in rows:
-        ids = [i for i in range(10) if task.depth_of(f"test-0-{i}") == row["depth"]]
+        ids = [i for i in range(10) if needle_depth(f"test-0-{i}") == row["depth"]]
         expect = [1.0 if row["method"] == "full" else float(i % 2 == 0) for i in ids]
         assert row["n"] == len(ids) and row["retrieved"] == pytest.approx(sum(expect) / len(expect))
 

@@ -12,7 +12,7 @@ from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.registry import make_method
 from fastprefill.methods.research.blend import POLICIES, Blend
-from fastprefill.models.kv import key_shift_error
+from tests.blend_helpers import key_shift_error
 
 SPANS = [(5, 20), (22, 40), (41, 50)]  # three passages in a 60-token prompt: lead 5, glue, question 10
 N, LAYERS = 60, 4

@@ -20,7 +20,7 @@ from fastprefill.errors import ConfigError
 from fastprefill.host import cpu_info, resolve_dtype
 from fastprefill.models import random as random_models
 from fastprefill.models.adapters import compile_blocks, fuse_attention, fuse_mlps
-from fastprefill.models.attention import attention_backend
+from fastprefill.models.attention import ATTENTION_BACKENDS, attention_backend, set_attention_backend
 from fastprefill.models.packed import can_pack, onednn_bf16, pack_linears, packable
 from fastprefill.models.pretrained import load_pretrained
 from fastprefill.models.zoo import (
@@ -52,6 +52,7 @@ def load(
     *,
     compile: bool | None = None,
     pack: bool | None = None,
+    attention: str = "auto",
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
 ) -> tuple[Any, Any]:
@@ -77,6 +78,9 @@ def load(
             CPU that multiplies bfloat16 natively (:func:`~fastprefill.models.packed.can_pack`),
             never for ``random:`` test models. ``True`` also packs a float32 model on the CPU;
             where it cannot apply it raises ConfigError.
+        attention: where unmasked causal attention runs (:func:`~fastprefill.models.attention.set_attention_backend`):
+            ``"auto"`` (fastprefill's C++ kernel where it runs, else SDPA and a warning saying
+            why), ``"kernel"`` (refused where the kernel cannot run) or ``"sdpa"``.
         cache_dir, progress: for zoo models (see :func:`~fastprefill.models.pretrained.load_pretrained`).
 
     On the CPU, a Llama or Qwen2 model's attention modules run fastprefill's forward
@@ -84,11 +88,14 @@ def load(
     bit eager's, and packed q, k and v projections as one product).
 
     Raises:
-        ConfigError: an unknown ``dtype``; ``pack=True`` off the CPU, for a model neither
-            bfloat16 nor float32, or in bfloat16 where oneDNN has no bfloat16 path on this CPU.
+        ConfigError: an unknown ``dtype`` or ``attention`` (before loading); ``"kernel"`` where it
+            cannot run; ``pack=True`` off the CPU, for a model neither bfloat16 nor float32, or in
+            bfloat16 where oneDNN has no bfloat16 path on this CPU.
         ModelNotFoundError, UnsupportedModelError, MissingPackageError, ChecksumError: see
             :func:`~fastprefill.models.pretrained.load_pretrained`.
     """
+    if attention not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
     torch_dtype = resolve_dtype(dtype, device)
     if random_models.is_random_spec(spec):
         model, tokenizer = random_models.load(str(spec), device=device, dtype=torch_dtype)
@@ -113,6 +120,8 @@ def load(
         compile = torch.device(device).type == "cpu" and _inductor_can_compile()
     if compile:
         compile_blocks(model)
+    if attention != "auto":
+        set_attention_backend(model, attention)
     if not random_models.is_random_spec(spec):
         _warn_if_no_kernel(model)
     return model, tokenizer

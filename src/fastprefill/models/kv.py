@@ -18,7 +18,7 @@ from fastprefill.models.adapters import DecoderAdapter, require_layer_loop, rota
 from fastprefill.models.shape import ModelShape
 
 __all__ = [
-    "attention_inputs", "cache_from_kv", "drop_layers", "key_shift_error", "prefix_kv", "rotate_half", "rotate_keys",
+    "attention_inputs", "cache_from_kv", "drop_layers", "prefix_kv", "rotate_half", "rotate_keys",
     "unrotate_keys",
 ]
 
@@ -70,39 +70,6 @@ def prefix_kv(
     kv = [(unrotate_keys(layer.keys, cos, sin), layer.values) for layer in cache.layers]
     logits = model.lm_head(out.last_hidden_state).float() if with_logits else None
     return kv, logits
-
-
-def key_shift_error(model: PreTrainedModel, input_ids: torch.Tensor, delta: int) -> list[float]:
-    """The per-model check of moving cached keys: how far keys computed at positions ``0..N-1``
-    and moved by ``delta`` (:meth:`DecoderAdapter.shift_keys`) are from the keys the model
-    computes for the same tokens at ``delta..delta+N-1``.
-
-    Under rotary embedding attention depends only on relative positions, so every layer's keys
-    (and values) of a sequence moved as a whole are its keys rotated by the move, up to float
-    rounding; a model whose rotary scaling depends on the length breaks this.
-
-    Args:
-        model: a llama / qwen2 causal LM.
-        input_ids: ``(1, N)`` int64.
-        delta: the move, ``>= 0``.
-
-    Returns:
-        Per layer, ``max |shifted - computed| / max |computed|`` over the keys.
-    """
-    ad = DecoderAdapter(model, "key shift check")
-    n = int(input_ids.shape[1])
-    caches = []
-    for start in (0, delta):
-        cache = DynamicCache(config=model.config)
-        positions = torch.arange(start, start + n, device=input_ids.device)[None]
-        model.model(input_ids=input_ids, past_key_values=cache, position_ids=positions, use_cache=True)
-        caches.append(cache)
-    errors = []
-    for at_zero, at_delta in zip(caches[0].layers, caches[1].layers, strict=True):
-        moved = ad.shift_keys(at_zero.keys, delta).float()
-        want = at_delta.keys.float()
-        errors.append(float((moved - want).abs().max() / want.abs().max()))
-    return errors
 
 
 def attention_inputs(

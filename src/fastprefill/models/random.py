@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Pretrain
 
 from fastprefill.errors import ModelNotFoundError
 
-__all__ = ["FAMILIES", "PREFIX", "is_random_spec", "load", "random_ids", "random_model"]
+__all__ = ["FAMILIES", "PREFIX", "is_random_spec", "load", "random_model"]
 
 PREFIX = "random:"
 
@@ -80,8 +80,3 @@ def load(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         raise ModelNotFoundError(f"{spec!r} is not a random model spec; use random:<family>, one of {sorted(FAMILIES)}")
     return random_model(spec[len(PREFIX):], device=device, dtype=dtype), None
 
-
-def random_ids(n: int, seed: int, vocab: int = 128) -> torch.Tensor:
-    """``(1, n)`` int64 token ids drawn uniformly from ``[0, vocab)`` by a generator seeded with
-    ``seed`` (the same ids on every machine): prompts for random models in tests and examples."""
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))

@@ -350,7 +350,7 @@ def _write_manifest(folder: Path, entry: ZooEntry, seconds: float) -> None:
 def is_prepared(name_or_entry: str | ZooEntry, cache_dir: str | os.PathLike[str] | None = None) -> bool:
     """Whether the entry is in the cache with a valid manifest (so ``prepare`` has nothing to do)."""
     entry = resolve_entry(name_or_entry)
-    return _is_valid_entry(models_dir(cache_dir) / entry.name, entry)
+    return _is_valid_entry(entry_dir(entry, cache_dir), entry)
 
 
 @contextlib.contextmanager
@@ -400,8 +400,8 @@ def prepare(
         ChecksumError: the packaged GGUF is not the pinned one; nothing is cached.
     """
     entry = resolve_entry(name_or_entry)
-    root = models_dir(cache_dir)
-    target = root / entry.name
+    target = entry_dir(entry, cache_dir)
+    root = target.parent
     if _is_valid_entry(target, entry):
         return target
     sources = locate_files(entry)

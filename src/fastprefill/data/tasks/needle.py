@@ -120,10 +120,6 @@ class NeedleTask(Task):
     def _depth(self, index: int) -> float:
         return self.depths[index % len(self.depths)]
 
-    def depth_of(self, sample_id: str) -> float:
-        """The requested needle depth of the sample with id ``"<split>-<seed>-<index>"``."""
-        return self._depth(int(sample_id.rsplit("-", 1)[1]))
-
     def score(self, sample: Sample, output_text: str) -> dict[str, float]:
         hit = metrics.needle_score(output_text, sample.answers[0])
         return {"score": hit, "retrieved": hit}

@@ -1,12 +1,10 @@
 """Document sessions: several questions over one shared document (prefix reuse workloads).
 
 A *session* is one SQuAD v2 article cut to a token budget (its paragraphs in order, as many as
-fit) and the answerable questions about the paragraphs kept, in a seeded order. Two uses:
-
-- many questions over the same document: each question is its own prompt, the document first
-  (:func:`question_prompt`), so every prompt of a session shares the document as a prefix;
-- a multi-turn chat: the document and the first question in turn 1, one follow-up question per
-  later turn (:func:`chat_turn`), the model's own answers in between.
+fit) and the answerable questions about the paragraphs kept, in a seeded order. Each question is
+its own prompt, the document first (:func:`question_prompt`), so every prompt of a session shares
+the document as a prefix (the demo, the peers' prompt sets). ``benchmarks/prefix_bench.py`` also
+runs a session as a multi-turn chat and scores its answers.
 
 Sessions come from the articles of one split (an article's split is :func:`split_of` of its
 title; whole articles, so no document appears in both splits).
@@ -16,15 +14,14 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastprefill.data import metrics, sources
+from fastprefill.data import sources
 from fastprefill.data.tasks.base import SPLITS, Split, split_of
 from fastprefill.errors import ConfigError, is_int
 
-__all__ = ["DocumentSession", "chat_turn", "document_sessions", "messages_for", "question_prompt", "score_answer"]
+__all__ = ["DocumentSession", "document_sessions", "question_prompt"]
 
 _INSTRUCTION = "Read the following text and answer briefly."
 _ASK = "Answer the question based on the text above, only give me the answer and do not output any other words."
@@ -49,21 +46,6 @@ def question_prompt(session: DocumentSession, index: int) -> str:
     """The user message of question ``index``: the instruction, the document, the question."""
     question = session.questions[index][0]
     return f"{_INSTRUCTION}\n\n{session.document}\n\n{_ASK}\n\nQuestion: {question}\nAnswer:"
-
-
-def chat_turn(session: DocumentSession, index: int) -> str:
-    """The user message of chat turn ``index``: turn 0 is :func:`question_prompt`; later turns ask
-    the next question alone."""
-    if index == 0:
-        return question_prompt(session, 0)
-    return f"Question: {session.questions[index][0]}\nAnswer:"
-
-
-def score_answer(session: DocumentSession, index: int, text: str) -> dict[str, float]:
-    """F1 and exact match of ``text`` against question ``index``'s answers."""
-    answers = session.questions[index][1]
-    f1 = metrics.qa_f1(text, answers)
-    return {"score": f1, "f1": f1, "em": metrics.exact_match(text, answers)}
 
 
 def document_sessions(
@@ -123,13 +105,3 @@ def document_sessions(
             return out
     raise ConfigError(f"the {split} split has {len(out)} articles of >= {doc_tokens // 2} tokens with "
                       f"{questions} questions, asked for n={n}; lower doc_tokens, questions or n")
-
-
-def messages_for(session: DocumentSession, answers: Sequence[str]) -> list[dict[str, str]]:
-    """The chat messages of turn ``len(answers)``: every earlier turn with its answer, then the
-    next question."""
-    out: list[dict[str, str]] = []
-    for i, answer in enumerate(answers):
-        out += [{"role": "user", "content": chat_turn(session, i)}, {"role": "assistant", "content": answer}]
-    out.append({"role": "user", "content": chat_turn(session, len(answers))})
-    return out

@@ -2,8 +2,8 @@
 
 :class:`CostModel` predicts the chain's TTFT (:meth:`CostModel.runahead_s`) by simulating the
 per-layer pipeline of the chain exactly as :mod:`fastprefill.methods.runahead.method` runs it
-(own q/k/v, wait for the prefix, send on, attention + MLP), and the all-gather baseline
-(:meth:`CostModel.tsp_s`). Its coefficients come from FLOP counts (:meth:`CostModel.from_flops`)
+(own q/k/v, wait for the prefix, send on, attention + MLP); one rank is plain prefill
+(``runahead_s([total])``). Its coefficients come from FLOP counts (:meth:`CostModel.from_flops`)
 or from timing a decoder layer on this machine (:func:`fastprefill.methods.runahead.calibrate.calibrate`,
 which ``fastprefill calibrate-runahead`` runs).
 
@@ -108,11 +108,6 @@ class CostModel:
         """Seconds to send the KV of ``tokens`` rows of one layer (keys and values)."""
         return self.latency_s + tokens * self.kv_bytes_per_token / self.bandwidth_bytes_s
 
-    def single_s(self, total: int) -> float:
-        """One process, plain causal prefill of ``total`` tokens."""
-        per_layer = self.layer_overhead_s + self.linear_s_per_token * total + self.attn_s_per_pair * self._own_pairs(total)
-        return self.num_layers * per_layer + self.head_s
-
     def runahead_s(self, chunks: Sequence[int]) -> float:
         """Predicted TTFT of the KV-Runahead chain with these chunk sizes.
 
@@ -140,20 +135,6 @@ class CostModel:
                 t += self.layer_overhead_s / 2 + attn + (lin - lin_pre)
             prev_ready, s, finish = ready, s + c, t
         return finish + self.head_s
-
-    def tsp_s(self, total: int, procs: int) -> float:
-        """Predicted TTFT of the all-gather baseline (even chunks, padded to the largest).
-
-        Every layer: own linear work, a ring all-gather of ``(P-1)`` chunks of KV, attention of
-        the own queries over all ``T`` keys (a masked kernel computes the whole rectangle), and
-        all ranks move in lockstep.
-        """
-        c = -(-total // procs)
-        gather = (procs - 1) * self.transfer_s(c) if procs > 1 else 0.0
-        per_layer = self.layer_overhead_s + self.linear_s_per_token * c + gather + self.attn_s_per_pair * c * total
-        if procs == 1:
-            per_layer = self.layer_overhead_s + self.linear_s_per_token * c + self.attn_s_per_pair * self._own_pairs(c)
-        return self.num_layers * per_layer + self.head_s
 
 
 def _compositions(units: int, parts: int) -> Any:
