@@ -19,6 +19,7 @@ from fastprefill.prefix_cache import PrefixCache
 from fastprefill.sampling import SamplingParams
 from fastprefill.serve.answers import Finished
 from fastprefill.serve.backends import LocalBackend
+from fastprefill.serve.executor import ModelExecutor
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.pauses import LayerPauses
 from fastprefill.serve.scheduler import Scheduler, ShortFirstPolicy
@@ -39,7 +40,7 @@ def _long_then_short(model, make_ids, loop, pause: bool, cache: PrefixCache | No
     attention implementation the scheduler's thread saw at each layer it ran meanwhile."""
     metrics = ServeMetrics()
     backend = LocalBackend(model, None, cache)
-    sched = Scheduler(model, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=budget, pause=pause))
+    sched = Scheduler(ModelExecutor(model, None, 8), metrics, 8, ShortFirstPolicy(max_running=4, budget=budget, pause=pause))
     long_ids = make_ids(200, 5)
     long = _job(backend, long_ids, loop, metrics, 4)
     short = _job(backend, make_ids(second, 6), loop, metrics, 3, 1.0)
@@ -64,8 +65,8 @@ def _long_then_short(model, make_ids, loop, pause: bool, cache: PrefixCache | No
             sched.run_once()
     finally:
         hook.remove()
-        if sched.pauses is not None:
-            sched.pauses.remove()
+        if sched.executor.pauses is not None:
+            sched.executor.pauses.remove()
     return firsts, long, short, sched, seen
 
 
@@ -97,7 +98,7 @@ def test_a_request_arriving_mid_chunk_gets_its_first_token_in_a_pause(tiny_llama
     finally:
         set_attention_backend(tiny_llama, "auto")
     assert firsts == [short, long]
-    assert sched.pauses is not None and sched.pauses.pauses == 1
+    assert sched.executor.pauses is not None and sched.executor.pauses.pauses == 1
     counted = [s.value for f in sched.metrics.registry.collect() for s in f.samples
                if s.name == "fastprefill_prefill_pauses_total"]
     assert counted == [1.0]
@@ -110,7 +111,7 @@ def test_a_request_arriving_mid_chunk_gets_its_first_token_in_a_pause(tiny_llama
 
 def test_without_pauses_the_request_waits_for_the_chunk(tiny_llama, make_ids, loop):  # noqa: F811
     firsts, long, short, sched, _ = _long_then_short(tiny_llama, make_ids, loop, False, None)
-    assert sched.pauses is None and firsts == [long, short]
+    assert sched.executor.pauses is None and firsts == [long, short]
 
 
 def test_a_paused_prefill_gives_the_logits_it_gives_unpaused(tiny_qwen2, make_ids):
@@ -151,7 +152,7 @@ def test_a_decoding_stream_gets_its_tokens_in_pauses_of_a_long_chunk(tiny_llama,
     metrics = ServeMetrics()
     backend = LocalBackend(tiny_llama, None, None)
     policy = ShortFirstPolicy(max_running=4, budget=256, decode_interval_s=1e-9)
-    sched = Scheduler(tiny_llama, None, metrics, 8, policy)
+    sched = Scheduler(ModelExecutor(tiny_llama, None, 8), metrics, 8, policy)
     stream, long = _job(backend, make_ids(6, 6), loop, metrics, 3), _job(backend, make_ids(200, 5), loop, metrics, 2)
     order = []
     emit = sched._emit
@@ -162,11 +163,11 @@ def test_a_decoding_stream_gets_its_tokens_in_pauses_of_a_long_chunk(tiny_llama,
         sched.submit(long)
         sched.run_once()  # the stream's second token, then the long prompt's unit, paused at every layer
         assert order == [(stream, 0), (stream, 1), (stream, 2), (long, 0)]
-        assert sched.pauses is not None and sched.pauses.pauses == 1  # the third token ended the stream
+        assert sched.executor.pauses is not None and sched.executor.pauses.pauses == 1  # the third token ended the stream
         while sched.running:
             sched.run_once()
     finally:
-        sched.pauses.remove()
+        sched.executor.pauses.remove()
     _answers_equal_generate(tiny_llama, loop, ((stream, 3), (long, 2)))
 
 
@@ -190,7 +191,7 @@ def test_a_long_request_arriving_mid_chunk_waits_for_the_chunk(tiny_llama, make_
     pause but prefilled after the running chunk, not inside the interlude."""
     firsts, long, second, sched, _ = _long_then_short(tiny_llama, make_ids, loop, True, None, second=600, budget=8192)
     assert firsts == [long, second]
-    assert sched.pauses is not None and sched.pauses.pauses >= 1
+    assert sched.executor.pauses is not None and sched.executor.pauses.pauses >= 1
 
 
 def test_an_interlude_never_decodes_the_request_whose_unit_it_paused(tiny_llama, make_ids, loop):  # noqa: F811
@@ -199,7 +200,7 @@ def test_an_interlude_never_decodes_the_request_whose_unit_it_paused(tiny_llama,
     layer: its tokens still come in order, the first carrying the prompt's scores."""
     metrics = ServeMetrics()
     backend = LocalBackend(tiny_llama, None, None)
-    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=256, decode_interval_s=1e-9))
+    sched = Scheduler(ModelExecutor(tiny_llama, None, 8), metrics, 8, ShortFirstPolicy(max_running=4, budget=256, decode_interval_s=1e-9))
     ids = make_ids(40, 3)
     job = Job(ids, FullPrefill(), backend, "full", "full", 3, SamplingParams(ignore_eos=True, prompt_logprobs=1), True, 0.0,
               1e12, metrics, loop.loop)
@@ -218,7 +219,7 @@ def test_an_interlude_never_decodes_the_request_whose_unit_it_paused(tiny_llama,
             sched.run_once()
     finally:
         hook.remove()
-        sched.pauses.remove()
+        sched.executor.pauses.remove()
     assert indices == [(0, True), (1, False), (2, False)]
     (finished,) = [e for e in loop.events(job) if isinstance(e, Finished)]
     assert finished.answers[0].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 3, stop_at_eos=False).token_ids

@@ -1,6 +1,7 @@
 """The server's scheduler without HTTP, on the tiny random models in float32: chunked prefill
 and batched decode against whole-prompt generation (:func:`fastprefill.engine.generate`), the
-short-first policy with aging, counted chunks, the queue bound and the shutdown of the queue."""
+short-first policy with aging and counted chunks, on the server's executor (the scheduler's
+decisions without a model, the queue's bound and its shutdown: ``test_scheduler_policy.py``)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from fastprefill.sampling import SamplingParams
 from fastprefill.serve.answers import Finished, Token
 from fastprefill.serve.backends import LocalBackend
 from fastprefill.serve.config import ServeConfig
+from fastprefill.serve.executor import ModelExecutor
 from fastprefill.serve.metrics import ServeMetrics
-from fastprefill.serve.protocol import APIError
 from fastprefill.serve.scheduler import FifoPolicy, Scheduler, ShortFirstPolicy, make_policy
 from fastprefill.serve.worker import Failed, Job, timeout_error
 
@@ -147,7 +148,7 @@ def test_a_short_request_finishes_before_the_next_chunk_of_a_long_prefill(tiny_l
     long before the long one's first token; both answers equal generate's."""
     metrics = ServeMetrics()
     backend = LocalBackend(tiny_llama, None, None)
-    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=32))
+    sched = Scheduler(ModelExecutor(tiny_llama, None, 8), metrics, 8, ShortFirstPolicy(max_running=4, budget=32))
     long_ids, short_ids = make_ids(200, 5), make_ids(6, 6)
     long, short = _job(backend, long_ids, loop, metrics, 3), _job(backend, short_ids, loop, metrics, 3, 1.0)
     sched.submit(long)
@@ -172,7 +173,7 @@ def test_a_short_request_finishes_before_the_next_chunk_of_a_long_prefill(tiny_l
 def test_answers_of_the_scheduler_equal_generate(tiny_llama, make_ids, loop):
     metrics = ServeMetrics()
     backend = LocalBackend(tiny_llama, None, None)
-    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=3, budget=24))
+    sched = Scheduler(ModelExecutor(tiny_llama, None, 8), metrics, 8, ShortFirstPolicy(max_running=3, budget=24))
     prompts = [make_ids(n, n) for n in (70, 5, 41, 12)]
     jobs = [_job(backend, ids, loop, metrics, 7, float(i)) for i, ids in enumerate(prompts)]
     for job in jobs:
@@ -197,7 +198,7 @@ def test_requests_over_one_new_document_compute_it_once(tiny_llama, make_ids, lo
     metrics = ServeMetrics()
     cache = PrefixCache(64 * MB, block_tokens=16)
     backend = LocalBackend(tiny_llama, None, cache)
-    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=budget))
+    sched = Scheduler(ModelExecutor(tiny_llama, None, 8), metrics, 8, ShortFirstPolicy(max_running=4, budget=budget))
     doc = make_ids(200, 40)
     prompts = [torch.cat([doc, make_ids(5 + i, 41 + i)], dim=1) for i in range(4)]
     jobs = [_job(backend, ids, loop, metrics, 5, float(i)) for i, ids in enumerate(prompts)]
@@ -279,32 +280,10 @@ def test_short_first_orders_by_remaining_tokens_and_ages_the_passed_over():
     assert make_policy(ServeConfig("m", prefill_chunk=64, max_running=3)) == ShortFirstPolicy(3, 64)
 
 
-def test_a_closed_scheduler_fails_the_waiting_jobs_and_refuses_new_ones(loop):
-    metrics = ServeMetrics()
-    sched = Scheduler(None, None, metrics, capacity=2, policy=FifoPolicy())  # never started: the jobs stay queued
-    waiting = [_job(None, torch.tensor([[1, 2]]), loop, metrics) for _ in range(2)]
-    for job in waiting:
-        sched.submit(job)
-    with pytest.raises(APIError) as full:
-        sched.submit(_job(None, torch.tensor([[1, 2]]), loop, metrics))
-    assert full.value.status == 429 and "queue of 2 is full" in full.value.message
-    sched.close(APIError(503, "the server is shutting down", kind="server_error"))
-    for job in waiting:
-        (event,) = loop.events(job)
-        assert isinstance(event, Failed) and event.error.status == 503 and job.cancelled
-    for _ in range(2):  # every later submission, each with an error of its own
-        with pytest.raises(APIError) as info:
-            sched.submit(_job(None, torch.tensor([[1, 2]]), loop, metrics))
-        assert info.value.status == 503 and info.value.message == "the server is shutting down"
-    outcomes = {s.labels["outcome"]: s.value for f in metrics.registry.collect() for s in f.samples
-                if s.name == "fastprefill_requests_total"}
-    assert outcomes == {"shutting_down": 2.0}  # the refused submissions were never jobs
-
-
 def test_a_cancelled_request_is_dropped_at_the_next_chunk(tiny_llama, make_ids, loop):
     metrics = ServeMetrics()
     backend = LocalBackend(tiny_llama, None, None)
-    sched = Scheduler(tiny_llama, None, metrics, 8, ShortFirstPolicy(max_running=4, budget=16))
+    sched = Scheduler(ModelExecutor(tiny_llama, None, 8), metrics, 8, ShortFirstPolicy(max_running=4, budget=16))
     job = _job(backend, make_ids(100, 1), loop, metrics)
     sched.submit(job)
     sched.run_once()

@@ -5,8 +5,10 @@ drains on SIGTERM); ``app.py`` holds the routes, ``requests.py`` the request pro
 request becomes one prepared job: every refusal comes from there), ``config.py`` the settings,
 ``method_table.py`` the methods served, ``worker.py`` the prepared job, its events and the
 backend and work contracts, ``backends.py`` what runs a job (the model, or the rank pool; the one
-place that asks whether a method runs on ranks), ``scheduler.py`` the one thread that runs every
-job's work and its bounded queue, ``pauses.py`` a chunk paused between layers, ``ranks.py`` the
+place that asks whether a method runs on ranks), ``scheduler.py`` the one thread that decides
+every job's next unit of work and its bounded queue (policy only), ``executor.py`` what runs
+those units on the model (the decode batch, the pauses, the answers' text), ``pauses.py`` a
+chunk paused between layers, ``ranks.py`` the
 rank pool of multi-rank methods (KV-Runahead), ``torchrun.py`` the server over torchrun's ranks
 (``fastprefill serve`` under torchrun), ``runner.py`` uvicorn and the draining shutdown,
 ``protocol.py`` the wire format, ``answers.py`` the answers' chunks, ``limits.py`` the body-size

@@ -57,10 +57,12 @@ class Collector:
 
     Args:
         params: the job's sampling parameters.
+        tokenizer: decodes each answer's whole text when it ends (``None``: no text).
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.params = params
+        self.tokenizer = tokenizer
         self.events: list[list[StreamEvent]] = [[] for _ in range(params.n)]
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.count = 0
@@ -77,8 +79,9 @@ class Collector:
                          event.prompt_logprobs)
         return None
 
-    def finished(self, tokenizer: PreTrainedTokenizerBase, timing: Timing, queue_wait_s: float) -> Finished:
-        return Finished(collect(self.events, tokenizer, self.params), self.count, timing, queue_wait_s,
+    def finished(self, timing: Timing, queue_wait_s: float) -> Finished:
+        """Every answer, its text decoded, with the generation's timing and the queue wait."""
+        return Finished(collect(self.events, self.tokenizer, self.params), self.count, timing, queue_wait_s,
                         self.prompt_logprobs)
 
 

@@ -40,6 +40,7 @@ from fastprefill.prefix_cache import PrefixCache, PrefixCacheError
 from fastprefill.serve.answers import Finished, Responder, Token, running_usage
 from fastprefill.serve.backends import Backends
 from fastprefill.serve.config import ServeConfig
+from fastprefill.serve.executor import ModelExecutor
 from fastprefill.serve.health import http_status, method_states, ranks_health, server_status
 from fastprefill.serve.limits import read_body
 from fastprefill.serve.method_table import MethodTable
@@ -123,7 +124,9 @@ class Server:
         self.prefix_cache = self._open_prefix_cache()
         self.backends = Backends(model, tokenizer, self.prefix_cache, ranks)
         self.methods = MethodTable(model, config.method, config.allow_methods, self.backends)
-        self.scheduler = Scheduler(model, tokenizer, self.metrics, config.queue_size, make_policy(config))
+        policy = make_policy(config)
+        self.scheduler = Scheduler(ModelExecutor(model, tokenizer, policy.max_running), self.metrics, config.queue_size,
+                                   policy)
         self.processor = RequestProcessor(model, tokenizer, config, self.methods, self.backends, self.metrics)
         self.wire_tokenizer = copy.deepcopy(tokenizer)  # the event loop's own (token texts): not thread-safe
         self.created = int(time.time())

@@ -1,14 +1,20 @@
 """The server's scheduler: which request's work runs next, one unit at a time, on one thread.
 
+The scheduler is policy: it queues, admits, orders, budgets, pauses and cancels, and never
+touches the model. What runs a unit (a job's work from its backend, the decode batch, the pause
+points on the decoder layers, the answers' text, what a failure answers) is its
+:class:`~fastprefill.serve.worker.Executor` (:class:`~fastprefill.serve.executor.ModelExecutor`
+on a server); this module imports nothing of torch, transformers, the engine, the models or the
+methods (``tests/unit/test_scheduler_policy.py`` checks it and drives it with a fake executor).
+
 **Mechanism** (:class:`Scheduler`). Prepared requests (:class:`~fastprefill.serve.worker.Job`)
 wait in a bounded queue (``queue_size``; a full queue is a 429). The scheduler thread admits up
 to ``max_running`` of them, each as a unit of :class:`~fastprefill.serve.worker.Work` from its
 backend (the prefix-cache lookup happens at admission, so the uncached rest is known), and then
 repeats one *iteration*:
 
-1. **decode**: every admitted request past its first token gets its next token, in one step
-   (:class:`~fastprefill.batch.DecodeBatch`: one padded forward for the streams that decode with
-   the model's forward, the others alone);
+1. **decode**: every admitted request past its first token gets its next token, in one step of
+   the executor (one decode batch for the server's model, each multi-rank request apart);
 2. **prefill**: up to ``prefill_chunk`` tokens of prefill, spent on the waiting prefills in the
    policy's order. An exact method (``Method.chunked_prefill``: full prefill, prefix-cache hits
    included) runs a chunk of its prompt over the K/V computed so far, the prefix cache's own hit
@@ -17,8 +23,8 @@ repeats one *iteration*:
    started waits while a running exact prefill computes blocks of its prompt (its backend's
    ``waits_for``), then prefills only its rest: a new document is computed once.
 
-**Pauses** (on by default; :mod:`fastprefill.serve.pauses`). A chunk runs on a thread of its
-own and stops before its next decoder layer when a request arrives, or when a decode step is
+**Pauses** (on by default; :mod:`fastprefill.serve.pauses`, put on the model by the executor).
+A chunk runs on a thread of its own and stops before its next decoder layer when a request arrives, or when a decode step is
 due (``--decode-interval``); the *interlude* then admits the new requests, prefills those of at
 most :data:`INTERLUDE_TOKENS` uncached tokens to their first token and steps the decoding
 streams, and the chunk resumes. The chunk (8192 tokens) bounds memory, not the others' wait.
@@ -47,19 +53,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from fastprefill.batch import DecodeBatch
-from fastprefill.distributed.pool import RankPoolError
-from fastprefill.engine import Generation, StreamEvent, Timing, TimingWindow
-from fastprefill.errors import FastprefillError
-from fastprefill.serve.answers import Collector
 from fastprefill.serve.config import ServeConfig
 from fastprefill.serve.metrics import ServeMetrics
-from fastprefill.serve.pauses import LayerPauses
 from fastprefill.serve.protocol import APIError
-from fastprefill.serve.worker import Job, Work, internal_error, ranks_down, timeout_error
+from fastprefill.serve.worker import Answers, Executor, Job, Pause, Work, timeout_error
 
 __all__ = ["INTERLUDE_TOKENS", "FifoPolicy", "Running", "Scheduler", "ShortFirstPolicy", "make_policy"]
 
@@ -68,6 +67,7 @@ __all__ = ["INTERLUDE_TOKENS", "FifoPolicy", "Running", "Scheduler", "ShortFirst
 INTERLUDE_TOKENS = 512
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -76,7 +76,7 @@ class Running:
 
     job: Job
     work: Work
-    collected: Collector
+    collected: Answers
     skips: int = 0
     started: float | None = None  # the first unit of work (the end of its queue wait)
 
@@ -129,22 +129,20 @@ def make_policy(config: ServeConfig) -> FifoPolicy | ShortFirstPolicy:
 
 
 class Scheduler:
-    """The thread that owns the model (see the module docstring).
+    """The thread that decides what the executor runs (see the module docstring).
 
     Args:
-        model: the server's model (decode batches run on it).
-        tokenizer: decodes each answer's whole text.
+        executor: runs the units (the server's :class:`~fastprefill.serve.executor.ModelExecutor`).
         capacity: jobs that may wait to be admitted (more get 429).
         policy: :class:`FifoPolicy` or :class:`ShortFirstPolicy`.
     """
 
-    def __init__(self, model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase | None,
-                 metrics: ServeMetrics, capacity: int, policy: FifoPolicy | ShortFirstPolicy) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, executor: Executor, metrics: ServeMetrics, capacity: int,
+                 policy: FifoPolicy | ShortFirstPolicy) -> None:
+        self.executor = executor
         self.metrics = metrics
         self.capacity = capacity
         self.policy = policy
-        self.batch = DecodeBatch(model, policy.max_running) if model is not None else None
         self.running: list[Running] = []
         self.closed: APIError | None = None
         self._waiting: deque[Job] = deque()
@@ -153,8 +151,8 @@ class Scheduler:
         self._submitted = self._seen = 0  # submissions, and those an interlude has looked at
         self._last_decode = time.monotonic()
         self._pausable: Running | None = None  # whose unit may pause: its interludes do not decode it
-        self.pauses = (LayerPauses(model, self._cv) if isinstance(policy, ShortFirstPolicy) and policy.pause
-                       and LayerPauses.available(model) else None)
+        #: whether a unit of prefill may pause for an interlude (the executor could put pause points)
+        self.pausing = isinstance(policy, ShortFirstPolicy) and policy.pause and executor.enable_pauses(self._cv)
         metrics.watch(lambda: self.waiting, lambda: len(self.running))
 
     # --- the queue (any thread) -----------------------------------------------------------------
@@ -225,8 +223,7 @@ class Scheduler:
                 while not self._waiting and not self.running and self.closed is None:
                     self._cv.wait()
                 if not self._waiting and not self.running:
-                    if self.pauses is not None:
-                        self.pauses.remove()
+                    self.executor.release()
                     return  # closed, and nothing left
             self.run_once()
 
@@ -270,30 +267,27 @@ class Scheduler:
         if time.monotonic() > job.deadline:
             job.fail(timeout_error(job.deadline - job.arrived))
             return
-        run = self._guard([], lambda: Running(job, job.backend.begin(job), Collector(job.sampling)), job)
+        run = self._guard([], lambda: Running(job, *self.executor.begin(job)), job)
         if run is not None and self._guard([run], run.work.lookup) is not None:
             self.running.append(run)
 
-    def _guard(self, runs: list[Running], call: Callable[[], object], job: Job | None = None) -> object | None:
+    def _guard(self, runs: list[Running], call: Callable[[], T], job: Job | None = None) -> T | None:
         """``call()``; on an exception, fail ``runs`` (or ``job``, not yet running) with its
-        error (a request's fault: 400; a rank pool down: 503; anything else: 500) and drop them.
-        Returns None on failure."""
-        jobs = [r.job for r in runs] + ([job] if job is not None else [])
+        error (the executor's answer to it) and drop them. Returns None on failure."""
         try:
             return call()
-        except RankPoolError as exc:
-            log.error("rank pool: %s", exc)
-            error = ranks_down(str(exc), fatal=any(j.backend.fatal for j in jobs))
-        except FastprefillError as exc:
-            error = APIError(400, str(exc))
-        except Exception as exc:  # a failed request must not stop the scheduler
-            log.exception("generation failed")
-            error = internal_error(exc)
+        except Exception as exc:  # noqa: BLE001  (a failed request must not stop the scheduler; the executor logs it)
+            self._fail(runs, exc, job)
+            return None
+
+    def _fail(self, runs: list[Running], exc: Exception, job: Job | None = None) -> None:
+        """Fail ``runs`` (and ``job``, not yet running) with the executor's answer to ``exc``; drop ``runs``."""
+        jobs = [r.job for r in runs] + ([job] if job is not None else [])
+        error = self.executor.error(exc, any(j.backend.fatal for j in jobs))
         for failed in jobs:
             failed.fail(error)
         for run in runs:
             self._drop(run)
-        return None
 
     def _drop(self, run: Running) -> None:
         """Close ``run``'s work (its K/V freed; on the ranks, once the last rank has stopped), then
@@ -325,22 +319,24 @@ class Scheduler:
         self._prefill([r for r in self.running if not r.work.prefilled])
 
     def _decode(self, runs: list[Running]) -> None:
-        """One decode step for every answer of every stream in ``runs``."""
-        assert self.batch is not None
+        """One decode step for every answer of every stream in ``runs`` (the executor's step; a
+        group it decoded together fails together)."""
         self._last_decode = time.monotonic()
-        local = [r for r in runs if isinstance(r.work, Generation)]
-        with TimingWindow(self.batch.model.device) as window:
-            events = self._guard(local, lambda: self.batch.step([r.work for r in local])) if local else []
-            pairs = list(zip(local, events or [], strict=False))
-            for run in runs:
-                if not isinstance(run.work, Generation):  # the ranks' next token
-                    stepped = self._guard([run], run.work.step)
-                    if stepped is not None:
-                        pairs.append((run, stepped))
+        by_work = {id(r.work): r for r in runs}
+        decoded = self._guard(runs, lambda: self.executor.decode([r.work for r in runs]))
+        if decoded is None:
+            return
         self.metrics.decode_batch.observe(len(runs))
-        self.metrics.decode_step.observe(window.seconds)
-        for run, stepped in pairs:
-            for event in stepped:  # type: ignore[attr-defined]
+        self.metrics.decode_step.observe(decoded.seconds)
+        emitted = []
+        for step in decoded.steps:
+            group = [by_work[id(w)] for w in step.works]
+            if step.error is not None or step.events is None:
+                self._fail(group, step.error or RuntimeError("a decode step gave no events"))
+                continue
+            emitted += list(zip(group, step.events, strict=True))
+        for run, events in emitted:
+            for event in events:
                 self._emit(run, event)
 
     def _prefill(self, runs: list[Running]) -> None:
@@ -380,13 +376,12 @@ class Scheduler:
         if run.started is None:
             run.started = time.monotonic()
             self.metrics.queue_wait.labels(run.job.label).observe(run.started - run.job.arrived)
-        call = (lambda: run.work.prefill(budget))
-        if pausable and self.pauses is not None and run.work.chunked and isinstance(run.work, Generation):
-            pauses = self.pauses
-            call = (lambda: pauses.run(lambda: run.work.prefill(budget), self._wants_pause, self._interlude))
+        pause = None
+        if pausable and self.pausing and run.work.chunked:
+            pause = Pause(self._wants_pause, self._interlude)
             self._pausable = run
         try:
-            ran = self._guard([run], call)
+            ran = self._guard([run], lambda: self.executor.prefill(run.work, budget, pause))
         finally:
             self._pausable = None
         if ran is None:
@@ -397,7 +392,7 @@ class Scheduler:
                 self._emit(run, event)
             if run in self.running:  # its prompt's blocks, visible to the requests that follow
                 self._guard([run], run.work.publish)
-        return int(ran)  # type: ignore[call-overload]
+        return ran
 
     def _wants_pause(self) -> bool:
         """Whether a request came since the last interlude, or a decode step is due (under the lock)."""
@@ -418,15 +413,14 @@ class Scheduler:
         self.metrics.prefill_pauses.inc()
         self._admit_waiting()
         budget = self.policy.budget
-        short = [r for r in self.running if r.started is None and isinstance(r.work, Generation) and r.work.chunked
-                 and not r.job.backend.exclusive and r.work.remaining <= min(budget or INTERLUDE_TOKENS, INTERLUDE_TOKENS)]
+        short = [r for r in self.running if r.started is None and r.work.chunked and not r.job.backend.exclusive and r.work.remaining <= min(budget or INTERLUDE_TOKENS, INTERLUDE_TOKENS)]
         for run in self.policy.order(short):
             if not run.job.cancelled:
                 self._unit(run, None, pausable=False)
         if self._decode_due():
             self._decode(self._decodable())
 
-    def _emit(self, run: Running, event: StreamEvent) -> None:
+    def _emit(self, run: Running, event: Any) -> None:
         """Send one token's text (an answer's first always: it marks TTFT); finish on the last."""
         job = run.job
         token = run.collected.add(event)
@@ -435,7 +429,7 @@ class Scheduler:
         if event.timing is not None:
             self._finish(run, event.timing)
 
-    def _finish(self, run: Running, timing: Timing) -> None:
+    def _finish(self, run: Running, timing: Any) -> None:
         job, m, label = run.job, self.metrics, run.job.label
         try:
             run.work.close()  # done: the ranks' pool is free again
@@ -445,4 +439,4 @@ class Scheduler:
         m.finished(label, timing, run.collected.count)
         if job.settle("ok"):
             wait = (run.started or job.arrived) - job.arrived
-            job.post(run.collected.finished(self.tokenizer, timing, wait))
+            job.post(run.collected.finished(timing, wait))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,7 +30,8 @@ from fastprefill.serve.answers import Finished, Token
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.protocol import APIError, StreamOptions
 
-__all__ = ["Backend", "Failed", "Job", "Work", "internal_error", "ranks_down", "timeout_error"]
+__all__ = ["Answers", "Backend", "Decoded", "Executor", "Failed", "Job", "Pause", "Stepped", "Work", "internal_error",
+           "ranks_down", "timeout_error"]
 
 
 class Work(Protocol):
@@ -108,6 +109,78 @@ class Backend(Protocol):
 
     def warm_up(self, method: Method, vocab_size: int) -> None:
         """One short generation with ``method`` (first calls are slow)."""
+        ...
+
+
+class Answers(Protocol):
+    """A running request's answers as the scheduler hands them on
+    (:class:`~fastprefill.serve.answers.Collector` is the implementation)."""
+
+    count: int
+
+    def add(self, event: StreamEvent) -> Token | None:
+        """Take one event; the :class:`Token` to stream, or ``None`` when there is nothing to send."""
+        ...
+
+    def finished(self, timing: Any, queue_wait_s: float) -> Finished:
+        """Every answer, its text decoded."""
+        ...
+
+
+@dataclass(frozen=True)
+class Pause:
+    """What a pausable unit of prefill asks the scheduler: whether to stop at the next decoder
+    layer (``wants``, asked under the scheduler's lock), and what to run meanwhile (``interlude``)."""
+
+    wants: Callable[[], bool]
+    interlude: Callable[[], None]
+
+
+@dataclass
+class Stepped:
+    """The outcome of one decode step for ``works``: each one's events (``events[i]`` for
+    ``works[i]``), or the ``error`` that failed all of them."""
+
+    works: list[Work]
+    events: list[list[StreamEvent]] | None
+    error: Exception | None = None
+
+
+@dataclass
+class Decoded:
+    """One decode step of every stream: the outcome of each group decoded together, and the
+    step's seconds on the engine's clock."""
+
+    steps: list[Stepped]
+    seconds: float
+
+
+class Executor(Protocol):
+    """What runs the scheduler's units on the model (:class:`~fastprefill.serve.executor.ModelExecutor`):
+    the scheduler decides, the executor touches the model, the tokenizer and the rank pool."""
+
+    def enable_pauses(self, cv: threading.Condition) -> bool:
+        """Make prefill units pausable between layers under ``cv``; whether they can be."""
+        ...
+
+    def release(self) -> None:
+        """Undo :meth:`enable_pauses` (the scheduler's thread has ended)."""
+        ...
+
+    def begin(self, job: Job) -> tuple[Work, Answers]:
+        """The job's work on its backend, and the collector of its answers."""
+        ...
+
+    def prefill(self, work: Work, budget: int | None, pause: Pause | None) -> int:
+        """One unit of ``work``'s prefill (pausable when ``pause`` is given); the tokens it ran."""
+        ...
+
+    def decode(self, works: Sequence[Work]) -> Decoded:
+        """One decode step for every answer of ``works``."""
+        ...
+
+    def error(self, exc: Exception, fatal: bool) -> APIError:
+        """The answer to a unit that raised ``exc`` (``fatal``: the server ends with it)."""
         ...
 
 
