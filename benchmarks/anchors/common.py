@@ -11,7 +11,14 @@ the timing and the output format live here, so every system is measured the same
   prompt (kind ``cold``), then the follow-up (kind ``hit``: its document is cached now);
 - TTFT (``ttft_s``) is the wall-clock time of one call that generates one token, greedily, from
   token ids already in the system's own input form (``time.perf_counter`` around the call and
-  nothing else); ``own_ttft_s`` is what the system itself reports, where it reports something.
+  nothing else); ``own_ttft_s`` is what the system itself reports, where it reports something;
+- a decode step (kind ``decode``, with ``--decode-tokens D`` > 0, for a system that defines
+  :meth:`System.generate_n`): after the hit, the follow-up twice more on the same cache, once
+  for one token and once for ``1 + D`` tokens (greedy, end-of-sequence ignored); ``step_s`` is
+  the difference of the two wall times over ``D``: one decode step at the follow-up's length,
+  with every per-call cost (the prompt, now all cached, and the hand-over) cancelled out.
+  ``own_step_s`` is the system's own per-token figure where it reports one; ``tokens`` the
+  ``1 + D`` ids.
 
 Output JSONL: a header line (``{"type": "header", ...}``) then one line per timed run
 (``{"type": "run", ...}``), flushed as each run ends.
@@ -72,6 +79,16 @@ class System:
         """The timed call: generate one token greedily; return the system's raw output."""
         raise NotImplementedError
 
+    def generate_n(self, prepared: Any, n: int) -> Any:
+        """Generate exactly ``n`` tokens greedily (end-of-sequence ignored); the raw output.
+        A system that does not define it has no decode-step runs."""
+        raise NotImplementedError
+
+    def inspect_n(self, raw: Any) -> dict[str, Any]:
+        """After :meth:`generate_n`: ``tokens`` (list of int) and, where known, ``own_step_s``
+        (the system's own seconds per token after the first)."""
+        raise NotImplementedError
+
     def inspect(self, raw: Any, ids: list[int]) -> dict[str, Any]:
         """After the timed call: ``first_token`` (int), and where known ``own_ttft_s`` and
         ``cached_tokens``, plus any system-specific ``extra`` dict."""
@@ -119,6 +136,10 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=int, nargs="*", default=None,
                    help="only these target lengths of the prompt set (default: all)")
     p.add_argument("--limit", type=int, default=None, help="only the first N pairs per length")
+    p.add_argument("--name", default=None,
+                   help="the system's name in the records (default: the runner's; e.g. a fastprefill method's row)")
+    p.add_argument("--decode-tokens", type=int, default=32,
+                   help="decode steps timed after each hit (0: none; default 32)")
     return p
 
 
@@ -179,12 +200,33 @@ def _timed(system: System, ids: list[int]) -> tuple[float, dict[str, Any]]:
     return wall, system.inspect(raw, ids)
 
 
+def _decode_step(system: System, ids: list[int], steps: int) -> dict[str, Any]:
+    """One decode-step measurement on a prompt whose K/V the system holds (see the module
+    docstring): the ``step_s``, ``own_step_s`` and ``tokens`` of a ``decode`` run."""
+    walls = []
+    for n in (1, 1 + steps):
+        prepared = system.prepare(ids)
+        gc.collect()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            raw = system.generate_n(prepared, n)
+            walls.append(time.perf_counter() - start)
+        finally:
+            gc.enable()
+    info = system.inspect_n(raw)
+    if len(info["tokens"]) != 1 + steps:
+        raise RuntimeError(f"{system.name} generated {len(info['tokens'])} tokens, asked for {1 + steps}")
+    return {"step_s": (walls[1] - walls[0]) / steps, "own_step_s": info.get("own_step_s"),
+            "tokens": [int(t) for t in info["tokens"]], "one_token_s": walls[0], "wall_s": walls[1]}
+
+
 def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None) -> int:
     """Parse the shared CLI (plus the runner's own options), run the protocol, write the JSONL."""
     parser = parser or base_parser(system_cls.__doc__ or system_cls.name)
     args = parser.parse_args()
-    if args.threads < 1 or args.repeats < 1:
-        raise SystemExit("--threads and --repeats must be >= 1")
+    if args.threads < 1 or args.repeats < 1 or args.decode_tokens < 0:
+        raise SystemExit("--threads and --repeats must be >= 1, --decode-tokens >= 0")
     prompt_header, pairs = read_prompts(args.prompts)
     model = model_name_of(args.model_dir)
     if prompt_header.get("model") not in (None, model):
@@ -194,6 +236,9 @@ def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None
                   for k in ("first", "followup"))
 
     system = system_cls(args)
+    if args.name:
+        system.name = args.name
+    decode_steps = args.decode_tokens if type(system).generate_n is not System.generate_n else 0
     t_load = time.perf_counter()
     system.load(longest)
     load_s = time.perf_counter() - t_load
@@ -204,7 +249,7 @@ def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None
     header = {
         "type": "header", "system": system.name, "version": version, "versions": versions,
         "model": model, "model_dir": str(Path(args.model_dir).expanduser()), "dtype": system.dtype,
-        "threads": args.threads, "repeats": args.repeats, "config": system.config(),
+        "threads": args.threads, "repeats": args.repeats, "decode_tokens": decode_steps, "config": system.config(),
         "prompts": str(args.prompts), "prompt_set": {k: v for k, v in prompt_header.items() if k != "type"},
         "lengths": list(groups), "pairs_per_length": {k: len(g["pairs"]) for k, g in groups.items()},
         "load_s": round(load_s, 3), "python": platform.python_version(), "executable": sys.executable,
@@ -222,6 +267,8 @@ def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None
             system.reset()
             for key in ("first", "followup"):  # untimed: warms kernels and allocators at this length
                 _timed(system, warm[key]["ids"])
+            if decode_steps:  # untimed: the decode path's first run
+                _decode_step(system, warm["followup"]["ids"], 2)
             for repeat in range(args.repeats):
                 for pair in g["pairs"]:
                     system.reset()
@@ -242,6 +289,21 @@ def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None
                         print(f"  {length:>5} {pair['id']:<14} r{repeat} {kind:<4} {len(ids):>5} tok  "
                               f"wall {wall * 1000:8.1f} ms  own {'-' if own is None else f'{own * 1000:8.1f} ms'}"
                               f"  cached {info.get('cached_tokens')}  tok {info['first_token']}", flush=True)
+                    if decode_steps:
+                        step = _decode_step(system, pair["followup"]["ids"], decode_steps)
+                        record = {
+                            "type": "run", "system": system.name, "version": version, "model": model,
+                            "prompt_id": pair["id"], "length": length, "prompt_tokens": len(pair["followup"]["ids"]),
+                            "shared_prefix_tokens": pair["shared_prefix_tokens"], "kind": "decode",
+                            "repeat": repeat, **step, "first_token": step["tokens"][0],
+                            "threads": args.threads, "dtype": system.dtype,
+                        }
+                        f.write(json.dumps(record) + "\n")
+                        f.flush()
+                        own = step["own_step_s"]
+                        print(f"  {length:>5} {pair['id']:<14} r{repeat} step {decode_steps:>5} tok  "
+                              f"wall {step['step_s'] * 1000:8.2f} ms  own "
+                              f"{'-' if own is None else f'{own * 1000:8.2f} ms'}", flush=True)
     system.close()
     print(f"wrote {out}", flush=True)
     return 0

@@ -1,10 +1,13 @@
-"""fastprefill's own anchor runner (fastprefill's venv): full prefill with an exact prefix cache.
+"""fastprefill's own anchor runner (fastprefill's venv): full prefill with an exact prefix cache
+(``--method``: another method, named with ``--name`` so its rows stand apart from full prefill's).
 
 Cold: a new :class:`fastprefill.PrefixCache` (nothing cached). Hit: the follow-up with the same
 cache, which holds the first prompt's K/V. The timed call is
 ``fastprefill.engine.generate(model, tok, ids, max_new_tokens=1, prefix_cache=cache)`` on a
 ``(1, T)`` tensor of ids; ``own_ttft_s`` is ``res.timing.ttft_s`` (prefill and the first token,
-without the prefix-cache store that follows the token, which the wall time includes).
+without the prefix-cache store that follows the token, which the wall time includes). Decode
+steps: ``generate(..., max_new_tokens=n, stop_at_eos=False)``, ``own_step_s`` its
+``timing.decode_s_per_token``.
 
     .venv/bin/python benchmarks/anchors/fastprefill_run.py --model-dir ~/.cache/fastprefill/models/smollm2-135m \
         --prompts prompts-smollm2-135m.jsonl --threads 2 --repeats 3 --out fastprefill-smollm2-135m.jsonl
@@ -33,6 +36,11 @@ class FastprefillSystem(System):
         set_threads(self.args.threads)
         self.torch = torch
         self.model, self.tok = load(self.args.model_dir, dtype=self.args.dtype, progress=False)
+        self.method = None
+        if self.args.method != "full":
+            from fastprefill.methods.registry import make_method
+
+            self.method = make_method(self.args.method)
         self.cache = None
 
     @property
@@ -51,7 +59,8 @@ class FastprefillSystem(System):
         return out
 
     def config(self) -> dict[str, Any]:
-        return {"method": "full prefill", "prefix_cache_mb": self.args.cache_mb, "block_tokens": self.args.block_tokens,
+        return {"method": "full prefill" if self.method is None else self.method.describe(),
+                "method_spec": self.args.method, "prefix_cache_mb": self.args.cache_mb, "block_tokens": self.args.block_tokens,
                 "keep_freed_memory": self.kept, "torch_threads": self.torch.get_num_threads(),
                 "model_dtype": str(self.model.dtype).removeprefix("torch.")}
 
@@ -66,7 +75,16 @@ class FastprefillSystem(System):
     def generate_one(self, prepared: Any) -> Any:
         from fastprefill.engine import generate
 
-        return generate(self.model, self.tok, prepared, max_new_tokens=1, prefix_cache=self.cache)
+        return generate(self.model, self.tok, prepared, self.method, max_new_tokens=1, prefix_cache=self.cache)
+
+    def generate_n(self, prepared: Any, n: int) -> Any:
+        from fastprefill.engine import generate
+
+        return generate(self.model, self.tok, prepared, self.method, max_new_tokens=n, prefix_cache=self.cache,
+                        stop_at_eos=False)
+
+    def inspect_n(self, raw: Any) -> dict[str, Any]:
+        return {"tokens": list(raw.token_ids), "own_step_s": raw.timing.decode_s_per_token}
 
     def inspect(self, raw: Any, ids: list[int]) -> dict[str, Any]:
         t = raw.timing
@@ -78,6 +96,8 @@ class FastprefillSystem(System):
 if __name__ == "__main__":
     parser = base_parser(FastprefillSystem.__doc__)
     parser.add_argument("--dtype", default="auto", help="model dtype (default auto: fastprefill's default)")
+    parser.add_argument("--method", default="full",
+                        help="a method spec as the CLI takes it (default full; e.g. lazyllm:preset=... with --name)")
     parser.add_argument("--cache-mb", type=int, default=2048, help="PrefixCache bound in MiB (default 2048)")
     parser.add_argument("--block-tokens", type=int, default=16, help="PrefixCache block size (default 16)")
     raise SystemExit(main(FastprefillSystem, parser))

@@ -17,7 +17,8 @@ model read back from ``CACHE_DIR``) and run once, untimed, on the warm-up prompt
 costs and finds nothing of its own prefix. Hit: the follow-up on the same pipeline.
 
 The timed call is ``pipe.generate(ov.Tensor(int64 ids of shape (1, T)), GenerationConfig(max_new_tokens=1,
-do_sample=False))``; ``own_ttft_s`` is ``res.perf_metrics.get_ttft().mean`` (ms -> s).
+do_sample=False))``; ``own_ttft_s`` is ``res.perf_metrics.get_ttft().mean`` (ms -> s). Decode steps: a GenerationConfig with
+``max_new_tokens=n, ignore_eos=True``; ``own_step_s`` is ``perf_metrics.get_tpot().mean``.
 
     .venv-anchors/openvino/bin/python benchmarks/anchors/openvino_run.py --model-dir ~/.cache/fastprefill/models/smollm2-135m \
         --prompts prompts-smollm2-135m.jsonl --threads 2 --repeats 3 --out openvino-smollm2-135m.jsonl
@@ -133,6 +134,17 @@ class OpenvinoSystem(System):
 
     def generate_one(self, prepared: Any) -> Any:
         return self.pipe.generate(prepared, self.gen)
+
+    def generate_n(self, prepared: Any, n: int) -> Any:
+        gen = self.ov_genai.GenerationConfig()
+        gen.max_new_tokens = n
+        gen.do_sample = False
+        gen.ignore_eos = True
+        return self.pipe.generate(prepared, gen)
+
+    def inspect_n(self, raw: Any) -> dict[str, Any]:
+        tpot_ms = raw.perf_metrics.get_tpot().mean
+        return {"tokens": [int(t) for t in raw.tokens[0]], "own_step_s": tpot_ms / 1000.0 if tpot_ms else None}
 
     def inspect(self, raw: Any, ids: list[int]) -> dict[str, Any]:
         pm = raw.perf_metrics

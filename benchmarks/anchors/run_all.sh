@@ -9,7 +9,9 @@
 # OUTDIR: default benchmarks/anchors/results/MODEL. Writes prompts.jsonl, run-<system>-round<r>.jsonl,
 # run-<system>-round<r>.log and summary.md there.
 # Environment: ROUNDS (5), THREADS (2), REPEATS (1: runs of each pair per system per round),
-# LENGTHS ("2048 4096"), PAIRS (3), SYSTEMS ("fastprefill vllm openvino llamacpp"),
+# LENGTHS ("2048 4096"), PAIRS (3), DECODE (32: decode steps timed after each hit; 0 none),
+# SYSTEMS ("fastprefill vllm openvino llamacpp"; fastprefill_<row> is fastprefill's runner again,
+# its rows named so, e.g. FASTPREFILL_LAZYLLM_ARGS="--method lazyllm:..." for fastprefill_lazyllm),
 # <SYSTEM>_ARGS (more arguments for one system's runner, e.g. VLLM_ARGS="--dtype float32" on a
 # CPU without bfloat16 units). Round r starts with the system at position r of SYSTEMS (the order
 # rotates, so no system always runs first or last). A system that fails is reported and skipped.
@@ -22,7 +24,7 @@ FP_PY="${FASTPREFILL_PYTHON:-$REPO/.venv/bin/python}"
 CACHE="${FASTPREFILL_CACHE_DIR:-$HOME/.cache/fastprefill}"
 MODEL="${1:?usage: run_all.sh MODEL [OUTDIR]}"
 OUT="${2:-$HERE/results/$MODEL}"
-ROUNDS="${ROUNDS:-5}" THREADS="${THREADS:-2}" REPEATS="${REPEATS:-1}" LENGTHS="${LENGTHS:-2048 4096}" PAIRS="${PAIRS:-3}"
+ROUNDS="${ROUNDS:-5}" THREADS="${THREADS:-2}" REPEATS="${REPEATS:-1}" DECODE="${DECODE:-32}" LENGTHS="${LENGTHS:-2048 4096}" PAIRS="${PAIRS:-3}"
 SYSTEMS="${SYSTEMS:-fastprefill vllm openvino llamacpp}"
 mkdir -p "$OUT"
 
@@ -36,16 +38,20 @@ status=0
 for ((round = 0; round < ROUNDS; round++)); do
   for ((i = 0; i < ${#order[@]}; i++)); do
     system="${order[$(( (i + round) % ${#order[@]} ))]}"
-    case "$system" in
+    runner="${system%%_*}"  # fastprefill_<row>: fastprefill's runner, its rows named <system>
+    case "$runner" in
       fastprefill) py="$FP_PY" ;;
-      *) py="$VENVS/$system/bin/python" ;;
+      *) py="$VENVS/$runner/bin/python" ;;
     esac
+    name=()
+    [[ "$runner" != "$system" ]] && name=(--name "$system")
     extra="${system^^}_ARGS"
     run="$OUT/run-$system-round$round"
     echo "== round $round/$ROUNDS: $system ${!extra:-}" >&2
     # shellcheck disable=SC2086
-    if ! "$py" "$HERE/${system}_run.py" --model-dir "$CACHE/models/$MODEL" --prompts "$OUT/prompts.jsonl" \
-        --threads "$THREADS" --repeats "$REPEATS" --out "$run.jsonl" ${!extra:-} > "$run.log" 2>&1; then
+    if ! "$py" "$HERE/${runner}_run.py" --model-dir "$CACHE/models/$MODEL" --prompts "$OUT/prompts.jsonl" \
+        --threads "$THREADS" --repeats "$REPEATS" --decode-tokens "$DECODE" --out "$run.jsonl" "${name[@]}" \
+        ${!extra:-} > "$run.log" 2>&1; then
       echo "$system FAILED in round $round: see $run.log" >&2
       rm -f "$run.jsonl"  # a partial file would pair only some prompts of this round
       status=1

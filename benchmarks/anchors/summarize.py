@@ -6,7 +6,8 @@ of the same round, minutes apart, not hours. A file named without ``-round<r>`` 
 older layout: each system ran once, one after another).
 
 Per cell (model, target length, kind: ``cold`` = nothing cached, ``hit`` = the document comes from
-the prefix cache) and system:
+the prefix cache, ``decode`` = one decode step after the hit's first token, at the follow-up's
+length: its ``step_s`` stands where the other kinds have their TTFT) and system:
 
 - ``n``: timed runs, over all rounds; ``rounds``: rounds with runs;
 - ``median ms``: the median wall-clock TTFT over all runs (``own ms``: the system's own figure);
@@ -19,7 +20,8 @@ the prefix cache) and system:
 - ``round spread``: (max - min) / median of the system's own per-round median TTFT: how much the
   machine drifted between rounds (a ratio smaller than this spread is not a measured difference);
 - the median prompt tokens a hit took from the cache, and how often the first token equals
-  fastprefill's on the same prompt (llama.cpp runs 4-bit weights, so some disagreement there).
+  fastprefill's on the same prompt (llama.cpp runs 4-bit weights, so some disagreement there;
+  for ``decode``: how often all the generated tokens equal fastprefill's).
 
 The machine is named from the run headers: the CPU, its bfloat16 units (``bf16_units``, read from
 ``/proc/cpuinfo`` by the runner; ``not recorded`` for older files) and each system's dtype.
@@ -41,6 +43,7 @@ from typing import Any
 
 REFERENCE = "fastprefill"
 ORDER = {"fastprefill": 0, "vllm": 1, "openvino": 2, "llamacpp": 3}
+KINDS = {"cold": 0, "hit": 1, "decode": 2}
 _ROUND = re.compile(r"-round(\d+)\.jsonl$")
 #: /proc/cpuinfo flag -> how a page names the unit
 #: runs of one round that began further apart than this are not one sitting, and not paired
@@ -69,6 +72,16 @@ def load(paths: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 elif item.get("type") == "run":
                     runs.append({**item, "round": rnd})
     return headers, runs
+
+
+def value(run: dict[str, Any]) -> float:
+    """The seconds a run is compared by: a decode run's step, any other run's TTFT."""
+    return run["step_s"] if run["kind"] == "decode" else run["ttft_s"]
+
+
+def answer(run: dict[str, Any]) -> Any:
+    """What a run's agreement with fastprefill compares: a decode run's tokens, any other's first token."""
+    return tuple(run["tokens"]) if run["kind"] == "decode" else run["first_token"]
 
 
 def median(values: list[float | None]) -> float | None:
@@ -100,7 +113,7 @@ def paired_ratios(runs: list[dict[str, Any]], model: str, length: int, kind: str
                   unpaired: set[tuple[int, str, str]] = frozenset()) -> dict[int, list[float]]:
     """Per round: ``system``'s TTFT over fastprefill's on the same prompt, kind and repeat of that
     round; none for a round in ``unpaired`` (:func:`other_sittings`)."""
-    ref = {(r["round"], r["prompt_id"], r["repeat"]): r["ttft_s"] for r in runs
+    ref = {(r["round"], r["prompt_id"], r["repeat"]): value(r) for r in runs
            if r["system"] == REFERENCE and r["model"] == model and r["length"] == length and r["kind"] == kind}
     out: dict[int, list[float]] = defaultdict(list)
     for r in runs:
@@ -108,7 +121,7 @@ def paired_ratios(runs: list[dict[str, Any]], model: str, length: int, kind: str
                 and (r["round"], model, system) not in unpaired):
             base = ref.get((r["round"], r["prompt_id"], r["repeat"]))
             if base:
-                out[r["round"]].append(r["ttft_s"] / base)
+                out[r["round"]].append(value(r) / base)
     return dict(out)
 
 
@@ -119,14 +132,15 @@ def cell(runs: list[dict[str, Any]], model: str, length: int, kind: str, system:
             and r["kind"] == kind]
     by_round: dict[int, list[float]] = defaultdict(list)
     for r in mine:
-        by_round[r["round"]].append(r["ttft_s"])
+        by_round[r["round"]].append(value(r))
     round_medians = [statistics.median(v) for _, v in sorted(by_round.items())]
     ratios = {k: statistics.median(v) for k, v in sorted(paired_ratios(runs, model, length, kind, system, unpaired).items())}
     values = list(ratios.values())
     mid = median(round_medians)
     return {
         "n": len(mine), "rounds": len(by_round),
-        "median_s": median([r["ttft_s"] for r in mine]), "own_s": median([r.get("own_ttft_s") for r in mine]),
+        "median_s": median([value(r) for r in mine]),
+        "own_s": median([r.get("own_step_s" if kind == "decode" else "own_ttft_s") for r in mine]),
         "ratio": median(values), "ratio_rounds": values,
         "low": min(values) if len(values) > 1 else None, "high": max(values) if len(values) > 1 else None,
         "spread": (max(round_medians) - min(round_medians)) / mid if len(round_medians) > 1 and mid else None,
@@ -171,7 +185,7 @@ def table(headers: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
     reference_token: dict[tuple, int] = {}
     for r in runs:
         if r["system"] == REFERENCE:
-            reference_token.setdefault((r["model"], r["prompt_id"], r["kind"]), r["first_token"])
+            reference_token.setdefault((r["model"], r["prompt_id"], r["kind"]), answer(r))
     version = {(h["system"], h["model"]): (h.get("version", "?"), h.get("config", {}).get("model_dtype") or h.get("dtype", ""))
                for h in headers}  # fastprefill's config names the dtype "auto" resolved to
     lines = [
@@ -180,13 +194,13 @@ def table(headers: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
         "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     keys = sorted({(r["model"], r["length"], r["kind"], r["system"]) for r in runs},
-                  key=lambda k: (k[0], k[1], k[2], ORDER.get(k[3], 9), k[3]))
+                  key=lambda k: (k[0], k[1], KINDS.get(k[2], 9), k[2], ORDER.get(k[3], 9), k[3]))
     unpaired = other_sittings(headers)
     for model, length, kind, system in keys:
         c = cell(runs, model, length, kind, system, unpaired)
         mine = [r for r in runs if (r["model"], r["length"], r["kind"], r["system"]) == (model, length, kind, system)]
         compared = [r for r in mine if (model, r["prompt_id"], kind) in reference_token]
-        same = sum(r["first_token"] == reference_token[(model, r["prompt_id"], kind)] for r in compared)
+        same = sum(answer(r) == reference_token[(model, r["prompt_id"], kind)] for r in compared)
         ver, dtype = version.get((system, model), ("?", ""))
         interval = "-" if c["low"] is None else f"[{c['low']:.2f}, {c['high']:.2f}]"
         spread = "-" if c["spread"] is None else f"{100 * c['spread']:.0f}%"
@@ -222,6 +236,9 @@ def report(headers: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
         design,
         "",
         ("Wall-clock TTFT of a one-token generation call on pre-tokenized ids; `own`: the system's own TTFT metric. "
+         "`decode` rows: one decode step after the first token at the follow-up's length (ms per token, the difference "
+         "of a 1-token and a (1 + D)-token call on the cached follow-up over D; `own`: the system's own per-token "
+         "figure), compared like the TTFTs; their agreement column compares all the tokens. "
          "`x fp`: the median over rounds of each round's median paired ratio to fastprefill (same prompt, kind and "
          "repeat; > 1 = slower than fastprefill), `[min, max]` over rounds; `round spread`: (max - min) / median of the "
          "system's per-round median TTFT."),

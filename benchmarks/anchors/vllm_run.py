@@ -8,7 +8,8 @@ first prompt left in the cache. The timed call is
 detokenize=False), use_tqdm=False)``: the engine runs in its own process (vLLM V1), so the wall
 time includes the hand-over to it and back. ``own_ttft_s`` is vLLM's
 ``RequestOutput.metrics.first_token_latency`` (arrival in the front end to the first token there);
-``cached_tokens`` is ``RequestOutput.num_cached_tokens``.
+``cached_tokens`` is ``RequestOutput.num_cached_tokens``. Decode steps: ``SamplingParams(max_tokens=n,
+ignore_eos=True, ...)``; ``own_step_s`` from the engine core's first and last token timestamps.
 
 Threads: ``VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>`` (the engine's OpenMP threads pinned to those
 cores), set before vLLM is imported unless already set. The script re-runs itself once with
@@ -43,6 +44,7 @@ class VllmSystem(System):
         from vllm.inputs import TokensPrompt
 
         self.TokensPrompt = TokensPrompt
+        self.SamplingParams = SamplingParams
         context = int(json.loads((Path(a.model_dir).expanduser() / "config.json").read_text())
                       .get("max_position_embeddings") or 1 << 30)
         self.max_model_len = min(context, -(-(max_prompt_tokens + 16) // 256) * 256)
@@ -82,6 +84,18 @@ class VllmSystem(System):
 
     def generate_one(self, prepared: Any) -> Any:
         return self.llm.generate(prepared, self.params, use_tqdm=False)[0]
+
+    def generate_n(self, prepared: Any, n: int) -> Any:
+        params = self.SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True)
+        return self.llm.generate(prepared, params, use_tqdm=False)[0]
+
+    def inspect_n(self, raw: Any) -> dict[str, Any]:
+        tokens = list(raw.outputs[0].token_ids)
+        m = raw.metrics
+        own = None
+        if m is not None and m.last_token_ts and m.first_token_ts and len(tokens) > 1:
+            own = (m.last_token_ts - m.first_token_ts) / (len(tokens) - 1)  # engine-core clock
+        return {"tokens": tokens, "own_step_s": own}
 
     def inspect(self, raw: Any, ids: list[int]) -> dict[str, Any]:
         m = raw.metrics

@@ -76,15 +76,16 @@ def test_run_all_runs_every_system_once_per_round_in_rotating_order(tmp_path):
         (here / name).write_text((ANCHORS / name).read_text())
     runner = '''import argparse, json, sys, time
 p = argparse.ArgumentParser()
-for a in ("--model-dir", "--prompts", "--threads", "--repeats", "--out"):
+for a in ("--model-dir", "--prompts", "--threads", "--repeats", "--out", "--decode-tokens", "--name"):
     p.add_argument(a)
 a = p.parse_args()
+assert a.decode_tokens == "32"
 with open(sys.argv[0] + ".order", "a") as f:
     f.write(a.out + "\\n")
 with open(a.out, "w") as f:
-    f.write(json.dumps({"type": "header", "system": "SYS", "model": "m", "threads": 2, "cpu": "c",
+    f.write(json.dumps({"type": "header", "system": a.name or "SYS", "model": "m", "threads": 2, "cpu": "c",
                         "command": " ".join(sys.argv), "started": "2026-11-27T10:00:00+0000"}) + "\\n")
-    f.write(json.dumps({"type": "run", "system": "SYS", "model": "m", "prompt_id": "p", "length": 8,
+    f.write(json.dumps({"type": "run", "system": a.name or "SYS", "model": "m", "prompt_id": "p", "length": 8,
                         "prompt_tokens": 8, "kind": "cold", "repeat": 0, "ttft_s": TTFT,
                         "first_token": 1}) + "\\n")
 '''
@@ -96,14 +97,14 @@ with open(a.out, "w") as f:
     out = tmp_path / "out"
     out.mkdir()
     (out / "prompts.jsonl").write_text("{}\n")
-    env = {**os.environ, "ROUNDS": "3", "SYSTEMS": "fastprefill peer", "ANCHORS_VENVS": str(tmp_path / "venvs"),
+    env = {**os.environ, "ROUNDS": "3", "SYSTEMS": "fastprefill peer fastprefill_lazy", "ANCHORS_VENVS": str(tmp_path / "venvs"),
            "FASTPREFILL_PYTHON": sys.executable, "FASTPREFILL_CACHE_DIR": str(tmp_path)}
     (here / "run_all.sh").chmod((here / "run_all.sh").stat().st_mode | stat.S_IXUSR)
     done = subprocess.run(["bash", str(here / "run_all.sh"), "m", str(out)], check=False, env=env,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in out.glob("run-*.jsonl")) == [
-        f"run-{s}-round{r}.jsonl" for s in ("fastprefill", "peer") for r in range(3)]
+        f"run-{s}-round{r}.jsonl" for s in ("fastprefill", "fastprefill_lazy", "peer") for r in range(3)]
     order = [line.rsplit("/", 1)[1] for line in ((here / "fastprefill_run.py.order").read_text()
                                                  + (here / "peer_run.py.order").read_text()).split()]
     assert order.count("run-peer-round1.jsonl") == 1
@@ -111,6 +112,8 @@ with open(a.out, "w") as f:
     assert (out / "run-peer-round1.jsonl").stat().st_mtime_ns <= (out / "run-fastprefill-round1.jsonl").stat().st_mtime_ns
     summary = (out / "summary.md").read_text()
     assert "3 rounds" in summary and "| m | 8 | cold | peer | ? |  | 3 | 3 | 8 | 1000.0 | - | 2.00 | [2.00, 2.00] | 0% |" in summary
+    # fastprefill_<row> ran fastprefill's runner under its own name
+    assert "| m | 8 | cold | fastprefill_lazy | ? |  | 3 | 3 | 8 | 500.0 | - | 1.00 |" in summary
 
 
 def test_runs_of_another_sitting_are_not_paired(tmp_path):
@@ -129,3 +132,83 @@ def test_runs_of_another_sitting_are_not_paired(tmp_path):
     assert c["ratio"] is None and c["median_s"] == pytest.approx(2.0)
     text = summarize.report(headers, runs)
     assert "Not paired" in text and "| m | 2048 | cold | peer | 1 | bfloat16 | 1 | 1 | 2000 | 2000.0 | - | - | - |" in text
+
+
+def test_decode_rows_compare_steps_and_all_tokens(tmp_path):
+    """A decode run is compared by its step (not a TTFT) and agrees only when every token does;
+    its rows come after the hit rows."""
+    def write(path, system, step, tokens):
+        _write(path, system, [("a", "cold", 1.0), ("a", "hit", 0.1)])
+        with open(path, "a") as f:
+            f.write(json.dumps({"type": "run", "system": system, "model": "m", "prompt_id": "a", "length": 2048,
+                                "prompt_tokens": 2010, "kind": "decode", "repeat": 0, "step_s": step,
+                                "own_step_s": step / 2, "tokens": tokens, "first_token": tokens[0]}) + "\n")
+        return str(path)
+
+    files = [write(tmp_path / "run-fastprefill-round0.jsonl", "fastprefill", 0.040, [7, 1, 2]),
+             write(tmp_path / "run-peer-round0.jsonl", "peer", 0.050, [7, 1, 3])]
+    headers, runs = summarize.load(files)
+    c = summarize.cell(runs, "m", 2048, "decode", "peer")
+    assert c["ratio"] == pytest.approx(1.25) and c["median_s"] == pytest.approx(0.05)
+    assert c["own_s"] == pytest.approx(0.025)
+    text = summarize.report(headers, runs)
+    assert "| m | 2048 | decode | peer | 1 | bfloat16 | 1 | 1 | 2010 | 50.0 | 25.0 | 1.25 | - | - | - | 0/1 |" in text
+    rows = [line.split(" | ")[2] for line in text.splitlines() if line.startswith("| m | 2048")]
+    assert rows == ["cold", "cold", "hit", "hit", "decode", "decode"]
+
+
+def test_the_protocol_times_a_decode_step_as_a_difference_of_two_calls(tmp_path, monkeypatch):
+    """common.main on a fake system: per pair a cold, a hit and a decode run; the step is
+    (wall of 1 + D tokens - wall of 1 token) / D, so the per-call cost cancels."""
+    import common  # beside summarize.py, which anchors_summarize() put on the path
+
+    clock = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+
+    class Fake(common.System):
+        name = "fake"
+
+        def load(self, max_prompt_tokens):
+            pass
+
+        def reset(self):
+            pass
+
+        def generate_one(self, prepared):
+            clock[0] += 0.5
+            return 3
+
+        def inspect(self, raw, ids):
+            return {"first_token": raw}
+
+        def generate_n(self, prepared, n):
+            clock[0] += 0.2 + 0.01 * (n - 1)  # a fixed call cost, then 10 ms per step
+            return list(range(n))
+
+        def inspect_n(self, raw):
+            return {"tokens": raw, "own_step_s": 0.009}
+
+    prompts = tmp_path / "prompts.jsonl"
+    pair = {"first": {"ids": [1, 2, 3]}, "followup": {"ids": [1, 2, 4]}}
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"type": "header", "model": "m"},
+        {"type": "prompt", "length": 8, "role": "warmup", "id": "w", "shared_prefix_tokens": 2, **pair},
+        {"type": "prompt", "length": 8, "role": "measure", "id": "p", "shared_prefix_tokens": 2, **pair}]))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "fastprefill.json").write_text(json.dumps({"name": "m"}))
+    out = tmp_path / "out.jsonl"
+    argv = ["x", "--model-dir", str(tmp_path / "m"), "--prompts", str(prompts), "--repeats", "1",
+            "--decode-tokens", "4", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert common.main(Fake) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["decode_tokens"] == 4
+    runs = lines[1:]
+    assert [r["kind"] for r in runs] == ["cold", "hit", "decode"]
+    step = runs[2]
+    assert step["step_s"] == pytest.approx(0.01) and step["own_step_s"] == 0.009
+    assert step["tokens"] == [0, 1, 2, 3, 4] and step["prompt_tokens"] == 3
+
+    monkeypatch.setattr(sys, "argv", [*argv[:-4], "--decode-tokens", "0", "--out", str(out)])
+    assert common.main(Fake) == 0
+    assert [json.loads(x)["kind"] for x in out.read_text().splitlines()[1:]] == ["cold", "hit"]
