@@ -110,11 +110,13 @@ def other_sittings(headers: list[dict[str, Any]]) -> set[tuple[int, str, str]]:
 
 
 def paired_ratios(runs: list[dict[str, Any]], model: str, length: int, kind: str, system: str,
-                  unpaired: set[tuple[int, str, str]] = frozenset()) -> dict[int, list[float]]:
-    """Per round: ``system``'s TTFT over fastprefill's on the same prompt, kind and repeat of that
-    round; none for a round in ``unpaired`` (:func:`other_sittings`)."""
+                  unpaired: set[tuple[int, str, str]] = frozenset(),
+                  reference: str = REFERENCE) -> dict[int, list[float]]:
+    """Per round: ``system``'s TTFT over ``reference``'s (fastprefill's) on the same prompt, kind
+    and repeat of that round; none for a round in ``unpaired`` (:func:`other_sittings`; unpaired
+    with fastprefill's run, which every run of that system in that round is)."""
     ref = {(r["round"], r["prompt_id"], r["repeat"]): value(r) for r in runs
-           if r["system"] == REFERENCE and r["model"] == model and r["length"] == length and r["kind"] == kind}
+           if r["system"] == reference and (r["round"], model, reference) not in unpaired and r["model"] == model and r["length"] == length and r["kind"] == kind}
     out: dict[int, list[float]] = defaultdict(list)
     for r in runs:
         if (r["system"] == system and r["model"] == model and r["length"] == length and r["kind"] == kind
@@ -126,15 +128,18 @@ def paired_ratios(runs: list[dict[str, Any]], model: str, length: int, kind: str
 
 
 def cell(runs: list[dict[str, Any]], model: str, length: int, kind: str, system: str,
-         unpaired: set[tuple[int, str, str]] = frozenset()) -> dict[str, Any]:
-    """The figures of one table row (see the module docstring); ratios ``None`` where nothing pairs."""
+         unpaired: set[tuple[int, str, str]] = frozenset(), reference: str = REFERENCE) -> dict[str, Any]:
+    """The figures of one table row (see the module docstring); ratios ``None`` where nothing pairs.
+    ``reference``: the system the ratios divide by (the table's is fastprefill; a page may pair two
+    other systems of the same rounds the same way)."""
     mine = [r for r in runs if r["system"] == system and r["model"] == model and r["length"] == length
             and r["kind"] == kind]
     by_round: dict[int, list[float]] = defaultdict(list)
     for r in mine:
         by_round[r["round"]].append(value(r))
     round_medians = [statistics.median(v) for _, v in sorted(by_round.items())]
-    ratios = {k: statistics.median(v) for k, v in sorted(paired_ratios(runs, model, length, kind, system, unpaired).items())}
+    ratios = {k: statistics.median(v)
+              for k, v in sorted(paired_ratios(runs, model, length, kind, system, unpaired, reference).items())}
     values = list(ratios.values())
     mid = median(round_medians)
     return {

@@ -248,8 +248,9 @@ def namespace(results: Path) -> dict[str, Any]:
     - ``machine(file, dtype=None)``: :func:`machine_of` the file's header;
     - ``speedup(file, method)`` and ``identical(file, method)``: ``cell`` of ``paired speedup`` and of
       ``identical answers``;
-    - ``anchor(folder, length, kind, system, field="ratio")``: a figure of an anchors run
-      (``anchors/<folder>/run-*.jsonl``) as ``summarize.cell`` computes it, unrounded;
+    - ``anchor(folder, length, kind, system, field="ratio", reference="fastprefill")``: a figure
+      of an anchors run (``anchors/<folder>/run-*.jsonl``) as ``summarize.cell`` computes it,
+      unrounded (``reference``: the system the paired ratios divide by);
     - ``checkpoint(name, file="train_meta.json")``: a JSON file of ``benchmarks/checkpoints/<name>/``;
     - ``weights_mb(name)``: the size of a checkpoint's committed ``.safetensors`` files, in MB;
     - ``budget(file)``: a mixed-load record's per-long-prompt budget (``serve_mixed_budget.budget``);
@@ -317,13 +318,14 @@ def namespace(results: Path) -> dict[str, Any]:
     def identical(file: str, method: str, **keys: Any) -> float:
         return cell(file, "identical answers", method=method, **keys)
 
-    def anchor(folder: str, length: int, kind: str, system: str, field: str = "ratio") -> Any:
+    def anchor(folder: str, length: int, kind: str, system: str, field: str = "ratio",
+               reference: str = "fastprefill") -> Any:
         from figures.families import anchors_summarize
 
         summarize = anchors_summarize()
         headers, runs = summarize.load(sorted(str(p) for p in (results / "anchors" / folder).glob("run-*.jsonl")))
         model = headers[0]["model"]
-        value = summarize.cell(runs, model, length, kind, system, summarize.other_sittings(headers))[field]
+        value = summarize.cell(runs, model, length, kind, system, summarize.other_sittings(headers), reference)[field]
         if value is None:
             raise ConfigError(f"anchors/{folder}: no {field} for {system} {kind} at {length} (not paired)")
         return value

@@ -151,6 +151,8 @@ def test_decode_rows_compare_steps_and_all_tokens(tmp_path):
     c = summarize.cell(runs, "m", 2048, "decode", "peer")
     assert c["ratio"] == pytest.approx(1.25) and c["median_s"] == pytest.approx(0.05)
     assert c["own_s"] == pytest.approx(0.025)
+    # two systems of the same rounds paired with each other, neither of them fastprefill's reference row
+    assert summarize.cell(runs, "m", 2048, "decode", "fastprefill", reference="peer")["ratio"] == pytest.approx(0.8)
     text = summarize.report(headers, runs)
     assert "| m | 2048 | decode | peer | 1 | bfloat16 | 1 | 1 | 2010 | 50.0 | 25.0 | 1.25 | - | - | - | 0/1 |" in text
     rows = [line.split(" | ")[2] for line in text.splitlines() if line.startswith("| m | 2048")]
