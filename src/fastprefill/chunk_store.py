@@ -34,7 +34,8 @@ from typing import ClassVar
 import torch
 from transformers import PreTrainedModel
 
-from fastprefill.prefix_cache import PrefixCache, _Block
+from fastprefill.cache.blocks import Block
+from fastprefill.prefix_cache import PrefixCache
 
 __all__ = ["ChunkEntry", "ChunkStore", "ChunkStoreStats", "anchor_digest"]
 
@@ -105,10 +106,10 @@ class ChunkStore(PrefixCache):
         key = self.chunk_key(tokens, anchor)
         with self._lock:
             self._bind(model)
-            block = self._blocks.get(key)
+            block = self._index.get(key)
             found = block is not None and block.start is not None and block.tokens == tokens
             if found:
-                self._blocks.move_to_end(key)
+                self._index.touch(key)
             stats = self.chunk_stats
             stats.hits, stats.misses = stats.hits + found, stats.misses + (not found)
             stats.hit_tokens += len(tokens) if found else 0
@@ -134,10 +135,10 @@ class ChunkStore(PrefixCache):
         kv = entry.kv.detach().clone()  # owns its memory: eviction frees it
         with self._lock:
             self._bind(model)
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
+            if key in self._index:
+                self._index.touch(key)
                 return False
-            self._insert(key, _Block(tokens, None, kv, start=int(entry.start)))
+            self._index.insert(key, Block(tokens, None, kv, start=int(entry.start)))
             self.chunk_stats.stored += 1
             self._evict(protect={key})
         return True
@@ -146,4 +147,4 @@ class ChunkStore(PrefixCache):
     def num_chunks(self) -> int:
         """Chunks held."""
         with self._lock:
-            return sum(block.start is not None for block in self._blocks.values())
+            return sum(block.start is not None for _, block in self._index.items())

@@ -5,18 +5,16 @@ the same documents; agents repeat a long system prompt. :class:`PrefixCache` kee
 per-layer K/V of what was prefilled, and :func:`fastprefill.engine.generate` with
 ``prefix_cache=`` prefills only the part of a new prompt that is not cached.
 
-**Index: hashed token blocks** (as vLLM's automatic prefix caching). A sequence is cut into
-blocks of ``block_tokens`` tokens; block ``i``'s key is a BLAKE2b digest of its tokens and of
-block ``i - 1``'s key, so one key names the whole prefix up to it. The longest cached prefix of
-a prompt is a walk of dictionary lookups, one per block, never a scan of the entries. Each block
-also keeps its own token ids, compared on every hit, so a digest collision can never hand one
-prompt another prompt's K/V. Chosen over a radix tree (SGLang) because whole blocks make the
-byte accounting, LRU eviction and saving to disk simple, at the cost of recomputing the last
-partial block (fewer than ``block_tokens`` tokens) of a hit.
+**Index: hashed token blocks** (as vLLM's automatic prefix caching), kept in a
+:class:`~fastprefill.cache.blocks.BlockIndex`: block ``i``'s key names the whole prefix up to
+it, so the longest cached prefix of a prompt is a walk of dictionary lookups, one per block,
+never a scan of the entries; each block's own token ids are compared on every hit, so a digest
+collision can never hand one prompt another prompt's K/V. Chosen over a radix tree (SGLang)
+because whole blocks make the byte accounting, LRU eviction and saving to disk simple, at the
+cost of recomputing the last partial block (fewer than ``block_tokens`` tokens) of a hit.
 
-**Eviction: least recently used leaves, under a byte bound.** A block is evicted only when no
-cached block continues it (a leaf), so no cached block is ever unreachable. A hit refreshes its
-blocks child-first, so the chain's root stays the most recent and leaves go first.
+**Eviction: least recently used leaves, under a byte bound** (a block no cached block
+continues), so no cached block is ever unreachable; a hit refreshes its blocks child-first.
 
 **Only exact K/V is stored.** A method reports how many leading positions of its cache equal
 full prefill's at every layer (``PrefillOutput.exact_tokens``); only those are stored. What
@@ -27,9 +25,9 @@ visible, and blocks are never modified after (hits copy them into a new cache), 
 requests sharing a prefix see whole blocks or none.
 
 **Persistence.** :meth:`PrefixCache.save` writes the blocks to one safetensors file with a JSON
-header (model fingerprint, dtype, block size, each block's tokens and parent) and a sha256
-sidecar; :meth:`PrefixCache.load` refuses a file whose checksum, model, dtype or block size
-differs, with a message, and loads nothing from it.
+header and a sha256 sidecar (:mod:`fastprefill.cache.block_file`); :meth:`PrefixCache.load`
+refuses a file whose checksum, model, dtype or block size differs, with a message, and loads
+nothing from it.
 
 Shapes: one block is ``(2, L, H_kv, B, d)`` (keys, values; rotated keys, as a transformers
 cache holds them); a hit's cache layer ``l`` is ``(1, H_kv, P, d)``.
@@ -37,12 +35,9 @@ cache holds them); a hit's cache layer ``l`` is ``(1, H_kv, P, d)``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,18 +48,22 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from fastprefill.cache import layer_kv, roomy_from_blocks
-from fastprefill.errors import ConfigError, FastprefillError, is_int
-from fastprefill.models.fingerprint import file_sha256, weights_fingerprint
+from fastprefill.cache.block_file import (
+    PrefixCacheError,
+    check_identity,
+    open_blocks,
+    restore_blocks,
+    snapshot,
+    write_blocks,
+)
+from fastprefill.cache.blocks import Block, BlockIndex, block_keys
+from fastprefill.errors import ConfigError, is_int
+from fastprefill.models.fingerprint import weights_fingerprint
 from fastprefill.models.shape import ModelShape
 
 __all__ = ["PrefixCache", "PrefixCacheError", "PrefixHit", "supports_prefix_cache"]
 
 FORMAT = "fastprefill-prefix-cache"
-VERSION = 1
-
-
-class PrefixCacheError(FastprefillError, ValueError):
-    """A saved prefix cache that is corrupt or belongs to another model, dtype or block size."""
 
 
 def supports_prefix_cache(model: PreTrainedModel) -> bool:
@@ -72,23 +71,6 @@ def supports_prefix_cache(model: PreTrainedModel) -> bool:
     the only kind whose K/V a prefix can be cut from."""
     cache = DynamicCache(config=model.config)
     return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
-
-
-@dataclass
-class _Block:
-    """One cached block: its tokens, its parent's key and its K/V ``(2, L, H_kv, B, d)``; ``start``
-    is ``None`` for a prefix block, the first position of an entry of a subclass's own kind (a
-    :class:`~fastprefill.chunk_store.ChunkStore` chunk: ``B`` is then its length)."""
-
-    tokens: tuple[int, ...]
-    parent: bytes | None
-    kv: torch.Tensor
-    children: int = 0
-    start: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
 
 
 @dataclass
@@ -152,8 +134,7 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.block_tokens = block_tokens
         self.stats = PrefixCacheStats()
-        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
-        self._bytes = 0
+        self._index = BlockIndex(max_bytes)
         self._lock = threading.Lock()
         self._model: weakref.ref[PreTrainedModel] | None = None
         self._fingerprint: str | None = None
@@ -202,20 +183,6 @@ class PrefixCache:
         element = torch.empty(0, dtype=model.dtype).element_size()
         return 2 * shape.num_layers * shape.num_kv_heads * self.block_tokens * shape.head_dim * element
 
-    # --- keys ------------------------------------------------------------------------------
-    def _keys(self, ids: Sequence[int]) -> list[tuple[bytes, tuple[int, ...]]]:
-        """``(key, tokens)`` of every whole block of ``ids``, in order."""
-        out = []
-        parent = b""
-        b = self.block_tokens
-        for start in range(0, len(ids) - b + 1, b):
-            tokens = tuple(int(t) for t in ids[start:start + b])
-            digest = hashlib.blake2b(parent + torch.tensor(tokens, dtype=torch.int64).numpy().tobytes(),
-                                     digest_size=16).digest()
-            out.append((digest, tokens))
-            parent = digest
-        return out
-
     # --- the two operations ---------------------------------------------------------------
     def lookup(self, model: PreTrainedModel, input_ids: torch.Tensor, longer_than: int = 0) -> PrefixHit:
         """The longest cached prefix of a prompt, as a new cache.
@@ -233,13 +200,14 @@ class PrefixCache:
         with self._lock:
             self._bind(model)
             found: list[bytes] = []
-            for key, tokens in self._keys(ids):
-                block = self._blocks.get(key)
+            kv: list[torch.Tensor] = []
+            for key, tokens in block_keys(ids, self.block_tokens):
+                block = self._index.get(key)
                 if block is None or block.tokens != tokens:
                     break
                 found.append(key)
-            self._refresh(found)
-            kv = [self._blocks[key].kv for key in found]
+                kv.append(block.kv)
+            self._index.refresh(found)
             p = min(len(found) * self.block_tokens, len(ids) - 1)
             self.stats.lookups += 1
             self.stats.hits += bool(found)
@@ -267,12 +235,12 @@ class PrefixCache:
         ids = (token_ids.reshape(-1).tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids))
         if not is_int(exact_tokens, 0) or (n := int(exact_tokens)) > len(ids):
             raise ValueError(f"exact_tokens must be an integer in 0..{len(ids)}, got {exact_tokens!r}")
-        keys = self._keys(ids[:n])
+        keys = block_keys(ids[:n], self.block_tokens)
         with self._lock:
             self._bind(model)
-            first_new = next((i for i, (key, _) in enumerate(keys) if key not in self._blocks), len(keys))
+            first_new = next((i for i, (key, _) in enumerate(keys) if key not in self._index), len(keys))
             if first_new == len(keys):  # all cached already
-                self._refresh([key for key, _ in keys])
+                self._index.refresh([key for key, _ in keys])
                 return 0
         b = self.block_tokens
         start, end = first_new * b, len(keys) * b
@@ -289,74 +257,48 @@ class PrefixCache:
         with self._lock:
             parent = keys[first_new - 1][0] if first_new else None
             for (key, tokens), block_kv in zip(keys[first_new:], blocks, strict=True):
-                if key not in self._blocks:
-                    if parent is not None and parent not in self._blocks:
+                if key not in self._index:
+                    if parent is not None and parent not in self._index:
                         break  # evicted meanwhile: a block without its parent would be unreachable
-                    self._insert(key, _Block(tokens, parent, block_kv))
+                    self._index.insert(key, Block(tokens, parent, block_kv))
                     stored += b
                 parent = key
-            self._refresh([key for key, _ in keys])
+            self._index.refresh([key for key, _ in keys])
             self._evict(protect={key for key, _ in keys})
             self.stats.stored_tokens += stored
         return stored
 
     # --- bookkeeping ----------------------------------------------------------------------
-    def _refresh(self, keys: list[bytes]) -> None:
-        for key in reversed(keys):  # child first: the root ends most recent, leaves go first
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
-
-    def _insert(self, key: bytes, block: _Block) -> None:
-        self._blocks[key] = block
-        self._bytes += block.nbytes
-        if block.parent is not None:
-            self._blocks[block.parent].children += 1
-
-    def _remove(self, key: bytes) -> None:
-        block = self._blocks.pop(key)
-        self._bytes -= block.nbytes
-        if block.parent is not None and block.parent in self._blocks:
-            self._blocks[block.parent].children -= 1
-        self.stats.evicted_blocks += 1
-
     def _evict(self, protect: set[bytes] = frozenset()) -> None:
         """Drop least recently used leaves until the bytes fit; the blocks just stored
-        (``protect``) go last."""
-        while self._bytes > self.max_bytes:
-            victim = next((k for k, blk in self._blocks.items() if blk.children == 0 and k not in protect), None)
-            if victim is None:
-                victim = next((k for k, blk in self._blocks.items() if blk.children == 0), None)
-            if victim is None:  # cannot happen: a non-empty forest has a leaf
-                break
-            self._remove(victim)
-
-    def _depth(self, key: bytes) -> int:
-        depth, parent = 0, self._blocks[key].parent
-        while parent is not None:
-            depth, parent = depth + 1, self._blocks[parent].parent
-        return depth
+        (``protect``) go last. Called with the lock held."""
+        self.stats.evicted_blocks += self._index.evict(protect)
 
     def clear(self) -> None:
         """Drop every block."""
         with self._lock:
-            self._blocks.clear()
-            self._bytes = 0
+            self._index.clear()
 
     @property
     def nbytes(self) -> int:
         """Bytes of K/V held."""
-        return self._bytes
+        return self._index.nbytes
 
     @property
     def num_blocks(self) -> int:
-        return len(self._blocks)
+        return len(self._index)
 
     @property
     def held_tokens(self) -> int:
         """Tokens held (``num_blocks * block_tokens`` for prefix blocks)."""
-        return sum(len(block.tokens) for block in self._blocks.values())
+        return sum(len(block.tokens) for _, block in self._index.items())
 
     # --- persistence ----------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        """What this cache's blocks are valid for, as its file records it."""
+        return {"format": self.FORMAT, "fingerprint": self._fingerprint, "dtype": str(self._dtype),
+                "block_tokens": self.block_tokens}
+
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write every block to ``directory/<FILE_STEM>.safetensors`` (atomically) with a sha256 sidecar.
 
@@ -366,31 +308,11 @@ class PrefixCache:
         Raises:
             ConfigError: the cache was never bound to a model (nothing to identify it by).
         """
-        from safetensors.torch import save_file
-
-        folder = Path(directory)
-        folder.mkdir(parents=True, exist_ok=True)
         with self._lock:
             if self._fingerprint is None:
                 raise ConfigError("this PrefixCache has not served a model yet; nothing to save")
-            lru = {key: rank for rank, key in enumerate(self._blocks)}  # 0 = least recently used
-            order = sorted(self._blocks, key=lambda key: (self._depth(key), lru[key]))  # parents first
-            tensors = {key.hex(): self._blocks[key].kv.detach().to("cpu").contiguous() for key in order}
-            header = {
-                "format": self.FORMAT, "version": VERSION, "fingerprint": self._fingerprint, "dtype": str(self._dtype),
-                "block_tokens": self.block_tokens,
-                "blocks": [{"key": key.hex(), "parent": None if self._blocks[key].parent is None
-                            else self._blocks[key].parent.hex(), "tokens": list(self._blocks[key].tokens),
-                            "lru": lru[key], **({} if self._blocks[key].start is None else
-                                                {"start": self._blocks[key].start})} for key in order],
-            }
-        path = folder / f"{self.FILE_STEM}.safetensors"
-        tmp = folder / f".{self.FILE_STEM}.safetensors.tmp"
-        save_file(tensors, str(tmp), metadata={"fastprefill": json.dumps(header)})
-        digest = file_sha256(tmp)
-        os.replace(tmp, path)
-        (folder / f"{self.FILE_STEM}.sha256").write_text(digest + "\n")
-        return path
+            header, tensors = snapshot(self._index, self._identity())
+        return write_blocks(directory, self.FILE_STEM, header, tensors)
 
     def load(self, directory: str | os.PathLike[str], model: PreTrainedModel) -> int:
         """Load the blocks saved in ``directory`` for ``model`` (most recent last, within the bound).
@@ -402,49 +324,12 @@ class PrefixCache:
             PrefixCacheError: a corrupt file (checksum, format) or one saved for another model,
                 dtype or block size; nothing is loaded from it.
         """
-        from safetensors import safe_open
-
-        folder = Path(directory)
-        path, sidecar = folder / f"{self.FILE_STEM}.safetensors", folder / f"{self.FILE_STEM}.sha256"
-        if not path.exists():
-            return 0
-        if not sidecar.exists() or sidecar.read_text().strip() != file_sha256(path):
-            raise PrefixCacheError(f"{path}: its sha256 does not match {sidecar.name}; the file is corrupt "
-                                   "(delete it; the cache refills as requests come)")
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                header = json.loads((handle.metadata() or {}).get("fastprefill", "{}"))
-                self.bind(model)
-                self._check_header(path, header)
-                loaded = 0
-                with self._lock:
-                    new: dict[bytes, int] = {}
-                    for entry in header["blocks"]:  # parents before children
-                        key = bytes.fromhex(entry["key"])
-                        parent = None if entry["parent"] is None else bytes.fromhex(entry["parent"])
-                        if key in self._blocks or (parent is not None and parent not in self._blocks):
-                            continue
-                        kv = handle.get_tensor(entry["key"]).to(model.device)
-                        self._insert(key, _Block(tuple(entry["tokens"]), parent, kv, start=entry.get("start")))
-                        new[key] = int(entry["lru"])
-                        loaded += self.block_tokens
-                    for key in sorted(new, key=new.__getitem__):  # restore the saved recency order
-                        self._blocks.move_to_end(key)
-                    self._evict()
-        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            if isinstance(exc, FastprefillError):
-                raise
-            raise PrefixCacheError(f"{path} is not a readable prefix cache ({exc}); delete it") from None
-        return loaded
-
-    def _check_header(self, path: Path, header: dict[str, Any]) -> None:
-        if header.get("format") != self.FORMAT or header.get("version") != VERSION:
-            raise PrefixCacheError(f"{path} is not a fastprefill prefix cache (format {header.get('format')!r})")
-        if header.get("fingerprint") != self._fingerprint:
-            raise PrefixCacheError(f"{path} was saved for another model (weights fingerprint differs); "
-                                   "it is ignored: delete it or point --prefix-cache-dir elsewhere")
-        if header.get("dtype") != str(self._dtype):
-            raise PrefixCacheError(f"{path} holds {header.get('dtype')} K/V; the model runs in {self._dtype}")
-        if header.get("block_tokens") != self.block_tokens:
-            raise PrefixCacheError(f"{path} has blocks of {header.get('block_tokens')} tokens, this cache "
-                                   f"{self.block_tokens}")
+        with open_blocks(directory, self.FILE_STEM) as saved:
+            if saved is None:
+                return 0
+            self.bind(model)
+            check_identity(saved, self._identity())
+            with self._lock:
+                loaded = restore_blocks(self._index, saved, model.device)
+                self._evict()
+        return loaded * self.block_tokens

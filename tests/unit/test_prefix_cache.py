@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from fastprefill.cache import PositionKVCache
+from fastprefill.cache import Block, BlockIndex, PositionKVCache, block_keys
 from fastprefill.engine import generate
 from fastprefill.errors import ConfigError
 from fastprefill.methods.baselines import RandomDrop
@@ -104,7 +104,7 @@ def _blocks_equal_reference(cache: PrefixCache, model, ids: torch.Tensor) -> int
     is the whole prefill's; returns the tokens they cover."""
     ref = _reference_kv(model, ids)
     with cache._lock:
-        blocks = list(cache._blocks.values())
+        blocks = [block for _, block in cache._index.items()]
     b = cache.block_tokens
     covered = 0
     for i in range(len(blocks)):  # the chain from the root: block i holds tokens [i*b, (i+1)*b)
@@ -344,3 +344,29 @@ def test_corrupt_or_mismatched_files_are_refused_and_not_loaded(tmp_path, tiny_l
 
 
 # --------------------------------------------------------------------------- the real model
+
+
+def test_block_keys_name_the_whole_prefix():
+    a = block_keys(list(range(10)), 4)
+    assert [tokens for _, tokens in a] == [(0, 1, 2, 3), (4, 5, 6, 7)]  # the partial last block has no key
+    assert block_keys([*range(8), 99], 4) == a  # the same whole blocks, the same keys
+    other = block_keys([99, *range(1, 8)], 4)
+    assert other[1][1] == a[1][1] and other[1][0] != a[1][0]  # same tokens after another first block
+
+
+def test_block_index_evicts_least_recent_leaves_first_and_protected_ones_last():
+    def block(tokens, parent):
+        return Block(tokens, parent, torch.zeros(2, 1, 1, 4, 2))  # 64 bytes
+
+    chain = block_keys(list(range(12)), 4)
+    index = BlockIndex(max_bytes=3 * 64)
+    for i, (key, tokens) in enumerate(chain):
+        index.insert(key, block(tokens, chain[i - 1][0] if i else None))
+    index.insert(b"lone", block((9,), None))
+    index.refresh([key for key, _ in chain])  # the chain the most recent: the lone root the oldest leaf
+    assert index.nbytes == 4 * 64 and index.depth(chain[2][0]) == 2
+    assert index.evict() == 1 and b"lone" not in index and index.nbytes == 3 * 64
+    index.max_bytes = 64
+    assert index.evict(protect={chain[2][0]}) == 2  # only leaves go: the protected leaf, then its parent
+    assert [key for key, _ in index.items()] == [chain[0][0]] and index.get(chain[0][0]).children == 0
+
