@@ -18,12 +18,18 @@ from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models.adapters import blocks_compiled, fuse_mlps, swiglu_mlps
 from fastprefill.models.packed import (
+    ROW_FLOORS,
+    MergedProduct,
     PackedLinear,
     PackedSwiGLU,
     can_pack,
+    chunked,
     linears_packed,
     onednn_bf16,
     pack_linears,
+    packable,
+    row_floor_for,
+    set_row_floor,
 )
 
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -207,3 +213,85 @@ def test_only_packed_swiglu_mlps_are_fused():
     assert swiglu_mlps(gpt2) == [] and fuse_mlps(gpt2) == 0
     f32, _ = models.load("random:llama", dtype="float32")
     assert len(swiglu_mlps(f32)) == 4 and fuse_mlps(f32) == 0  # SwiGLUs, but not packed
+
+
+def _padded_row(product, x: torch.Tensor, floor: int) -> torch.Tensor:
+    """``product`` of the one row ``x`` ``(1, D)`` stacked over ``floor - 1`` zero rows, its first row."""
+    return product(torch.cat([x, x.new_zeros(floor - 1, x.shape[-1])]))[:1]
+
+
+@needs_onednn_bf16
+def test_a_row_floor_computes_fewer_rows_inside_a_product_of_the_floor():
+    """Below the floor a packed layer pads its rows with zero rows (any leading shape) and returns
+    only its own; at or above it the product is the plain packed one."""
+    layer = _packed_layer()
+    one, many = torch.randn(1, 1, 32).to(torch.bfloat16), torch.randn(2, 3, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = _padded_row(layer, one[0], 4)
+        free = layer(many)
+        layer.row_floor = 4
+        got = layer(one)
+        assert got.shape == (1, 1, 48) and torch.equal(got[0], want)
+        assert torch.equal(layer(many), free)  # 6 rows: no padding
+
+
+@needs_onednn_bf16
+def test_a_models_merged_and_fused_products_follow_its_row_floor():
+    """``set_row_floor`` reaches every packed layer; the merged q/k/v product and the fused SwiGLU
+    MLP pad as their layers do. Bad floors and ``auto`` without packed layers are refused."""
+    model, _ = models.load("random:llama", dtype="bfloat16", pack=True)
+    assert set_row_floor(model, 3) == 3
+    assert {m.row_floor for m in model.modules() if isinstance(m, PackedLinear)} == {3}
+    layer = model.model.layers[0]
+    x = torch.randn(1, model.config.hidden_size).to(torch.bfloat16)
+    merged = MergedProduct([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+    with torch.inference_mode():
+        assert torch.equal(layer.mlp(x), _padded_row(layer.mlp, x, 3))
+        for got, want in zip(merged(x), merged(torch.cat([x, x.new_zeros(2, x.shape[-1])])), strict=True):
+            assert torch.equal(got, want[:1])
+    assert set_row_floor(model, 1) == 1
+    for bad in (0, -2, 1.5, True, "two"):
+        with pytest.raises(ConfigError, match="row floor must be"):
+            set_row_floor(model, bad)
+    plain, _ = models.load("random:llama", dtype="float32")
+    with pytest.raises(ConfigError, match="needs packed linear layers"):
+        set_row_floor(plain, "auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_found_floor_makes_a_real_sized_product_row_invariant(dtype):
+    """At the floor :func:`row_floor_for` finds for Qwen2.5-0.5B's down projection (4864 -> 896, whose
+    one-row product rounds differently from a wider one on some CPUs), 48 rows of other random
+    inputs computed 1, 2, 3, 4 and 8 at a time equal bit for bit their rows inside a 768-row product."""
+    if not packable("cpu", dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} here")
+    floor = row_floor_for([(4864, 896)], dtype)
+    assert floor in ROW_FLOORS
+    layer = torch.nn.Sequential(torch.nn.Linear(4864, 896, bias=False)).to(dtype)
+    pack_linears(layer)
+    layer[0].row_floor = floor
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(768, 4864, generator=gen).to(dtype)
+    with torch.inference_mode():
+        whole = layer[0](x)[:48]
+        for m in (1, 2, 3, 4, 8):
+            assert torch.equal(chunked(layer[0], x[:48], m), whole), m
+
+
+@needs_onednn_bf16
+def test_the_row_floor_option_loads_the_model_packed_with_its_floor():
+    """``--row-floor`` on the commands that load a model: ``auto`` or a number (anything else is
+    refused by the parser); the loader then packs the model (float32 too) and sets the floor."""
+    from fastprefill.cli import build_parser
+    from fastprefill.cli.common import _load
+
+    parse = build_parser().parse_args
+    assert parse(["generate", "x", "--row-floor", "auto"]).row_floor == "auto"
+    assert parse(["serve", "--row-floor", "2"]).row_floor == 2 and parse(["serve"]).row_floor is None
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--row-floor", bad])
+    model, _ = _load("random:llama", "cpu", "float32", None, 3)
+    assert linears_packed(model) and {m.row_floor for m in model.modules() if isinstance(m, PackedLinear)} == {3}
+    plain, _ = _load("random:llama", "cpu", "float32")
+    assert not linears_packed(plain)

@@ -27,9 +27,11 @@ def _positive(value: str) -> int:
     return n
 
 
-def model_args(p: argparse.ArgumentParser, default_model: bool = True, dtype: str = "auto") -> None:
+def model_args(p: argparse.ArgumentParser, default_model: bool = True, dtype: str = "auto",
+               row_floor: bool = True) -> None:
     """The options of a subcommand that loads a model: ``--model`` (unless the subcommand names its
-    own), ``--device``, ``--dtype``, ``--no-compile``, ``--threads``."""
+    own), ``--device``, ``--dtype``, ``--no-compile``, ``--row-floor`` (where ``row_floor``),
+    ``--threads``."""
     from fastprefill.host import DTYPES
 
     if default_model:
@@ -42,20 +44,40 @@ def model_args(p: argparse.ArgumentParser, default_model: bool = True, dtype: st
                    help="run the model as transformers builds it (by default, on the CPU, each decoder layer's MLP "
                         "and norms are compiled with torch.compile, a few seconds more at the first run, and a "
                         "bfloat16 model's linear weights are prepacked for oneDNN: faster prefill and decode)")
+    if row_floor:
+        p.add_argument("--row-floor", default=None, type=_row_floor,
+                       help="'auto': every matrix product whose few-row kernel rounds differently from a wider "
+                            "one (a one-row decode step, a one-row prefix-cache suffix) is padded to the fewest rows "
+                            "at which this CPU's kernels agree, so a request's tokens do not depend on its decode "
+                            "batch or on the cache (the linear weights are then packed, float32 too); or a number "
+                            "of rows. Default: off")
     p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1, help="torch threads")
 
 
-def _load(model: str, device: str, dtype: str, compile: bool | None = None):
+def _row_floor(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError("--row-floor must be 'auto' or an integer >= 1")
+    return int(value)
+
+
+def _load(model: str, device: str, dtype: str, compile: bool | None = None, row_floor: int | str | None = None):
     """Load ``model`` in ``dtype`` (``"auto"``: see :func:`fastprefill.host.resolve_dtype`) for a
     command that runs it, its decoder blocks compiled and its linear weights packed unless
-    ``compile=False`` (see :func:`fastprefill.models.load`); the process keeps freed memory for reuse from here on
-    (:func:`fastprefill.host.keep_freed_memory`)."""
+    ``compile=False`` (see :func:`fastprefill.models.load`); with a ``row_floor`` (``--row-floor``)
+    packed whatever the dtype, and the floor set (:func:`fastprefill.models.packed.set_row_floor`).
+    The process keeps freed memory for reuse from here on (:func:`fastprefill.host.keep_freed_memory`)."""
     from fastprefill.host import keep_freed_memory
     from fastprefill.models import load
+    from fastprefill.models.packed import set_row_floor
 
     keep_freed_memory()
     with console.status(f"loading {model} ..."):
-        return load(model, device=device, dtype=dtype, compile=compile, pack=compile)
+        loaded = load(model, device=device, dtype=dtype, compile=compile, pack=True if row_floor is not None else compile)
+        if row_floor is not None:
+            set_row_floor(loaded[0], row_floor)
+        return loaded
 
 
 def _print_json(data: Any) -> None:

@@ -13,7 +13,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from fastprefill.host import set_threads
 
     set_threads(args.threads)
-    model, tok = _load(args.model, args.device, args.dtype, args.compile)
+    model, tok = _load(args.model, args.device, args.dtype, args.compile, args.row_floor)
     return run_demo(model, tok, args, console)
 
 def add_parser(sub: Any) -> None:

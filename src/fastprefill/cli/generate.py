@@ -77,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"and all communication included) for {t['prompt_tokens']} prompt tokens; {_warmup_note(warmup_s)}[/dim]"
         )
         return 0
-    model, tok = _load(args.model, args.device, args.dtype, args.compile)
+    model, tok = _load(args.model, args.device, args.dtype, args.compile, args.row_floor)
     if args.verbose:
         from fastprefill.host import precision_line
         from fastprefill.models.packed import linears_packed

@@ -36,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.device != "cpu" and rank_methods({s: serving_method(s) for s in (args.method, *args.allow_method)}):
         raise FastprefillError("multi-rank methods serve on CPU ranks (gloo): drop --device, or run the server "
                                "under torchrun")
-    model, tok = _load(args.model, args.device, args.dtype, args.compile)
+    model, tok = _load(args.model, args.device, args.dtype, args.compile, args.row_floor)
     with console.status("starting the ranks ..."):
         ranks = start_ranks(config, args.model, dtype=args.dtype, threads_per_rank=args.threads_per_rank)
     app = create_app(model, tok, config, ranks)

@@ -135,5 +135,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--checkpoint-every", type=_positive, default=25)
     p.add_argument("--train-aux", action="store_true", help="also train the aux model (KVP-C only)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    model_args(p, default_model=False, dtype="float32")  # maps are fitted in float32; they apply in any dtype
+    model_args(p, default_model=False, dtype="float32", row_floor=False)  # maps are fitted in float32; they apply in any dtype
     p.set_defaults(func=cmd_train_kvp)

@@ -29,7 +29,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise FastprefillError("no candidates: --only needs at least one --methods SPEC")
     candidates = {spec: make_method(spec) for spec in dict.fromkeys(specs)}  # every spec builds before any run
     set_threads(args.threads)
-    model, tok = _load(args.model, args.device, args.dtype, args.compile)
+    model, tok = _load(args.model, args.device, args.dtype, args.compile, args.row_floor)
     for spec, method in list(candidates.items()):
         if not method.supports(model.config):
             err_console.print(f"[dim]skipping {spec}: it does not support {model.config.model_type!r}[/dim]")

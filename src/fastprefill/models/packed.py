@@ -18,17 +18,33 @@ apply (another device or dtype, autograd on the weight).
 :class:`PackedSwiGLU` goes one step further for a SwiGLU MLP over packed layers: its activation
 and product run inside the gate and up products (oneDNN post-ops) instead of as two passes over
 the ``(T, I)`` intermediate.
+
+A row's result can depend on how many rows a product computes: oneDNN runs a one-row product
+(and, for some shapes, a two-row one) with another kernel, whose sums round differently, than a
+product of more rows. So a stream's decode step gives other bits alone than in a decode batch,
+and a prefix-cache hit's one-row suffix others than the same row inside a whole prefill.
+:func:`set_row_floor` gives every packed product of a model a *row floor*: fewer input rows are
+padded with zero rows up to it (their outputs dropped), so every product at or above the floor
+runs the kernels that compute each row the same whatever other rows come with it
+(:func:`row_floor_for` finds the floor for this CPU's kernels by checking the products' shapes).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
 
-__all__ = ["MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "linears_packed", "onednn_bf16", "pack_linears",
-           "packable"]
+__all__ = ["ROW_FLOORS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "chunked", "linears_packed",
+           "onednn_bf16", "pack_linears", "packable", "row_floor_for", "set_row_floor"]
+
+#: The row floors :func:`row_floor_for` tries, smallest first (a CPU with AMX tiles may pick its
+#: kernels by blocks of 16 rows).
+ROW_FLOORS = (1, 2, 4, 8, 16)
+#: The row counts :func:`row_floor_for` computes its rows by (those at or above the floor tried).
+_PROBE_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 48)
 
 
 def onednn_bf16() -> bool:
@@ -67,6 +83,8 @@ class PackedLinear(torch.nn.Linear):
 
     _packed: torch.Tensor | None = None  # made on first use by a layer built as PackedLinear directly
     _packed_for: tuple[int, int] = (0, -2)
+    #: fewer input rows are padded with zero rows up to this many (:func:`set_row_floor`; 1: never)
+    row_floor: int = 1
 
     def repack(self, rows: int = 2048) -> None:
         """(Re)make the packed copy of ``weight`` (oneDNN picks its layout for ``rows`` input rows;
@@ -93,7 +111,8 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.applies(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight(), self.bias, "none", [None], "")
+        return _floored(x, self.row_floor, lambda t: torch.ops.mkldnn._linear_pointwise(
+            t, self.packed_weight(), self.bias, "none", [None], ""))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackedLinear:
         """A deep copy packs its own weight (oneDNN's packed tensors have no storage to copy)."""
@@ -135,10 +154,13 @@ class PackedSwiGLU(torch.nn.Module):
         gate, up = self.gate_proj, self.up_proj
         if not (gate.applies(x) and up.applies(x)):
             return self.down_proj(self.act_fn(gate(x)) * up(x))
-        x = x.contiguous()
         linear = torch.ops.mkldnn._linear_pointwise
-        gated = linear(x, gate.packed_weight(), gate.bias, "swish", [None], "")  # silu(x Wg + bg)
-        return self.down_proj(linear.binary(x, gated, up.packed_weight(), up.bias, "mul"))  # (x Wu + bu) * gated
+
+        def product(t: torch.Tensor) -> torch.Tensor:
+            gated = linear(t, gate.packed_weight(), gate.bias, "swish", [None], "")  # silu(x Wg + bg)
+            return linear.binary(t, gated, up.packed_weight(), up.bias, "mul")  # (x Wu + bu) * gated
+
+        return self.down_proj(_floored(x, max(gate.row_floor, up.row_floor), product))
 
 
 class MergedProduct:
@@ -192,8 +214,105 @@ class MergedProduct:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``(..., in)`` -> one ``(..., out_i)`` view per layer (of one merged output)."""
         packed = self._weights()
-        merged = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self._bias, "none", [None], "")
+        floor = max(layer.row_floor for layer in self.layers)
+        merged = _floored(x, floor, lambda t: torch.ops.mkldnn._linear_pointwise(t, packed, self._bias, "none", [None], ""))
         return list(merged.split(self.sizes, dim=-1))
+
+
+def _floored(x: torch.Tensor, floor: int, product: Any) -> torch.Tensor:
+    """``product`` of ``x`` ``(..., in)`` computed over at least ``floor`` rows: fewer are padded with
+    zero rows, whose outputs are dropped. ``product`` takes and returns contiguous tensors."""
+    x = x.contiguous()
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows >= floor or rows == 0:
+        return product(x)
+    flat = x.reshape(rows, x.shape[-1])
+    out = product(torch.cat([flat, flat.new_zeros(floor - rows, x.shape[-1])]))[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def chunked(product: Any, x: torch.Tensor, m: int) -> torch.Tensor:
+    """``product`` of ``x`` ``(R, in)`` computed ``m`` rows at a time (``R`` a multiple of ``m``)."""
+    return torch.cat([product(x[i:i + m].contiguous()) for i in range(0, x.shape[0], m)])
+
+
+def row_floor_for(shapes: Any, dtype: torch.dtype, *, rows: int = 48, whole: int = 256, seed: int = 0) -> int | None:
+    """The smallest floor of :data:`ROW_FLOORS` at which this CPU's packed products of every
+    ``(in_features, out_features)`` of ``shapes`` compute each row the same whatever the row count.
+    For each shape, the first ``rows`` rows of random inputs (32 for an output wider than 8192)
+    are computed ``M`` rows at a time, for each ``M`` at or above the floor that divides them
+    (up to 48), and compared bit for bit with the same rows inside one ``whole``-row product.
+    Many rows are compared because two kernels' float32 sums that differ in order mostly round
+    to the same bfloat16 output. ``None``: no floor does (or oneDNN does not pack ``dtype``
+    here)."""
+    if not packable("cpu", dtype):
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    with torch.inference_mode():
+        for d_in, d_out in dict.fromkeys(tuple(s) for s in shapes):
+            weight = (torch.randn(d_out, d_in, generator=gen) * d_in ** -0.5).to(dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2048)
+            product = functools.partial(_packed_product, packed)
+            x = torch.randn(max(rows, whole), d_in, generator=gen).to(dtype)
+            n = rows if d_out <= 8192 else 32  # a wide product (an LM head): fewer rows hold as many outputs
+            cases.append((product, x[:n], product(x)[:n]))
+        for floor in ROW_FLOORS:
+            if all(torch.equal(chunked(product, x, m), ref) for product, x, ref in cases
+                   for m in _PROBE_COUNTS if m >= floor and x.shape[0] % m == 0):
+                return floor
+    return None
+
+
+def _packed_product(packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+
+
+def set_row_floor(model: torch.nn.Module, rows: int | str = "auto") -> int:
+    """Give every :class:`PackedLinear` of ``model`` a row floor (see the module docstring; its
+    merged and fused products follow their layers): ``rows`` for all (>= 1; 1 turns it off), or
+    ``"auto"``: each layer the floor :func:`row_floor_for` finds for its own product's shape and,
+    for a q/k/v projection, the merged product's, so that only the products whose few-row kernels
+    round differently pay for padding. Returns the largest floor set.
+
+    Raises:
+        ConfigError: ``rows`` is neither an integer >= 1 nor ``"auto"``, or ``"auto"`` finds no
+            floor (a model without packed layers, or a product that depends on its row count at
+            every floor of :data:`ROW_FLOORS`).
+    """
+    from fastprefill.errors import ConfigError
+
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if rows != "auto":
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ConfigError(f"row floor must be an integer >= 1 or 'auto', got {rows!r}")
+        for layer in layers:
+            layer.row_floor = rows
+        return rows
+    if not layers:
+        raise ConfigError("a row floor needs packed linear layers (load the model with pack=True)")
+    dtype = layers[0].weight.dtype
+    products: dict[int, list[list[PackedLinear]]] = {id(m): [[m]] for m in layers}  # its own, a merged q/k/v
+    for module in model.modules():
+        qkv = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        if all(isinstance(m, PackedLinear) for m in qkv):
+            for m in qkv:
+                products[id(m)].append(qkv)  # type: ignore[arg-type]
+    floors: dict[tuple[int, int], int] = {}
+
+    def floor_of(group: list[PackedLinear]) -> int:
+        shape = (group[0].in_features, sum(m.out_features for m in group))
+        if shape not in floors:
+            found = row_floor_for([shape], dtype)
+            if found is None:
+                raise ConfigError(f"no row floor of {ROW_FLOORS} makes this CPU's {dtype} {shape[0]}x{shape[1]} "
+                                  "product independent of its row count")
+            floors[shape] = found
+        return floors[shape]
+
+    for layer in layers:
+        layer.row_floor = max(floor_of(group) for group in products[id(layer)])
+    return max(layer.row_floor for layer in layers)
 
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:
