@@ -10,6 +10,10 @@
   medians, and each row's median from its runs; ``runahead_projection.jsonl``: its ``.md`` table;
 - ``kvp_lsweep_*.jsonl``: the ``.md`` from :func:`research.kvp.lsweep_table`;
 - ``lazyllm_equivalence.jsonl``: each row's TTFT ratio from its two TTFTs;
+- ``answer_variance_*.jsonl`` (``benchmarks/answer_variance.py``): the ``.summary.json`` and the
+  ``.md`` from :func:`answer_variance.summarize`;
+- ``row_invariance*.jsonl`` (``benchmarks/row_invariance.py``): the ``.md`` from its rows, and
+  each row's ``bitwise_equal`` against its ``max_abs_diff``;
 - ``anchors/<dir>/summary.md``: re-made from the ``run-*.jsonl`` beside it by
   ``benchmarks/anchors/summarize.py`` (every table cell and the machine line).
 
@@ -33,7 +37,7 @@ __all__ = ["FAMILIES", "anchors_summarize", "check_anchors", "check_family"]
 
 #: file-name prefixes of the families handled here
 FAMILIES = ("serve_mixed_", "serve_soak_", "serve_load_", "serve_runahead_load_", "runahead_ttft", "runahead_projection",
-            "kvp_lsweep_", "lazyllm_equivalence")
+            "kvp_lsweep_", "lazyllm_equivalence", "answer_variance_", "row_invariance")
 
 
 def _compare_md(report: VerifyReport, md: Path, remade: str, label: str | None = None) -> None:
@@ -150,10 +154,33 @@ def _lazyllm_equivalence(report: VerifyReport, path: Path) -> None:
     report.checked.append(path.name)
 
 
+def _answer_variance(report: VerifyReport, path: Path) -> None:
+    import answer_variance as bench
+
+    header, rows = read_rows(path)
+    _summary_and_table(report, path, bench.summarize(header, rows), lambda s: bench.markdown(s, header))
+
+
+def _row_invariance(report: VerifyReport, path: Path) -> None:
+    """The table from the rows; a row equal bit for bit has no difference, and one that is not has one."""
+    from row_invariance import markdown
+
+    header, rows = read_rows(path)
+    for i, r in enumerate(rows):
+        if "bitwise_equal" in r and r["bitwise_equal"] != (r["max_abs_diff"] == 0):  # a check (a cost row has none)
+            report.mismatches.append(Mismatch(path.name, f"row {i + 1}.bitwise_equal", r["bitwise_equal"],
+                                              r["max_abs_diff"] == 0))
+    md = path.with_suffix(".md")
+    if md.exists():
+        _compare_md(report, md, markdown(header, rows))
+    report.checked.append(path.name)
+
+
 _HANDLERS = {"serve_mixed_": _serve_mixed, "serve_soak_": _serve_soak, "serve_load_": _serve_load,
              "serve_runahead_load_": _serve_load, "runahead_ttft": _runahead_ttft,
              "runahead_projection": _runahead_projection, "kvp_lsweep_": _kvp_lsweep,
-             "lazyllm_equivalence": _lazyllm_equivalence}
+             "lazyllm_equivalence": _lazyllm_equivalence, "answer_variance_": _answer_variance,
+             "row_invariance": _row_invariance}
 
 
 def check_family(report: VerifyReport, path: Path) -> bool:
