@@ -35,6 +35,7 @@ import shlex
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,16 +188,22 @@ def _group(pairs: list[dict[str, Any]], args: argparse.Namespace) -> dict[int, d
     return dict(sorted(groups.items()))
 
 
-def _timed(system: System, ids: list[int]) -> tuple[float, dict[str, Any]]:
-    prepared = system.prepare(ids)
+def _clocked(call: Callable[[], Any]) -> tuple[float, Any]:
+    """The wall-clock seconds of ``call()`` (``time.perf_counter`` around it and nothing else, the
+    garbage collector paused so that no collection lands inside) and what it returned."""
     gc.collect()
-    gc.disable()  # no collector pause inside the timed window
+    gc.disable()
     try:
         start = time.perf_counter()
-        raw = system.generate_one(prepared)
-        wall = time.perf_counter() - start
+        raw = call()
+        return time.perf_counter() - start, raw
     finally:
         gc.enable()
+
+
+def _timed(system: System, ids: list[int]) -> tuple[float, dict[str, Any]]:
+    prepared = system.prepare(ids)
+    wall, raw = _clocked(lambda: system.generate_one(prepared))
     return wall, system.inspect(raw, ids)
 
 
@@ -206,19 +213,19 @@ def _decode_step(system: System, ids: list[int], steps: int) -> dict[str, Any]:
     walls = []
     for n in (1, 1 + steps):
         prepared = system.prepare(ids)
-        gc.collect()
-        gc.disable()
-        try:
-            start = time.perf_counter()
-            raw = system.generate_n(prepared, n)
-            walls.append(time.perf_counter() - start)
-        finally:
-            gc.enable()
+        wall, raw = _clocked(lambda: system.generate_n(prepared, n))  # noqa: B023 (called at once)
+        walls.append(wall)
     info = system.inspect_n(raw)
     if len(info["tokens"]) != 1 + steps:
         raise RuntimeError(f"{system.name} generated {len(info['tokens'])} tokens, asked for {1 + steps}")
     return {"step_s": (walls[1] - walls[0]) / steps, "own_step_s": info.get("own_step_s"),
             "tokens": [int(t) for t in info["tokens"]], "one_token_s": walls[0], "wall_s": walls[1]}
+
+
+def _write(f: Any, item: dict[str, Any]) -> None:
+    """One JSONL line, flushed (a run that dies keeps every line before it)."""
+    f.write(json.dumps(item) + "\n")
+    f.flush()
 
 
 def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None) -> int:
@@ -260,8 +267,7 @@ def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None
     }
     print(f"[{system.name} {version}] {model}: loaded in {load_s:.1f} s; lengths {list(groups)}", flush=True)
     with open(out, "w", encoding="utf-8") as f:
-        f.write(json.dumps(header) + "\n")
-        f.flush()
+        _write(f, header)
         for length, g in groups.items():
             warm = g["warmup"]
             system.reset()
@@ -272,34 +278,24 @@ def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None
             for repeat in range(args.repeats):
                 for pair in g["pairs"]:
                     system.reset()
+                    run = {"type": "run", "system": system.name, "version": version, "model": model,
+                           "prompt_id": pair["id"], "length": length,
+                           "shared_prefix_tokens": pair["shared_prefix_tokens"], "repeat": repeat,
+                           "threads": args.threads, "dtype": system.dtype}  # what every run of this pair says
                     for kind, key in (("cold", "first"), ("hit", "followup")):
                         ids = pair[key]["ids"]
                         wall, info = _timed(system, ids)
-                        record = {
-                            "type": "run", "system": system.name, "version": version, "model": model,
-                            "prompt_id": pair["id"], "length": length, "prompt_tokens": len(ids),
-                            "shared_prefix_tokens": pair["shared_prefix_tokens"], "kind": kind,
-                            "repeat": repeat, "ttft_s": wall, "own_ttft_s": info.get("own_ttft_s"),
-                            "first_token": info["first_token"], "cached_tokens": info.get("cached_tokens"),
-                            "threads": args.threads, "dtype": system.dtype, "extra": info.get("extra", {}),
-                        }
-                        f.write(json.dumps(record) + "\n")
-                        f.flush()
+                        _write(f, {**run, "prompt_tokens": len(ids), "kind": kind, "ttft_s": wall,
+                                   "own_ttft_s": info.get("own_ttft_s"), "first_token": info["first_token"],
+                                   "cached_tokens": info.get("cached_tokens"), "extra": info.get("extra", {})})
                         own = info.get("own_ttft_s")
                         print(f"  {length:>5} {pair['id']:<14} r{repeat} {kind:<4} {len(ids):>5} tok  "
                               f"wall {wall * 1000:8.1f} ms  own {'-' if own is None else f'{own * 1000:8.1f} ms'}"
                               f"  cached {info.get('cached_tokens')}  tok {info['first_token']}", flush=True)
                     if decode_steps:
                         step = _decode_step(system, pair["followup"]["ids"], decode_steps)
-                        record = {
-                            "type": "run", "system": system.name, "version": version, "model": model,
-                            "prompt_id": pair["id"], "length": length, "prompt_tokens": len(pair["followup"]["ids"]),
-                            "shared_prefix_tokens": pair["shared_prefix_tokens"], "kind": "decode",
-                            "repeat": repeat, **step, "first_token": step["tokens"][0],
-                            "threads": args.threads, "dtype": system.dtype,
-                        }
-                        f.write(json.dumps(record) + "\n")
-                        f.flush()
+                        _write(f, {**run, "prompt_tokens": len(pair["followup"]["ids"]), "kind": "decode", **step,
+                                   "first_token": step["tokens"][0]})
                         own = step["own_step_s"]
                         print(f"  {length:>5} {pair['id']:<14} r{repeat} step {decode_steps:>5} tok  "
                               f"wall {step['step_s'] * 1000:8.2f} ms  own "
