@@ -28,7 +28,8 @@ CAN_RUN = {"avx512": torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX5
 DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_info().bf16_native else [])
 # (B, H_q, H_kv, T, N, d): whole prefills, suffixes over cached keys, decode steps, odd lengths
 SHAPES = [(1, 14, 2, 300, 300, 64), (2, 12, 2, 130, 130, 128), (1, 9, 3, 37, 37, 64), (1, 14, 2, 33, 700, 64),
-          (2, 12, 2, 5, 600, 128), (1, 12, 2, 1, 513, 128), (1, 4, 4, 257, 1000, 64), (1, 14, 2, 1, 1, 64)]
+          (2, 12, 2, 5, 600, 128), (1, 12, 2, 1, 513, 128), (1, 4, 4, 257, 1000, 64), (1, 14, 2, 1, 1, 64),
+          (1, 8, 2, 19, 531, 80)]  # 80-wide heads: pairs past the packing's 16 x 16 tiles
 
 
 def _variant_module(variant: str):

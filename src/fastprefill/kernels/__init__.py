@@ -3,7 +3,7 @@ loaded at run time, never compiled on a request's path.
 
 One kernel so far, ``attention.cpp``: causal attention on the CPU for a whole prefill, a suffix
 over cached keys and a decode step (its header says how). It is compiled in one variant per
-vector ISA (:data:`VARIANTS`: AVX-512 and AVX2 flags, for its softmax's vector code; the matrix
+vector ISA (:data:`VARIANTS`: AVX-512 and AVX2 flags, for its softmax's and packing's vector code; the matrix
 products inside are oneDNN's, which picks its own ISA), into the kernel cache
 ``<cache>/kernels/<variant>-<key>/`` (``<cache>`` is ``$FASTPREFILL_CACHE_DIR`` or
 ``~/.cache/fastprefill``), where ``<key>`` hashes the source, the flags and torch's version: a
@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["VARIANTS", "KernelStatus", "attention_kernel", "build", "kernel_dir", "kernel_status", "rotary_kernel"]
+__all__ = ["VARIANTS", "KernelStatus", "attention_kernel", "build", "compile_source", "kernel_dir", "kernel_status",
+           "rotary_kernel"]
 
 SOURCE = Path(__file__).with_name("attention.cpp")
 #: The builds: variant -> the compiler flags that select ATen's vector code for it (torch's
@@ -89,9 +90,6 @@ def build(variants: list[str] | None = None, verbose: bool = False) -> dict[str,
     A variant already built for this source and torch is left alone. Needs a C++ compiler and
     ninja (both on the PATH). Returns ``{variant: "built" | "up to date" | "failed: <reason>"}``.
     """
-    from torch.utils import cpp_extension
-
-    _ninja_on_path()
     results: dict[str, str] = {}
     for variant in variants or list(VARIANTS):
         if variant not in VARIANTS:
@@ -100,12 +98,8 @@ def build(variants: list[str] | None = None, verbose: bool = False) -> dict[str,
         if (out / "built.json").exists():
             results[variant] = "up to date"
             continue
-        out.mkdir(parents=True, exist_ok=True)
         try:
-            cpp_extension.load(name=_module_name(variant), sources=[str(SOURCE)], build_directory=str(out),
-                               extra_cflags=_COMMON_FLAGS + VARIANTS[variant],
-                               extra_ldflags=list(_LINK_FLAGS),  # a copy: load() appends to the list it is given
-                               verbose=verbose)
+            compile_source(SOURCE, _module_name(variant), out, variant, verbose=verbose)
         except (RuntimeError, OSError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a compile error
             results[variant] = f"failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
             continue
@@ -115,10 +109,30 @@ def build(variants: list[str] | None = None, verbose: bool = False) -> dict[str,
     return results
 
 
+def compile_source(source: Path, name: str, out: Path, variant: str, verbose: bool = False) -> Any:
+    """Compile ``source`` as the extension module ``name`` for ``variant`` (its :data:`VARIANTS`
+    flags, as :func:`build` compiles the kernel) in directory ``out``, and import it.
+
+    :func:`build` compiles the package's own source with it; a benchmark compiles an older
+    revision's source under another name, to time two versions of the kernel in one process.
+
+    Raises:
+        RuntimeError, OSError, ImportError: no compiler or ninja, or the source does not compile.
+    """
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    out.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=name, sources=[str(source)], build_directory=str(out),
+                              extra_cflags=_COMMON_FLAGS + VARIANTS[variant],
+                              extra_ldflags=list(_LINK_FLAGS),  # a copy: load() appends to the list it is given
+                              verbose=verbose)
+
+
 def _ninja_on_path() -> None:
     """Put the ninja that the ``ninja`` package installed (a dependency) on this process's PATH:
     ``cpp_extension`` runs ``ninja`` by name, and a virtualenv that is not activated does not have
-    its ``bin`` on the PATH. Called by :func:`build` only, never at import."""
+    its ``bin`` on the PATH. Called by :func:`compile_source` only, never at import."""
     try:
         import ninja
     except ImportError:

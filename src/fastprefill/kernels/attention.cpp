@@ -16,7 +16,7 @@
 // H_q a multiple of H_kv; d even. Output (B, T, H_q, d), contiguous (the layout transformers'
 // attention functions return). float32 and bfloat16; q, k, v of one dtype.
 //
-// This file is compiled twice by fastprefill.kernels (AVX-512 and AVX2 flags, so the softmax's
+// This file is compiled twice by fastprefill.kernels (AVX-512 and AVX2 flags, so the softmax's and the packing's
 // vector code matches the CPU), and the build matching the CPU is loaded at run time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -27,6 +27,8 @@
 #include <algorithm>
 #include <optional>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <set>
@@ -82,33 +84,112 @@ inline void store_pair(const Vec& e0, const Vec& e1, T* out, int64_t count) {
   }
 }
 
+// 32-bit words of row r of a matrix whose rows are `stride` elements of T apart.
+template <typename T>
+inline const char* row_bytes(const T* base, int64_t stride, int64_t r) {
+  return reinterpret_cast<const char*>(base + r * stride);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Transpose a 16 x 16 tile of 32-bit words in registers: r[i] holds row i, afterwards column i.
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows, word by word within each 128-bit lane
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // quads of rows: lane L of r[i + k] is column 4L + k of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // gather lane L of the four quads: column 4L + k
+    const __m512i v0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+    t[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    t[8 + k] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+// Transpose `rows` rows of `words` 32-bit words (row r at src + r * stride elements of T) into
+// out[word][row], `ld` words apart: 16 x 16 tiles in registers where the build has AVX-512,
+// word by word for the rest.
+template <typename T>
+void transpose_words(const T* src, int64_t stride, int64_t rows, int64_t words, uint32_t* out, int64_t ld) {
+  int64_t r16 = 0, w16 = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  r16 = rows & ~int64_t(15);
+  w16 = words & ~int64_t(15);
+  __m512i tile[16];
+  for (int64_t r0 = 0; r0 < r16; r0 += 16)
+    for (int64_t p0 = 0; p0 < w16; p0 += 16) {
+      for (int i = 0; i < 16; ++i) tile[i] = _mm512_loadu_si512(row_bytes(src, stride, r0 + i) + 4 * p0);
+      transpose_16x16(tile);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (p0 + i) * ld + r0, tile[i]);
+    }
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = row_bytes(src, stride, r);
+    for (int64_t p = r < r16 ? w16 : 0; p < words; ++p) std::memcpy(out + p * ld + r, row + 4 * p, 4);
+  }
+}
+
+// Two rows of d bfloat16 interleaved element by element (VNNI pairs): out[2e] = a[e],
+// out[2e + 1] = b[e]; b null: zeros.
+inline void interleave_rows(const at::BFloat16* a, const at::BFloat16* b, int64_t d, at::BFloat16* out) {
+  int64_t e = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (; e + 32 <= d; e += 32) {
+    const __m512i va = _mm512_loadu_si512(a + e);
+    const __m512i vb = b ? _mm512_loadu_si512(b + e) : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + 2 * e, _mm512_permutex2var_epi16(va, lo, vb));
+    _mm512_storeu_si512(out + 2 * e + 32, _mm512_permutex2var_epi16(va, hi, vb));
+  }
+#endif
+  for (; e < d; ++e) {
+    out[2 * e] = a[e];
+    out[2 * e + 1] = b ? b[e] : at::BFloat16(0);
+  }
+}
+
 // Pack one KV head's keys and values block by block for the two products.
-//   keys as B of S = Q K^T (d x w): bfloat16 VNNI [d/2][w][2], float32 [d][w];
-//   values as B of O += P V (w x d): bfloat16 VNNI [w/2][d][2], float32 [w][d].
+//   keys as B of S = Q K^T (d x w): bfloat16 VNNI [d/2][w][2], float32 [d][w] (both a transpose
+//   of 32-bit words: element pairs or elements);
+//   values as B of O += P V (w x d): bfloat16 VNNI [w/2][d][2] (rows interleaved two by two),
+//   float32 [w][d] (rows copied).
 // w is the block's width rounded up to even; keys past N are zeros (and masked: beyond every row).
+// Every call packs the whole cache, so this runs at memory speed: a decode step's cost grows with N.
 template <typename T>
 void pack_head(const T* k, const T* v, int64_t ks, int64_t vs, int64_t n, int64_t d,
                T* kp, T* vp, int64_t key_block) {
+  const int64_t words = kVnni<T> ? d / 2 : d;
   for (int64_t j0 = 0; j0 < n; j0 += key_block) {
     const int64_t w = std::min(key_block, n - j0);
     const int64_t wp = (w + 1) & ~int64_t(1);
     T* kb = kp + j0 * d;
     T* vb = vp + j0 * d;
-    for (int64_t c = 0; c < wp; ++c) {
-      const bool real = c < w;
-      const T* kr = k + (j0 + c) * ks;
-      const T* vr = v + (j0 + c) * vs;
-      for (int64_t e = 0; e < d; ++e) {
-        const T kv = real ? kr[e] : T(0);
-        const T vv = real ? vr[e] : T(0);
-        if constexpr (kVnni<T>) {
-          kb[((e >> 1) * wp + c) * 2 + (e & 1)] = kv;
-          vb[((c >> 1) * d + e) * 2 + (c & 1)] = vv;
-        } else {
-          kb[e * wp + c] = kv;
-          vb[c * d + e] = vv;
-        }
-      }
+    uint32_t* k32 = reinterpret_cast<uint32_t*>(kb);
+    transpose_words(k + j0 * ks, ks, w, words, k32, wp);
+    if (wp > w)
+      for (int64_t p = 0; p < words; ++p) k32[p * wp + w] = 0;
+    if constexpr (kVnni<T>) {
+      for (int64_t c = 0; c < wp; c += 2)
+        interleave_rows(v + (j0 + c) * vs, c + 1 < w ? v + (j0 + c + 1) * vs : nullptr, d, vb + c * d);
+    } else {
+      for (int64_t c = 0; c < w; ++c) std::memcpy(vb + c * d, v + (j0 + c) * vs, d * sizeof(T));
+      if (wp > w) std::fill(vb + w * d, vb + wp * d, T(0));
     }
   }
 }

@@ -1,0 +1,236 @@
+"""Two versions of the C++ attention kernel in one process: the source at a git revision
+(``--base``) against this checkout's build, timed interleaved on the same inputs.
+
+``src/fastprefill/kernels/attention.cpp`` as it was at ``--base`` is compiled under another module
+name with the flags of this CPU's variant (:func:`fastprefill.kernels.compile_source`, a
+temporary directory), beside the checkout's own build (:func:`fastprefill.kernels.attention_kernel`).
+First both run every measured attention shape, plain and with a random mask, and the record says
+whether they give the same bits. Then, for each model and prompt length ``T``, in ``--rounds``
+rounds, the two versions alternating in order:
+
+- **attention alone** on the model's layer shape: a ``--suffix``-row hit over ``T`` keys and a
+  decode step (one row over ``T`` keys), the median of ``--calls`` calls;
+- **the model**, its attention function's kernel switched between the versions: the hit (the
+  last ``--suffix`` tokens of a random ``T``-token prompt over the cached rest, the cache cropped
+  back after each run) and a decode step over that cache (the median of ``--steps`` steps), as
+  the engine decodes (a cache with room, appended in place; the kernel on every layer).
+
+Per setting: each version's median, and the median of the per-round paired ratios ``base / new``
+with their range. The cold prefill is not timed: at these lengths both versions spend the same.
+
+    python benchmarks/kernel_versions.py --base HEAD --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b --lengths 2048 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fastprefill.models.attention as attention_module
+from fastprefill.bench.records import environment
+from fastprefill.cache import make_roomy
+from fastprefill.host import DTYPES
+from fastprefill.kernels import attention_kernel, compile_source, kernel_status
+from fastprefill.models import load as load_model
+from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.shape import ModelShape
+from packed_bench import RESULTS, machine, run_all
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_SOURCE = "src/fastprefill/kernels/attention.cpp"
+VERSIONS = ("base", "new")
+SETTINGS = ("attention hit", "attention decode", "hit", "decode step")
+
+
+def build_base(rev: str, dtype: torch.dtype) -> tuple[Any, str]:
+    """The kernel source at git revision ``rev`` compiled for this CPU's variant and imported:
+    ``(module, full commit hash)``."""
+    status = kernel_status(dtype)
+    if not status.available:
+        raise SystemExit(f"the checkout's attention kernel does not run {dtype} here: {status.reason}")
+    try:
+        sha = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, check=True, capture_output=True,
+                             text=True).stdout.strip()
+        source = subprocess.run(["git", "show", f"{sha}:{KERNEL_SOURCE}"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"--base {rev}: {exc.stderr.strip() or exc}") from exc
+    out = Path(tempfile.mkdtemp(prefix="fastprefill-kernel-base-"))
+    path = out / "attention.cpp"
+    path.write_text(source)
+    return compile_source(path, f"fastprefill_attention_base_{sha[:12]}", out, status.variant), sha
+
+
+def _shapes(shape: Any, length: int, suffix: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``{setting: (q shape, k shape)}`` of the attention-alone settings at prompt length ``length``."""
+    hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    return {"attention hit": ((1, hq, suffix, d), (1, hkv, length, d)),
+            "attention decode": ((1, hq, 1, d), (1, hkv, length, d))}
+
+
+def same_bits(kernels: dict[str, Callable], shapes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+              dtype: torch.dtype) -> bool:
+    """Whether the versions give the same bits on random inputs of every shape, with and without a mask."""
+    gen = torch.Generator().manual_seed(0)
+    for qs, ks in shapes:
+        q, k, v = (torch.randn(s, generator=gen).to(dtype) for s in (qs, ks, ks))
+        mask = torch.rand((1, 1, qs[2], ks[2]), generator=gen) > 0.3
+        for kw in ({}, {"mask": mask}):
+            outs = [kernels[ver](q, k, v, qs[-1] ** -0.5, **kw) for ver in VERSIONS]
+            if not torch.equal(outs[0], outs[1]):
+                return False
+    return True
+
+
+def _call(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], Any]:
+    return lambda: kernel(q, k, v, q.shape[-1] ** -0.5)
+
+
+def _median_call(fn: Callable[[], Any], calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def kernel_version(kernel: Callable) -> Iterator[None]:
+    """The attention function calls ``kernel`` for every kernel call inside (the versions share the checkout's Python)."""
+    previous = attention_module.attention_kernel
+    attention_module.attention_kernel = lambda dtype: kernel
+    try:
+        yield
+    finally:
+        attention_module.attention_kernel = previous
+
+
+def _model_round(model: Any, cache: Any, ids: torch.Tensor, suffix: int, steps: int) -> dict[str, float]:
+    """The hit (the last ``suffix`` of ``ids`` (1, T) over the cache cropped to ``T - suffix``) and the
+    median of ``steps`` decode steps after it; the cache is left holding ``T + steps`` positions."""
+    t = ids.shape[1]
+    scope = DecoderAdapter(model).attention_scope
+    cache.crop(-(cache.get_seq_length() - (t - suffix)))  # back to the first t - suffix (a negative count)
+    with scope():
+        t0 = time.perf_counter()
+        out = model(input_ids=ids[:, t - suffix:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        hit = time.perf_counter() - t0
+        token = out.logits[:, -1:].argmax(-1)  # (1, 1)
+        times = []
+        for i in range(steps):
+            position = torch.tensor([[t + i]])
+            t0 = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True,
+                        logits_to_keep=1)
+            times.append(time.perf_counter() - t0)
+            token = out.logits[:, -1:].argmax(-1)
+    return {"hit": hit, "decode step": statistics.median(times)}
+
+
+def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    model, _ = load_model(name, dtype=args.dtype, progress=False)
+    if attention_module.attention_backend(model)[0] != "kernel":
+        raise SystemExit(f"{name}: its attention does not run on the C++ kernel here ({model.dtype}); nothing to compare")
+    base, sha = build_base(args.base, model.dtype)
+    kernels = {"base": base.causal_attention, "new": attention_kernel(model.dtype)}
+    shape = ModelShape.from_config(model.config)
+    rows, checked = [], []
+    with torch.inference_mode():
+        for length in args.lengths:
+            cases = _shapes(shape, length, args.suffix)
+            checked += list(cases.values())
+            gen = torch.Generator().manual_seed(length)
+            inputs = {s: [torch.randn(x, generator=gen).to(model.dtype) for x in (qs, ks, ks)]
+                      for s, (qs, ks) in cases.items()}
+            ids = torch.randint(100, 20000, (1, length), generator=gen)
+            with DecoderAdapter(model).attention_scope():
+                cache = make_roomy(model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values)
+            for ver in VERSIONS:  # warm-up
+                with kernel_version(kernels[ver]):
+                    _model_round(model, cache, ids, args.suffix, 1)
+            for r in range(args.rounds):
+                for ver in VERSIONS if r % 2 == 0 else VERSIONS[::-1]:
+                    row = {"length": length, "round": r, "version": ver}
+                    for setting, qkv in inputs.items():
+                        row[setting] = _median_call(_call(kernels[ver], *qkv), args.calls)
+                    with kernel_version(kernels[ver]):
+                        row.update(_model_round(model, cache, ids, args.suffix, args.steps))
+                    rows.append(row)
+            print(f"{name} {length}: " + ", ".join(f"{s} {_cell(rows, length, s)}" for s in SETTINGS), flush=True)
+    return {"bench": "kernel-versions", "model": name, "base": sha, "base_rev": args.base, "suffix": args.suffix,
+            "rounds": args.rounds, "calls": args.calls, "steps": args.steps,
+            "same_bits": same_bits(kernels, checked, model.dtype), "rows": rows,
+            "environment": environment(args.threads, model)}
+
+
+def _series(rows: list[dict[str, Any]], length: int, setting: str) -> dict[str, list[float]]:
+    """Each version's seconds of ``setting`` at ``length``, by round."""
+    out: dict[str, list[float]] = {ver: [] for ver in VERSIONS}
+    for row in sorted(rows, key=lambda r: r["round"]):
+        if row["length"] == length:
+            out[row["version"]].append(row[setting])
+    return out
+
+
+def summarize(rows: list[dict[str, Any]], length: int, setting: str) -> dict[str, Any]:
+    """Medians (ms) of both versions and the paired ratio ``base / new`` (median, min, max) over rounds."""
+    s = _series(rows, length, setting)
+    ratios = [b / n for b, n in zip(s["base"], s["new"], strict=True)]
+    return {"base_ms": statistics.median(s["base"]) * 1e3, "new_ms": statistics.median(s["new"]) * 1e3,
+            "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+
+
+def _cell(rows: list[dict[str, Any]], length: int, setting: str) -> str:
+    c = summarize(rows, length, setting)
+    return f"{c['base_ms']:.2f} -> {c['new_ms']:.2f} ms"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    lines = [f"# Attention kernel: {result['base'][:12]} (base) against this checkout (new), {result['model']}",
+             "",
+             (f"{machine(env)}, dtype {env['dtype']}. {result['rounds']} rounds, the versions alternating; "
+              f"attention alone: median of {result['calls']} calls; decode step: median of {result['steps']} steps; "
+              f"hit: {result['suffix']} tokens over the rest. Same bits on every measured shape: "
+              f"{'yes' if result['same_bits'] else 'no'}."),
+             "",
+             "| T | setting | base ms | new ms | base / new (paired median) | range | rounds |",
+             "|---|---|---|---|---|---|---|"]
+    for length in sorted({r["length"] for r in result["rows"]}):
+        for setting in SETTINGS:
+            c = summarize(result["rows"], length, setting)
+            lines.append(f"| {length} | {setting} | {c['base_ms']:.2f} | {c['new_ms']:.2f} | {c['ratio']:.2f} | "
+                         f"{c['min']:.2f}-{c['max']:.2f} | {c['n']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--suffix", type=int, default=16, help="tokens of the hit's uncached suffix")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES))
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--base", default="HEAD", help="the git revision whose kernel source is the baseline (default HEAD)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=20, help="calls per attention-alone timing")
+    p.add_argument("--steps", type=int, default=8, help="decode steps per model timing")
+    args = p.parse_args(argv)
+    if min(args.lengths) <= args.suffix or args.suffix < 1 or min(args.rounds, args.calls, args.steps) < 1:
+        p.error("every length must exceed --suffix >= 1; --rounds, --calls and --steps >= 1")
+    run_all(args, "kernel_versions", run_model, markdown)
+
+
+if __name__ == "__main__":
+    main()
