@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import signal
 import statistics
 import subprocess
@@ -165,6 +166,37 @@ def _server_request(client: openai.OpenAI, model: str, prompt: str | list[int], 
     return {"ttft_s": ttft, "total_s": total, "completion_tokens": usage.completion_tokens,
             "prompt_tokens": usage.prompt_tokens, "server_ttft_s": fp["ttft_s"],
             "server_queue_wait_s": fp["queue_wait_s"], "text": "".join(parts), "method": fp["method"]}
+
+
+def ask_chat(client: openai.OpenAI, model: str, content: str, max_tokens: int, ignore_eos: bool = False,
+             on_first: Callable[[float], None] | None = None) -> dict[str, Any]:
+    """One streamed chat completion (one user message): the client's TTFT (sending it to the first
+    content chunk), total, text, the longest gap between two chunks and the usage block's counts
+    (``cached_tokens``; the server's ``ttft_s``, ``queue_wait_s`` and ``prefix_cache``).
+    ``on_first`` is called with :func:`time.perf_counter` at the first content chunk, while the
+    answer still streams."""
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"fastprefill": {"ignore_eos": ignore_eos}})
+    ttft, parts, usage, arrivals = None, [], None, []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content is not None:
+            arrivals.append(time.perf_counter())
+            if ttft is None:
+                ttft = arrivals[0] - t0
+                if on_first is not None:
+                    on_first(arrivals[0])
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert ttft is not None and usage is not None, "the stream ended without a token or usage"
+    fp = usage.model_extra["fastprefill"]
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "completion_tokens": usage.completion_tokens,
+            "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+            "server_ttft_s": fp["ttft_s"], "queue_wait_s": fp["queue_wait_s"], "text": "".join(parts),
+            "max_gap_s": max((b - a for a, b in itertools.pairwise(arrivals)), default=None),
+            "prefix_cache": fp.get("prefix_cache")}
 
 
 def _wire_prompt(tok: Any, sample: Sample) -> str | list[int]:

@@ -34,7 +34,6 @@ Smoke run (a few minutes)::
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import threading
@@ -43,13 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import openai
 
 from fastprefill.bench.records import environment, result_name
 from fastprefill.host import DTYPES, resolve_dtype
 from fastprefill.serve.config import ServeConfig
 from reporting import write_rows
-from serve_load import ServerProcess
+from serve_load import ServerProcess, ask_chat
 
 QUESTIONS = ["What is the capital of France?", "Say hello in Spanish.", "What is 12 times 7?",
              "Name a primary colour.", "What does CPU stand for?", "Give one word for happy.",
@@ -92,28 +90,6 @@ def _plan(tok: Any, args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]
     return doc, sorted(plan, key=lambda r: r["at"])
 
 
-def _ask(client: openai.OpenAI, model: str, content: str, max_tokens: int, ignore_eos: bool = False) -> dict[str, Any]:
-    """One streamed chat completion: client TTFT, total, text and the usage block."""
-    t0 = time.perf_counter()
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
-                                            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
-                                            extra_body={"fastprefill": {"ignore_eos": ignore_eos}})
-    ttft, parts, usage, arrivals = None, [], None, []
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content is not None:
-            arrivals.append(time.perf_counter())
-            ttft = arrivals[0] - t0 if ttft is None else ttft
-            parts.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert ttft is not None and usage is not None, "the stream ended without a token or usage"
-    fp = usage.model_extra["fastprefill"]
-    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "completion_tokens": usage.completion_tokens,
-            "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.prompt_tokens_details.cached_tokens,
-            "server_ttft_s": fp["ttft_s"], "queue_wait_s": fp["queue_wait_s"], "text": "".join(parts),
-            "max_gap_s": max((b - a for a, b in itertools.pairwise(arrivals)), default=None)}
-
-
 def _mixed(server: ServerProcess, model: str, plan: list[dict[str, Any]], args: argparse.Namespace) -> list[dict]:
     client, out, lock = server.client(), [], threading.Lock()
     start = time.perf_counter() + 0.5
@@ -121,7 +97,7 @@ def _mixed(server: ServerProcess, model: str, plan: list[dict[str, Any]], args: 
     def one(req: dict[str, Any]) -> None:
         time.sleep(max(0.0, start + req["at"] - time.perf_counter()))
         budget = args.long_max_tokens if req["kind"] == "long" else args.short_max_tokens
-        rec = {"kind": req["kind"], "i": req["i"], **_ask(client, model, req["content"], budget)}
+        rec = {"kind": req["kind"], "i": req["i"], **ask_chat(client, model, req["content"], budget)}
         with lock:
             out.append(rec)
 
@@ -136,7 +112,7 @@ def _mixed(server: ServerProcess, model: str, plan: list[dict[str, Any]], args: 
 def _decode(server: ServerProcess, model: str, conc: int, args: argparse.Namespace) -> dict[str, Any]:
     client, results = server.client(), []
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=lambda: results.append(_ask(client, model, QUESTIONS[0], args.decode_tokens,
+    threads = [threading.Thread(target=lambda: results.append(ask_chat(client, model, QUESTIONS[0], args.decode_tokens,
                                                                    ignore_eos=True))) for _ in range(conc)]
     for t in threads:
         t.start()
@@ -157,18 +133,18 @@ def run_scheduler(scheduler: str, model: str, doc: str, plan: list[dict[str, Any
     try:
         server.wait_ready()
         client = server.client()
-        _ask(client, model, QUESTIONS[1], 2)  # warm-up, discarded
-        _ask(client, model, f"{doc}\n\nQuestion: {QUESTIONS[0]}", 2)  # the follow-ups' document is now cached
+        ask_chat(client, model, QUESTIONS[1], 2)  # warm-up, discarded
+        ask_chat(client, model, f"{doc}\n\nQuestion: {QUESTIONS[0]}", 2)  # the follow-ups' document is now cached
         rows: list[dict[str, Any]] = []
         if sequential_only:
             for req in plan:
                 budget = args.long_max_tokens if req["kind"] == "long" else args.short_max_tokens
                 rows.append({"phase": "sequential", "kind": req["kind"], "i": req["i"],
-                             **_ask(client, model, req["content"], budget)})
+                             **ask_chat(client, model, req["content"], budget)})
             return [{"scheduler": scheduler, **r} for r in rows]
         rows += [{"phase": "mixed", **r} for r in _mixed(server, model, plan, args)]
         for j, req in enumerate(r for r in plan if r["kind"] == "long"):
-            alone = _ask(client, model, f"(alone {j})\n" + req["content"], args.long_max_tokens)  # cold: new first block
+            alone = ask_chat(client, model, f"(alone {j})\n" + req["content"], args.long_max_tokens)  # cold: new first block
             rows.append({"phase": "long_alone", "kind": "long", "i": req["i"], **alone})
         rows += [{"phase": "decode", **_decode(server, model, c, args)} for c in args.concurrency]
         return [{"scheduler": scheduler, **r} for r in rows]
