@@ -10,6 +10,8 @@
   medians, and each row's median from its runs; ``runahead_projection.jsonl``: its ``.md`` table;
 - ``kvp_lsweep_*.jsonl``: the ``.md`` from :func:`research.kvp.lsweep_table`;
 - ``lazyllm_equivalence.jsonl``: each row's TTFT ratio from its two TTFTs;
+- ``serve_shared_doc_*.jsonl`` (``benchmarks/serve_shared_doc.py``): its ``kind: summary`` rows
+  and the ``.md`` from :func:`serve_shared_doc.summarize` of its request and cell rows;
 - ``answer_variance_*.jsonl`` (``benchmarks/answer_variance.py``): the ``.summary.json`` and the
   ``.md`` from :func:`answer_variance.summarize`;
 - ``row_invariance*.jsonl`` (``benchmarks/row_invariance.py``): the ``.md`` from its rows, and
@@ -37,7 +39,7 @@ __all__ = ["FAMILIES", "anchors_summarize", "check_anchors", "check_family"]
 
 #: file-name prefixes of the families handled here
 FAMILIES = ("serve_mixed_", "serve_soak_", "serve_load_", "serve_runahead_load_", "runahead_ttft", "runahead_projection",
-            "kvp_lsweep_", "lazyllm_equivalence", "answer_variance_", "row_invariance")
+            "kvp_lsweep_", "lazyllm_equivalence", "answer_variance_", "row_invariance", "serve_shared_doc_")
 
 
 def _compare_md(report: VerifyReport, md: Path, remade: str, label: str | None = None) -> None:
@@ -93,6 +95,20 @@ def _serve_load(report: VerifyReport, path: Path) -> None:
     header, rows = read_rows(path)
     _summary_and_table(report, path, bench.summarize([bench.LoadRecord(**row) for row in rows]),
                        lambda s: bench.markdown(s, header))
+
+
+def _serve_shared_doc(report: VerifyReport, path: Path) -> None:
+    """The committed ``kind: summary`` rows and the ``.md`` against those re-made from the request
+    and cell rows."""
+    import serve_shared_doc as bench
+
+    header, rows = read_rows(path)
+    summary = json.loads(json.dumps(bench.summarize(rows)))
+    report.mismatches += compare_json(path.name, "summary", [r for r in rows if r.get("kind") == "summary"], summary)
+    md = path.with_suffix(".md")
+    if md.exists():
+        _compare_md(report, md, bench.markdown(summary, header))
+    report.checked.append(path.name)
 
 
 def _plain_rows(path: Path) -> list[dict[str, Any]]:
@@ -180,7 +196,7 @@ _HANDLERS = {"serve_mixed_": _serve_mixed, "serve_soak_": _serve_soak, "serve_lo
              "serve_runahead_load_": _serve_load, "runahead_ttft": _runahead_ttft,
              "runahead_projection": _runahead_projection, "kvp_lsweep_": _kvp_lsweep,
              "lazyllm_equivalence": _lazyllm_equivalence, "answer_variance_": _answer_variance,
-             "row_invariance": _row_invariance}
+             "row_invariance": _row_invariance, "serve_shared_doc_": _serve_shared_doc}
 
 
 def check_family(report: VerifyReport, path: Path) -> bool:
