@@ -12,6 +12,8 @@
 - ``lazyllm_equivalence.jsonl``: each row's TTFT ratio from its two TTFTs;
 - ``serve_shared_doc_*.jsonl`` (``benchmarks/serve_shared_doc.py``): its ``kind: summary`` rows
   and the ``.md`` from :func:`serve_shared_doc.summarize` of its request and cell rows;
+- ``serve_health_*.jsonl`` (``benchmarks/serve_health.py``): its ``kind: summary`` row and the
+  ``.md`` from :func:`serve_health.summarize` of its trial rows;
 - ``answer_variance_*.jsonl`` (``benchmarks/answer_variance.py``): the ``.summary.json`` and the
   ``.md`` from :func:`answer_variance.summarize`;
 - ``row_invariance*.jsonl`` (``benchmarks/row_invariance.py``): the ``.md`` from its rows, and
@@ -39,7 +41,8 @@ __all__ = ["FAMILIES", "anchors_summarize", "check_anchors", "check_family"]
 
 #: file-name prefixes of the families handled here
 FAMILIES = ("serve_mixed_", "serve_soak_", "serve_load_", "serve_runahead_load_", "runahead_ttft", "runahead_projection",
-            "kvp_lsweep_", "lazyllm_equivalence", "answer_variance_", "row_invariance", "serve_shared_doc_")
+            "kvp_lsweep_", "lazyllm_equivalence", "answer_variance_", "row_invariance", "serve_shared_doc_",
+            "serve_health_")
 
 
 def _compare_md(report: VerifyReport, md: Path, remade: str, label: str | None = None) -> None:
@@ -97,18 +100,40 @@ def _serve_load(report: VerifyReport, path: Path) -> None:
                        lambda s: bench.markdown(s, header))
 
 
-def _serve_shared_doc(report: VerifyReport, path: Path) -> None:
-    """The committed ``kind: summary`` rows and the ``.md`` against those re-made from the request
-    and cell rows."""
-    import serve_shared_doc as bench
-
+def _summary_rows(report: VerifyReport, path: Path,
+                  remake: Callable[[dict[str, Any], list[dict[str, Any]]], tuple[list[dict[str, Any]], str]]) -> None:
+    """The committed ``kind: summary`` rows and the ``.md`` against ``remake(header, rows)``: the
+    summary rows and the table re-made from the run's other rows."""
     header, rows = read_rows(path)
-    summary = json.loads(json.dumps(bench.summarize(rows)))
-    report.mismatches += compare_json(path.name, "summary", [r for r in rows if r.get("kind") == "summary"], summary)
+    summary, table = remake(header, rows)
+    report.mismatches += compare_json(path.name, "summary", [r for r in rows if r.get("kind") == "summary"],
+                                      json.loads(json.dumps(summary)))
     md = path.with_suffix(".md")
     if md.exists():
-        _compare_md(report, md, bench.markdown(summary, header))
+        _compare_md(report, md, table)
     report.checked.append(path.name)
+
+
+def _serve_shared_doc(report: VerifyReport, path: Path) -> None:
+    """The summary rows and the ``.md`` from the request and cell rows."""
+    import serve_shared_doc as bench
+
+    def remake(header: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+        summary = bench.summarize(rows)
+        return summary, bench.markdown(summary, header)
+
+    _summary_rows(report, path, remake)
+
+
+def _serve_health(report: VerifyReport, path: Path) -> None:
+    """The summary row and the ``.md`` from the trial rows."""
+    import serve_health as bench
+
+    def remake(header: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+        summary = bench.summarize(rows)
+        return [summary], bench.markdown(rows, summary, header)
+
+    _summary_rows(report, path, remake)
 
 
 def _plain_rows(path: Path) -> list[dict[str, Any]]:
@@ -196,7 +221,8 @@ _HANDLERS = {"serve_mixed_": _serve_mixed, "serve_soak_": _serve_soak, "serve_lo
              "serve_runahead_load_": _serve_load, "runahead_ttft": _runahead_ttft,
              "runahead_projection": _runahead_projection, "kvp_lsweep_": _kvp_lsweep,
              "lazyllm_equivalence": _lazyllm_equivalence, "answer_variance_": _answer_variance,
-             "row_invariance": _row_invariance, "serve_shared_doc_": _serve_shared_doc}
+             "row_invariance": _row_invariance, "serve_shared_doc_": _serve_shared_doc,
+             "serve_health_": _serve_health}
 
 
 def check_family(report: VerifyReport, path: Path) -> bool:
