@@ -210,7 +210,7 @@ def markdown(result: dict[str, Any]) -> str:
         for setting in SETTINGS:
             c = summarize(result["rows"], length, setting)
             lines.append(f"| {length} | {setting} | {c['base_ms']:.2f} | {c['new_ms']:.2f} | {c['ratio']:.2f} | "
-                         f"{c['min']:.2f}-{c['max']:.2f} | {c['n']} |")
+                         f"[{c['min']:.2f}, {c['max']:.2f}] | {c['n']} |")
     return "\n".join(lines) + "\n"
 
 
