@@ -22,7 +22,8 @@ from fastprefill.serve.backends import LocalBackend
 from fastprefill.serve.executor import ModelExecutor
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.pauses import LayerPauses
-from fastprefill.serve.scheduler import Scheduler, ShortFirstPolicy
+from fastprefill.serve.policies import ShortFirstPolicy
+from fastprefill.serve.scheduler import Scheduler
 from fastprefill.serve.worker import Job
 
 from .test_scheduler import MB, loop  # noqa: F401  (the event-loop fixture)
@@ -176,6 +177,7 @@ def test_pause_points_leave_the_model_copyable_and_come_off_when_collected(tiny_
     import gc
 
     layer = decoder_layers(tiny_llama)[0]
+    gc.collect()  # pause points of earlier tests' schedulers on this shared model come off first
     before = len(layer._forward_pre_hooks)
     pauses = LayerPauses(tiny_llama, threading.Condition())
     assert pauses.run(lambda: 3, lambda: False, lambda: None) == 3  # its thread started

@@ -24,7 +24,8 @@ from fastprefill.serve.backends import LocalBackend
 from fastprefill.serve.config import ServeConfig
 from fastprefill.serve.executor import ModelExecutor
 from fastprefill.serve.metrics import ServeMetrics
-from fastprefill.serve.scheduler import FifoPolicy, Scheduler, ShortFirstPolicy, make_policy
+from fastprefill.serve.policies import FifoPolicy, ShortFirstPolicy, make_policy
+from fastprefill.serve.scheduler import Scheduler
 from fastprefill.serve.worker import Failed, Job, timeout_error
 
 MB = 1 << 20
@@ -268,7 +269,7 @@ def test_short_first_orders_by_remaining_tokens_and_ages_the_passed_over():
         def __init__(self, arrived):
             self.arrived = arrived
 
-    from fastprefill.serve.scheduler import Running
+    from fastprefill.serve.policies import Running
 
     runs = [Running(J(0.0), W(4000), None), Running(J(1.0), W(30), None), Running(J(2.0), W(30), None)]
     policy = ShortFirstPolicy(max_skips=2)

@@ -22,14 +22,15 @@ from fastprefill.methods.full import FullPrefill
 from fastprefill.sampling import SamplingParams
 from fastprefill.serve import scheduler as scheduler_module
 from fastprefill.serve.metrics import ServeMetrics
+from fastprefill.serve.policies import FifoPolicy, ShortFirstPolicy
 from fastprefill.serve.protocol import APIError
-from fastprefill.serve.scheduler import FifoPolicy, Scheduler, ShortFirstPolicy
+from fastprefill.serve.scheduler import Scheduler
 from fastprefill.serve.worker import Decoded, Failed, Job, Pause, Stepped
 
 #: What the scheduler module may import from fastprefill: the contracts it drives, its settings,
 #: its metrics and the wire errors; everything else (the engine, the models, the methods, the
 #: decode batch, the pauses, the backends, the answers' text) belongs to its executor.
-ALLOWED = {"fastprefill.serve.config", "fastprefill.serve.metrics", "fastprefill.serve.protocol",
+ALLOWED = {"fastprefill.serve.config", "fastprefill.serve.metrics", "fastprefill.serve.policies", "fastprefill.serve.protocol",
            "fastprefill.serve.worker"}
 
 
@@ -248,6 +249,23 @@ def test_a_whole_prefill_starts_only_at_the_head_of_an_iteration(loop):
     assert _prefills(executor) == [("short", 32)]
     sched.run_once()
     assert _prefills(executor)[1:] == [("whole", 32)] and whole.works["whole"].prefilled
+
+
+def test_a_short_request_is_prefilled_before_the_streams_next_step_unless_one_is_due(loop):
+    """A follow-up arriving while a stream decodes (its uncached rest under INTERLUDE_TOKENS):
+    its prefill runs before the stream's next step, and the stream steps in the same iteration;
+    with a decode step due (the decode interval past), the step goes first."""
+    for interval, order in ((60.0, ["prefill", "decode"]), (1e-9, ["decode", "prefill"])):
+        executor, backend = Executor(), Backend()
+        sched = _scheduler(executor, ShortFirstPolicy(max_running=4, budget=32, decode_interval_s=interval))
+        sched.submit(_job(loop, backend, "stream", 8, tokens=5))
+        sched.run_once()  # its prefill and first token
+        sched.run_once()  # a decode step
+        sched.submit(_job(loop, backend, "follow", 6, arrived=1.0))
+        n = len(executor.calls)
+        sched.run_once()
+        assert [c[0] for c in executor.calls[n:]] == order, interval
+        assert ("decode", ["stream"]) in executor.calls[n:] and backend.works["follow"].prefilled
 
 
 def test_a_prefill_passed_over_max_skips_times_goes_first(loop):

@@ -45,10 +45,11 @@ from fastprefill.serve.health import http_status, method_states, ranks_health, s
 from fastprefill.serve.limits import read_body
 from fastprefill.serve.method_table import MethodTable
 from fastprefill.serve.metrics import ServeMetrics
+from fastprefill.serve.policies import make_policy
 from fastprefill.serve.protocol import APIError, ResponseIds, StreamOptions, describe_errors, sse, usage_block
 from fastprefill.serve.ranks import ServedPool
 from fastprefill.serve.requests import Refused, RequestProcessor
-from fastprefill.serve.scheduler import Scheduler, make_policy
+from fastprefill.serve.scheduler import Scheduler
 from fastprefill.serve.worker import Failed, Job, internal_error, ranks_down
 
 __all__ = ["Server", "create_app"]

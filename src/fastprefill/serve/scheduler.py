@@ -13,9 +13,13 @@ to ``max_running`` of them, each as a unit of :class:`~fastprefill.serve.worker.
 backend (the prefix-cache lookup happens at admission, so the uncached rest is known), and then
 repeats one *iteration*:
 
-1. **decode**: every admitted request past its first token gets its next token, in one step of
+1. **short prefills first**, unless a decode step is due (``--decode-interval`` since the last):
+   the requests whose uncached rest is at most :data:`INTERLUDE_TOKENS` (a question, a
+   follow-up over a cached document, sent while other answers stream) are prefilled to their
+   first token, out of the iteration's budget, before the streams' next token;
+2. **decode**: every admitted request past its first token gets its next token, in one step of
    the executor (one decode batch for the server's model, each multi-rank request apart);
-2. **prefill**: up to ``prefill_chunk`` tokens of prefill, spent on the waiting prefills in the
+3. **prefill**: what is left of up to ``prefill_chunk`` tokens of prefill, spent on the waiting prefills in the
    policy's order. An exact method (``Method.chunked_prefill``: full prefill, prefix-cache hits
    included) runs a chunk of its prompt over the K/V computed so far, the prefix cache's own hit
    path; any other method (LazyLLM, the KV Prediction methods, the multi-rank methods) runs its
@@ -34,7 +38,7 @@ passed (its K/V is freed; on the ranks the last rank is told to stop). A multi-r
 holds the rank pool from its prefill to its last token, so a second waits until it is done;
 the ranks decode on their own, and the scheduler takes one of their tokens per iteration.
 
-**Policies.** :class:`FifoPolicy` admits one request at a time and runs it whole, start to end,
+**Policies** (:mod:`fastprefill.serve.policies`). :class:`FifoPolicy` admits one request at a time and runs it whole, start to end,
 in arrival order (``--scheduler fifo``: the server before this scheduler). :class:`ShortFirstPolicy`
 (``--scheduler interleaved``, the default) orders prefills by the prompt tokens they still
 need, fewest first (a one-line question or a follow-up over a cached document goes before the
@@ -47,20 +51,20 @@ are refused with it, and the thread ends once the admitted requests are done.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fastprefill.serve.config import ServeConfig
 from fastprefill.serve.metrics import ServeMetrics
+from fastprefill.serve.policies import FifoPolicy, Running, ShortFirstPolicy
 from fastprefill.serve.protocol import APIError
-from fastprefill.serve.worker import Answers, Executor, Job, Pause, Work, timeout_error
+from fastprefill.serve.worker import Executor, Job, Pause, timeout_error
 
-__all__ = ["INTERLUDE_TOKENS", "FifoPolicy", "Running", "Scheduler", "ShortFirstPolicy", "make_policy"]
+__all__ = ["INTERLUDE_TOKENS", "Scheduler"]
 
 #: The most uncached prompt tokens a request may have to be prefilled in an interlude (and at
 #: most one chunk): an interlude holds the paused chunk, so it takes only a short request's work.
@@ -68,64 +72,6 @@ INTERLUDE_TOKENS = 512
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(eq=False)
-class Running:
-    """An admitted request: job, work, answers so far, prefills passed over in a row (``skips``)."""
-
-    job: Job
-    work: Work
-    collected: Answers
-    skips: int = 0
-    started: float | None = None  # the first unit of work (the end of its queue wait)
-
-
-@dataclass(frozen=True)
-class FifoPolicy:
-    """One request at a time, its whole prompt at once, in arrival order."""
-
-    max_running: int = 1
-    budget: int | None = None
-
-    def order(self, prefilling: Sequence[Running]) -> list[Running]:
-        """Arrival order."""
-        return list(prefilling)
-
-
-@dataclass(frozen=True)
-class ShortFirstPolicy:
-    """Fewest remaining prompt tokens first, with aging (see the module docstring).
-
-    Attributes:
-        max_running: requests admitted at once.
-        budget: prompt tokens of prefill per iteration (``--prefill-chunk``).
-        max_skips: iterations a prefill may be passed over in a row before it goes first.
-        pause: pause a running chunk between two layers for a request that has just arrived,
-            and for a decode step ``decode_interval_s`` after the last (``--prefill-pauses``,
-            ``--decode-interval``; see the module docstring).
-    """
-
-    max_running: int = 8
-    budget: int | None = 8192
-    max_skips: int = 4
-    pause: bool = True
-    decode_interval_s: float = 2.0
-
-    def order(self, prefilling: Sequence[Running]) -> list[Running]:
-        """The aged prefills (oldest first), then the rest by remaining tokens (ties: arrival)."""
-        aged = sorted((r for r in prefilling if r.skips >= self.max_skips), key=lambda r: r.job.arrived)
-        rest = sorted((r for r in prefilling if r.skips < self.max_skips),
-                      key=lambda r: (r.work.remaining, r.job.arrived))
-        return aged + rest
-
-
-def make_policy(config: ServeConfig) -> FifoPolicy | ShortFirstPolicy:
-    """The policy ``config.scheduler`` names."""
-    if config.scheduler == "fifo":
-        return FifoPolicy()
-    return ShortFirstPolicy(max_running=config.max_running, budget=config.prefill_chunk, pause=config.prefill_pauses,
-                            decode_interval_s=config.decode_interval_s)
 
 
 class Scheduler:
@@ -313,10 +259,29 @@ class Scheduler:
                 self._drop(run)
 
     def _iteration(self) -> None:
-        decoding = [r for r in self.running if r.work.prefilled]
+        waiting = [r for r in self.running if not r.work.prefilled]
+        served: set[int] = set()
+        left = self.policy.budget
+        if not self._decode_due():  # short prompts' first tokens before the streams' next token
+            short = {id(r) for r in self._short(waiting)}  # those the policy puts first (an aged prompt stops them)
+            left = self._prefill(list(itertools.takewhile(lambda r: id(r) in short, self.policy.order(waiting))),
+                                 left, served)
+        decoding = [r for r in self.running if r.work.prefilled and id(r) not in served]  # just prefilled: next time
         if decoding:
             self._decode(decoding)
-        self._prefill([r for r in self.running if not r.work.prefilled])
+        if (left is None and not served) or (left is not None and left > 0):  # None: one unit an iteration
+            self._prefill([r for r in self.running if not r.work.prefilled], left, served)
+        for run in waiting:
+            run.skips = 0 if id(run) in served else run.skips + 1
+
+    def _short(self, runs: list[Running]) -> list[Running]:
+        """Of ``runs``, the requests not started whose uncached rest is at most
+        :data:`INTERLUDE_TOKENS` (and one chunk) on a backend that takes a chunk at a time and
+        serves several requests: a question, a follow-up over a cached document."""
+        budget = self.policy.budget
+        limit = min(budget or INTERLUDE_TOKENS, INTERLUDE_TOKENS)
+        return [r for r in runs if r.started is None and r.work.chunked and not r.job.backend.exclusive
+                and not r.job.cancelled and r.work.remaining <= limit]
 
     def _decode(self, runs: list[Running]) -> None:
         """One decode step for every answer of every stream in ``runs`` (the executor's step; a
@@ -339,10 +304,11 @@ class Scheduler:
             for event in events:
                 self._emit(run, event)
 
-    def _prefill(self, runs: list[Running]) -> None:
-        """Up to the policy's budget of prefill, in its order (see the module docstring)."""
+    def _prefill(self, runs: list[Running], left: int | None, served: set[int]) -> int | None:
+        """Up to ``left`` tokens of prefill (None: one unit, whole) of ``runs``, in the policy's
+        order (see the module docstring); the ids of the runs given a unit join ``served``.
+        Returns the budget left."""
         budget = self.policy.budget
-        left, served = budget, set()
         busy = {id(r.job.backend) for r in self.running if r.job.backend.exclusive and r.work.prefilled}
         for run in self.policy.order(runs):
             if id(run.job.backend) in busy or run not in self.running or run.work.prefilled or self._waits(run):
@@ -360,8 +326,7 @@ class Scheduler:
             left -= ran
             if left <= 0:
                 break
-        for run in runs:
-            run.skips = 0 if id(run) in served else run.skips + 1
+        return left
 
     def _waits(self, run: Running) -> bool:
         """Whether ``run`` has not started and a started prefill will store blocks of its prompt it
@@ -412,9 +377,7 @@ class Scheduler:
         most :data:`INTERLUDE_TOKENS` uncached tokens and one chunk, then a decode step if due."""
         self.metrics.prefill_pauses.inc()
         self._admit_waiting()
-        budget = self.policy.budget
-        short = [r for r in self.running if r.started is None and r.work.chunked and not r.job.backend.exclusive and r.work.remaining <= min(budget or INTERLUDE_TOKENS, INTERLUDE_TOKENS)]
-        for run in self.policy.order(short):
+        for run in self.policy.order(self._short(self.running)):
             if not run.job.cancelled:
                 self._unit(run, None, pausable=False)
         if self._decode_due():
