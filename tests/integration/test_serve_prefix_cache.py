@@ -79,6 +79,7 @@ def test_concurrent_requests_sharing_a_prefix_get_the_uncached_answers(smollm2, 
     with background(create_app(model, tok, ServeConfig(MODEL, prefix_cache_mb=64, scheduler=scheduler))) as url:
         client = openai_client(url)
         got: dict[str, tuple[str, int]] = {}
+        shared_by: dict[str, int] = {}
 
         def ask(q: str) -> None:
             stream = client.completions.create(model=MODEL, prompt=_prompt(q), max_tokens=12, stream=True,
@@ -89,6 +90,7 @@ def test_concurrent_requests_sharing_a_prefix_get_the_uncached_answers(smollm2, 
                     text += chunk.choices[0].text
                 if chunk.usage is not None:
                     cached = chunk.usage.prompt_tokens_details.cached_tokens
+                    shared_by[q] = chunk.usage.model_extra["fastprefill"]["shared_tokens"]
             got[q] = (text, cached)
 
         threads = [threading.Thread(target=ask, args=(q,)) for q in QUESTIONS]
@@ -104,6 +106,7 @@ def test_concurrent_requests_sharing_a_prefix_get_the_uncached_answers(smollm2, 
         assert metric_value(url, "fastprefill_prompt_tokens_computed_total", method="full") == prompts - sum(cached)
         shared = metric_value(url, "fastprefill_prompt_tokens_shared_total", method="full")
         assert shared <= sum(cached) and (scheduler == "interleaved" or shared == 0)
+        assert sum(shared_by.values()) == shared and all(shared_by[q] <= got[q][1] for q in QUESTIONS)
 
 
 def test_off_with_zero_megabytes(smollm2, uncached):

@@ -297,8 +297,9 @@ def parse_request(raw: bytes, schema: type[_Common]) -> _Common:
 def usage_block(timing: Timing, completion_tokens: int, queue_wait_s: float) -> dict[str, Any]:
     """OpenAI's usage counts (``prompt_tokens_details.cached_tokens``: prompt tokens the prefix
     cache served) plus ``fastprefill``: the method, what its prefill took, and what the prefix
-    cache did (``off``, ``hit``, ``miss`` or ``not used: ...``), the dtype the model ran in and
-    whether this CPU multiplies bfloat16 on native units."""
+    cache did (``off``, ``hit``, ``miss`` or ``not used: ...``; ``shared_tokens``: of the cached
+    tokens, those a request running beside this one computed after it arrived), the dtype the
+    model ran in and whether this CPU multiplies bfloat16 on native units."""
     return {
         "prompt_tokens": timing.prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -307,6 +308,7 @@ def usage_block(timing: Timing, completion_tokens: int, queue_wait_s: float) -> 
         "fastprefill": {
             "method": timing.method,
             "prefix_cache": timing.prefix_cache,
+            "shared_tokens": timing.shared_tokens,
             "ttft_s": timing.ttft_s,
             "queue_wait_s": queue_wait_s,
             "decode_s_per_token": timing.decode_s_per_token,
