@@ -51,13 +51,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from fastprefill.bench.records import environment, result_name
-from fastprefill.host import DTYPES, resolve_dtype
-from reporting import write_rows
-from serve_load import ServerProcess
+from fastprefill.host import DTYPES
+from serve_load import ServerProcess, save_serve_record, serve_header
 from serve_shared_doc import _num  # a table cell: "—" for none, yes / no, floats to 3 places
 
 #: the goal: seconds from a rank's death to ``/health``'s first 503, at most
@@ -276,17 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.trials + 1):
         rows.append(trial(args, i, allowed=i == args.trials))
         print(f"trial {i}: {rows[-1]}", file=sys.stderr)
-    header = {**environment(args.threads, resolve_dtype(args.dtype)), "bench": "serve-health", "model": args.model,
-              **{k: v for k, v in vars(args).items() if k not in ("model", "out", "name", "dtype", "server_arg")},
-              "server_args": args.server_arg, "dtype_arg": args.dtype, "goal_s": GOAL_S}
+    header = serve_header(args, "serve-health", goal_s=GOAL_S)
     summary = summarize(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = result_name(out, f"serve_health_{args.model}", name=args.name)
-    write_rows(out / f"{stem}.jsonl", header, [*rows, summary])
-    text = markdown(rows, summary, header)
-    (out / f"{stem}.md").write_text(text)
-    print(text)
+    save_serve_record(args, header, [*rows, summary], markdown(rows, summary, header))
     return 0
 
 

@@ -199,6 +199,29 @@ def ask_chat(client: openai.OpenAI, model: str, content: str, max_tokens: int, i
             "prefix_cache": fp.get("prefix_cache")}
 
 
+def serve_header(args: argparse.Namespace, bench: str, **extra: Any) -> dict[str, Any]:
+    """The header of a serving benchmark's record: the machine and the dtype ``--dtype`` resolves
+    to, ``bench``, the model, every argument but the output's (``--out``, ``--name``), the
+    server's extra flags (``--server-arg``) and ``--dtype`` as given, then ``extra``."""
+    return {**environment(args.threads, resolve_dtype(args.dtype)), "bench": bench, "model": args.model,
+            **{k: v for k, v in vars(args).items() if k not in ("model", "out", "name", "dtype", "server_arg")},
+            "server_args": args.server_arg, "dtype_arg": args.dtype, **extra}
+
+
+def save_serve_record(args: argparse.Namespace, header: dict[str, Any], rows: Sequence[dict[str, Any]],
+                      text: str) -> Path:
+    """Write ``<stem>.jsonl`` (``header``, then ``rows``) and ``<stem>.md`` (``text``) in ``--out``,
+    the stem ``--name`` or ``<bench>_<model>`` (``-`` in the bench's name as ``_``; a new name if
+    taken); print ``text``. Returns the ``.md``."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = result_name(out, f"{header['bench'].replace('-', '_')}_{args.model}", name=args.name)
+    write_rows(out / f"{stem}.jsonl", header, rows)
+    (out / f"{stem}.md").write_text(text)
+    print(text)
+    return out / f"{stem}.md"
+
+
 def _wire_prompt(tok: Any, sample: Sample) -> str | list[int]:
     """The sample's text when the server's tokenization of it gives the sample's ids, else the ids."""
     return sample.prompt if tok(sample.prompt)["input_ids"] == list(sample.input_ids) else list(sample.input_ids)

@@ -56,17 +56,14 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from fastprefill.bench.records import environment, result_name
 from fastprefill.data.tasks.sessions import DocumentSession, document_sessions, question_prompt
 from fastprefill.errors import ConfigError
-from fastprefill.host import DTYPES, resolve_dtype
-from reporting import write_rows
-from serve_load import ServerProcess, ask_chat
+from fastprefill.host import DTYPES
+from serve_load import ServerProcess, ask_chat, save_serve_record, serve_header
 from serve_load_mixed import _tokenizer
 
 #: ratio -> its goal (at most)
@@ -367,18 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         p.error(str(exc))
     rows = run(args, tok, sessions)
-    header = {**environment(args.threads, resolve_dtype(args.dtype)), "bench": "serve-shared-doc",
-              "model": args.model, **{k: v for k, v in vars(args).items() if k not in ("model", "out", "name", "dtype",
-                                                                                      "server_arg")},
-              "server_args": args.server_arg, "dtype_arg": args.dtype, "split": "test"}
+    header = serve_header(args, "serve-shared-doc", split="test")
     summary = summarize(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = result_name(out, f"serve_shared_doc_{args.model}", name=args.name)
-    write_rows(out / f"{stem}.jsonl", header, [*rows, *summary])
-    text = markdown(summary, header)
-    (out / f"{stem}.md").write_text(text)
-    print(text)
+    save_serve_record(args, header, [*rows, *summary], markdown(summary, header))
     return 0
 
 
