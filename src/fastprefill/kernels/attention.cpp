@@ -84,7 +84,7 @@ inline void store_pair(const Vec& e0, const Vec& e1, T* out, int64_t count) {
   }
 }
 
-// 32-bit words of row r of a matrix whose rows are `stride` elements of T apart.
+// The first byte of row r of a matrix whose rows are `stride` elements of T apart.
 template <typename T>
 inline const char* row_bytes(const T* base, int64_t stride, int64_t r) {
   return reinterpret_cast<const char*>(base + r * stride);

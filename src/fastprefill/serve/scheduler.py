@@ -377,9 +377,8 @@ class Scheduler:
         most :data:`INTERLUDE_TOKENS` uncached tokens and one chunk, then a decode step if due."""
         self.metrics.prefill_pauses.inc()
         self._admit_waiting()
-        for run in self.policy.order(self._short(self.running)):
-            if not run.job.cancelled:
-                self._unit(run, None, pausable=False)
+        for run in self.policy.order(self._short(self.running)):  # _short leaves cancelled runs out
+            self._unit(run, None, pausable=False)
         if self._decode_due():
             self._decode(self._decodable())
 
