@@ -131,8 +131,8 @@ def environment(threads: int, model: Any, device: Any = None) -> dict[str, Any]:
     """Where and how a benchmark ran (recorded in every result header): threads, versions, the
     CPU, the precision of ``model`` (a model, or its ``torch.dtype``) with the CPU's bfloat16
     capability (:func:`fastprefill.host.precision_report`), and whether its decoder blocks are
-    compiled, its linear weights packed, its attention on the C++ kernel or SDPA and its attention
-    modules on fastprefill's fused forward (``None`` when only a dtype is given); for a model on
+    compiled, its linear weights packed, its one- and two-row products on the few-row kernel, its
+    attention on the C++ kernel or SDPA and its attention modules on fastprefill's fused forward (``None`` when only a dtype is given); for a model on
     a GPU (or a dtype and a GPU ``device``) also ``"accelerator"``: the GPU, its driver, CUDA and
     cuDNN (:func:`fastprefill.host.accelerator_report`)."""
     import torch
@@ -141,7 +141,7 @@ def environment(threads: int, model: Any, device: Any = None) -> dict[str, Any]:
     from fastprefill.host import accelerator_report, precision_report
     from fastprefill.models.adapters import attention_fused, blocks_compiled
     from fastprefill.models.attention import attention_backend
-    from fastprefill.models.packed import linears_packed
+    from fastprefill.models.packed import few_rows_used, linears_packed
 
     dtype = model if isinstance(model, torch.dtype) else model.dtype
     device = (device or "cpu") if isinstance(model, torch.dtype) else model.device
@@ -151,6 +151,7 @@ def environment(threads: int, model: Any, device: Any = None) -> dict[str, Any]:
         **precision_report(dtype, device),
         "compiled": None if isinstance(model, torch.dtype) else blocks_compiled(model),
         "packed": None if isinstance(model, torch.dtype) else linears_packed(model),
+        "few_rows": None if isinstance(model, torch.dtype) else few_rows_used(model)[0],
         "attention": None if isinstance(model, torch.dtype) else attention_backend(model)[0],
         "attention_fused": None if isinstance(model, torch.dtype) else attention_fused(model),
         "torch": torch.__version__,

@@ -1,20 +1,30 @@
 """fastprefill's C++ kernels: built once by ``scripts/setup.sh`` with torch's ``cpp_extension``,
 loaded at run time, never compiled on a request's path.
 
-One kernel so far, ``attention.cpp``: causal attention on the CPU for a whole prefill, a suffix
-over cached keys and a decode step (its header says how). It is compiled in one variant per
-vector ISA (:data:`VARIANTS`: AVX-512 and AVX2 flags, for its softmax's and packing's vector code; the matrix
-products inside are oneDNN's, which picks its own ISA), into the kernel cache
-``<cache>/kernels/<variant>-<key>/`` (``<cache>`` is ``$FASTPREFILL_CACHE_DIR`` or
-``~/.cache/fastprefill``), where ``<key>`` hashes the source, the flags and torch's version: a
-changed source or another torch is a new build directory, never a stale module.
+Two kernels (:data:`SOURCES`), each its own extension module; their headers say how they work:
 
-- :func:`build` compiles every variant (``python -m fastprefill.kernels build``; setup runs it).
-- :func:`attention_kernel` returns the variant for this CPU and dtype, loaded once per process
-  and checked once against SDPA on a small random input, or ``None``;
+- ``attention.cpp``: causal attention on the CPU for a whole prefill, a suffix over cached keys
+  and a decode step, plus the one-pass rotary embedding. It is compiled in one variant per vector
+  ISA (:data:`VARIANTS`: AVX-512 and AVX2 flags, for its softmax's and packing's vector code; the
+  matrix products inside are oneDNN's, which picks its own ISA).
+- ``rows.cpp``: bfloat16 matrix products of a few input rows (a decode step's linear layers),
+  AVX512-BF16 only, so compiled in the AVX-512 variant alone.
+
+Each build goes into the kernel cache ``<cache>/kernels/<variant>-<key>/`` (the attention
+kernel's) or ``<cache>/kernels/<kernel>-<variant>-<key>/`` (``<cache>`` is
+``$FASTPREFILL_CACHE_DIR`` or ``~/.cache/fastprefill``), where ``<key>`` hashes the source, the
+flags and torch's version: a changed source or another torch is a new build directory, never a
+stale module.
+
+- :func:`build` compiles every kernel's variants (``python -m fastprefill.kernels build``; setup runs it).
+- :func:`attention_kernel` returns the attention variant for this CPU and dtype, loaded once per
+  process and checked once against SDPA on a small random input, or ``None``;
   :func:`kernel_status` says which, and why not (not built, no compiler, the CPU lacks the ISA,
   the check failed). Where it is ``None`` the library uses SDPA and says so once
   (:func:`fastprefill.models.attention.attention_backend`).
+- :func:`row_products` returns the few-row products, checked once against float64 products, or
+  ``None`` (:func:`rows_status` says why); where it is ``None`` oneDNN computes every product
+  (:mod:`fastprefill.models.packed`).
 """
 
 from __future__ import annotations
@@ -35,10 +45,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["VARIANTS", "KernelStatus", "attention_kernel", "build", "compile_source", "kernel_dir", "kernel_status",
-           "rotary_kernel"]
+__all__ = ["SOURCES", "VARIANTS", "KernelStatus", "attention_kernel", "build", "compile_source", "kernel_dir",
+           "kernel_status", "rotary_kernel", "row_products", "rows_status"]
 
-SOURCE = Path(__file__).with_name("attention.cpp")
+#: The kernels: name -> (source, the variants it is built in).
+SOURCES: dict[str, tuple[Path, tuple[str, ...]]] = {
+    "attention": (Path(__file__).with_name("attention.cpp"), ("avx512", "avx2")),
+    "rows": (Path(__file__).with_name("rows.cpp"), ("avx512",)),
+}
 #: The builds: variant -> the compiler flags that select ATen's vector code for it (torch's
 #: ``CPU_CAPABILITY`` macros) and the instructions it may use.
 VARIANTS: dict[str, list[str]] = {
@@ -66,47 +80,54 @@ _CHECK_ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 AttentionKernel = Callable[..., torch.Tensor]
 
 
-def _key(variant: str) -> str:
+def _key(variant: str, kernel: str = "attention") -> str:
     """What a build depends on: the source, the flags, torch's version (16 hex digits)."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(SOURCES[kernel][0].read_bytes())
     h.update(json.dumps([VARIANTS[variant], _COMMON_FLAGS, _LINK_FLAGS, torch.__version__]).encode())
     return h.hexdigest()[:16]
 
 
-def kernel_dir(variant: str) -> Path:
-    """The build directory of ``variant`` for this source and torch: ``<cache>/kernels/<variant>-<key>``."""
+def kernel_dir(variant: str, kernel: str = "attention") -> Path:
+    """The build directory of ``kernel``'s ``variant`` for its source and this torch:
+    ``<cache>/kernels/<variant>-<key>`` for the attention kernel, ``<kernel>-<variant>-<key>`` for another."""
     from fastprefill.models.zoo import default_cache_dir
 
-    return default_cache_dir() / "kernels" / f"{variant}-{_key(variant)}"
+    prefix = "" if kernel == "attention" else f"{kernel}-"
+    return default_cache_dir() / "kernels" / f"{prefix}{variant}-{_key(variant, kernel)}"
 
 
-def _module_name(variant: str) -> str:
-    return f"fastprefill_attention_{variant}"
+def _module_name(variant: str, kernel: str = "attention") -> str:
+    return f"fastprefill_{kernel}_{variant}"
 
 
 def build(variants: list[str] | None = None, verbose: bool = False) -> dict[str, str]:
-    """Compile the attention kernel's variants (all of :data:`VARIANTS` by default).
+    """Compile every kernel of :data:`SOURCES` in each of its variants (or those of ``variants``
+    it is built in).
 
-    A variant already built for this source and torch is left alone. Needs a C++ compiler and
-    ninja (both on the PATH). Returns ``{variant: "built" | "up to date" | "failed: <reason>"}``.
+    A build already made for its source and torch is left alone. Needs a C++ compiler and
+    ninja (both on the PATH). Returns ``{"<kernel> <variant>": "built" | "up to date" | "failed: <reason>"}``.
     """
-    results: dict[str, str] = {}
-    for variant in variants or list(VARIANTS):
+    for variant in variants or []:
         if variant not in VARIANTS:
             raise ValueError(f"unknown kernel variant {variant!r}; choose from {sorted(VARIANTS)}")
-        out = kernel_dir(variant)
-        if (out / "built.json").exists():
-            results[variant] = "up to date"
-            continue
-        try:
-            compile_source(SOURCE, _module_name(variant), out, variant, verbose=verbose)
-        except (RuntimeError, OSError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a compile error
-            results[variant] = f"failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
-            continue
-        (out / "built.json").write_text(json.dumps({"variant": variant, "torch": torch.__version__,
-                                                    "flags": _COMMON_FLAGS + VARIANTS[variant]}))
-        results[variant] = "built"
+    results: dict[str, str] = {}
+    for kernel, (source, built_in) in SOURCES.items():
+        for variant in [v for v in built_in if variants is None or v in variants]:
+            results[f"{kernel} {variant}"] = _build_one(kernel, source, variant, verbose)
     return results
+
+
+def _build_one(kernel: str, source: Path, variant: str, verbose: bool) -> str:
+    out = kernel_dir(variant, kernel)
+    if (out / "built.json").exists():
+        return "up to date"
+    try:
+        compile_source(source, _module_name(variant, kernel), out, variant, verbose=verbose)
+    except (RuntimeError, OSError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a compile error
+        return f"failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
+    (out / "built.json").write_text(json.dumps({"kernel": kernel, "variant": variant, "torch": torch.__version__,
+                                                "flags": _COMMON_FLAGS + VARIANTS[variant]}))
+    return "built"
 
 
 def compile_source(source: Path, name: str, out: Path, variant: str, verbose: bool = False) -> Any:
@@ -169,14 +190,14 @@ def _variant_for_cpu() -> str | None:
 
 
 @functools.cache
-def _load(variant: str) -> tuple[Any | None, str]:
-    """The built module of ``variant`` imported (once per process), or ``None`` with the reason."""
-    out = kernel_dir(variant)
-    so = out / f"{_module_name(variant)}.so"
+def _load(variant: str, kernel: str = "attention") -> tuple[Any | None, str]:
+    """The built module of ``kernel``'s ``variant`` imported (once per process), or ``None`` with the reason."""
+    out = kernel_dir(variant, kernel)
+    name = _module_name(variant, kernel)
+    so = out / f"{name}.so"
     if not (out / "built.json").exists() or not so.exists():
         return None, (f"not built for this source and torch {torch.__version__} (run: bash scripts/setup.sh, "
                       "or python -m fastprefill.kernels build)")
-    name = _module_name(variant)
     if name in sys.modules:
         return sys.modules[name], ""
     try:
@@ -268,6 +289,55 @@ def rotary_kernel(dtype: torch.dtype) -> RotaryKernel | None:
     return None if module is None else module.rotary
 
 
+def _rows_check(module: Any) -> str:
+    """Compare the few-row products with float64 products on small random inputs (1 to 4 rows, an
+    odd ``K``, merged weights with biases, a SwiGLU), each output within bfloat16's rounding of
+    the float64 result, and each row's output bit for bit the same whatever the row count;
+    ``""`` if all hold, else what did not."""
+    gen = torch.Generator().manual_seed(0)
+    k = 200  # not a multiple of 64 or 32: the masked step runs
+    x = torch.randn(4, k, generator=gen).bfloat16()
+    weights = [(torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16() for n in (37, 5)]
+    biases = [torch.randn(37, generator=gen).bfloat16(), None]
+    ref = x.double() @ torch.cat(weights).double().T + torch.cat([biases[0].double(), torch.zeros(5, dtype=torch.float64)])
+    gate, up = ((torch.randn(21, k, generator=gen) * k ** -0.5).bfloat16() for _ in range(2))
+    g = x.double() @ gate.double().T
+    swiglu_ref = (g * torch.sigmoid(g)).bfloat16().double() * (x.double() @ up.double().T)
+    for rows in range(1, 5):
+        out = module.products(x[:rows], weights, biases)
+        if not torch.allclose(out.double(), ref[:rows], rtol=2 ** -7, atol=1e-3):
+            return f"its products differ from float64's beyond bfloat16 rounding ({rows} rows)"
+        if not torch.equal(out, torch.cat([module.products(x[i:i + 1], weights, biases) for i in range(rows)])):
+            return f"a row's product depends on the row count ({rows} rows)"
+        if not torch.allclose(module.swiglu(x[:rows], gate, None, up, None).double(), swiglu_ref[:rows],
+                              rtol=2 ** -6, atol=1e-3):
+            return f"its SwiGLU differs from float64's beyond bfloat16 rounding ({rows} rows)"
+    return ""
+
+
+@functools.cache
+def rows_status() -> KernelStatus:
+    """Whether :func:`row_products` runs on this CPU (bfloat16; decided once per process)."""
+    from fastprefill.host import cpu_info
+
+    variant = _variant_for_cpu()
+    if variant != "avx512" or not cpu_info().bf16_native:
+        return KernelStatus(torch.bfloat16, None, False, "the few-row products need AVX512-BF16, which this CPU lacks")
+    module, reason = _load(variant, "rows")
+    if module is None:
+        return KernelStatus(torch.bfloat16, variant, False, reason)
+    reason = _rows_check(module)
+    return KernelStatus(torch.bfloat16, variant, not reason, reason)
+
+
+def row_products() -> Any | None:
+    """The few-row bfloat16 products (``rows.cpp``: ``products(x, weights, biases)`` and
+    ``swiglu(x, gate_w, gate_b, up_w, up_b)``, 1 to ``max_rows`` input rows), loaded and checked,
+    or ``None`` (:func:`rows_status` says why)."""
+    status = rows_status()
+    return _load("avx512", "rows")[0] if status.available else None
+
+
 def _main(argv: list[str]) -> int:
     """``python -m fastprefill.kernels build [--verbose]`` / ``status``."""
     if not argv or argv[0] not in ("build", "status"):
@@ -275,14 +345,20 @@ def _main(argv: list[str]) -> int:
         return 2
     if argv[0] == "build":
         results = build(verbose="--verbose" in argv)
-        for variant, result in results.items():
-            print(f"attention kernel, {variant}: {result} ({kernel_dir(variant)})")
+        for name, result in results.items():
+            kernel, variant = name.split()
+            print(f"{kernel} kernel, {variant}: {result} ({kernel_dir(variant, kernel)})")
         mine = _variant_for_cpu()
-        if mine is not None and not results.get(mine, "").startswith(("built", "up to date")):
+        if mine is not None and not results.get(f"attention {mine}", "").startswith(("built", "up to date")):
             warnings.warn(f"the attention kernel for this CPU ({mine}) did not build: fastprefill will use SDPA",
+                          stacklevel=1)
+        if mine == "avx512" and not results.get("rows avx512", "").startswith(("built", "up to date")):
+            warnings.warn("the few-row products did not build: oneDNN will compute decode steps' products",
                           stacklevel=1)
         return 0
     for dtype in (torch.float32, torch.bfloat16):
         s = kernel_status(dtype)
-        print(f"{dtype}: " + (f"kernel ({s.variant})" if s.available else f"SDPA ({s.reason})"))
+        print(f"attention, {dtype}: " + (f"kernel ({s.variant})" if s.available else f"SDPA ({s.reason})"))
+    r = rows_status()
+    print("few-row products, torch.bfloat16: " + (f"kernel ({r.variant})" if r.available else f"oneDNN ({r.reason})"))
     return 0

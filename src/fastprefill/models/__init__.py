@@ -21,7 +21,14 @@ from fastprefill.host import cpu_info, resolve_dtype
 from fastprefill.models import random as random_models
 from fastprefill.models.adapters import compile_blocks, fuse_attention, fuse_mlps
 from fastprefill.models.attention import ATTENTION_BACKENDS, attention_backend, set_attention_backend
-from fastprefill.models.packed import can_pack, onednn_bf16, pack_linears, packable
+from fastprefill.models.packed import (
+    can_pack,
+    few_rows_used,
+    linears_packed,
+    onednn_bf16,
+    pack_linears,
+    packable,
+)
 from fastprefill.models.pretrained import load_pretrained
 from fastprefill.models.zoo import (
     DEFAULT_MODEL,
@@ -129,11 +136,17 @@ def load(
 
 def _warn_if_no_kernel(model: Any) -> None:
     """Say once per process and reason when a CPU model's attention runs on SDPA instead of the
-    C++ kernel (:mod:`fastprefill.kernels`) although the model did not choose SDPA."""
+    C++ kernel (:mod:`fastprefill.kernels`) although the model did not choose SDPA, and when a
+    packed bfloat16 model's decode products run on oneDNN because the few-row kernel cannot."""
     backend, why = attention_backend(model)
     if backend == "sdpa" and why and model.device.type == "cpu" and why not in _kernel_warnings:
         _kernel_warnings.add(why)
         warnings.warn(f"attention runs on SDPA, not fastprefill's C++ kernel: {why}", stacklevel=3)
+    used, why = few_rows_used(model)
+    if linears_packed(model) and model.dtype == torch.bfloat16 and not used and why not in _kernel_warnings:
+        _kernel_warnings.add(why)
+        warnings.warn(f"decode steps' matrix products run on oneDNN, not fastprefill's few-row kernel: {why}",
+                      stacklevel=3)
 
 
 _kernel_warnings: set[str] = set()

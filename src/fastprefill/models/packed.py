@@ -27,6 +27,15 @@ and a prefix-cache hit's one-row suffix others than the same row inside a whole 
 padded with zero rows up to it (their outputs dropped), so every product at or above the floor
 runs the kernels that compute each row the same whatever other rows come with it
 (:func:`row_floor_for` finds the floor for this CPU's kernels by checking the products' shapes).
+
+A product of at most :data:`FEW_ROWS` bfloat16 rows (a decode step, a batch of two) runs on
+fastprefill's few-row products instead (:func:`fastprefill.kernels.row_products`), where they
+are built and this CPU has AVX512-BF16: oneDNN's one- and two-row products read the weights at
+about half the rate the cores can stream them, these read the plain weight in order
+(``docs/results/attention.md`` has the measurement). They compute each row alone, so its result
+is the same for one row or two, though not the same bits as the row inside a prompt-sized
+product. A model given a row floor (:func:`set_row_floor`, any but 1) keeps oneDNN for every
+product, so the floor's promise holds; :func:`set_few_rows` turns them off (or on) for a model.
 """
 
 from __future__ import annotations
@@ -37,14 +46,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["ROW_FLOORS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "chunked", "linears_packed",
-           "onednn_bf16", "pack_linears", "packable", "row_floor_for", "set_row_floor"]
+from fastprefill.kernels import row_products, rows_status
+
+__all__ = ["FEW_ROWS", "ROW_FLOORS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "chunked",
+           "few_rows_used", "linears_packed", "onednn_bf16", "pack_linears", "packable", "row_floor_for",
+           "set_few_rows", "set_row_floor"]
 
 #: The row floors :func:`row_floor_for` tries, smallest first (a CPU with AMX tiles may pick its
 #: kernels by blocks of 16 rows).
 ROW_FLOORS = (1, 2, 4, 8, 16)
 #: The row counts :func:`row_floor_for` computes its rows by (those at or above the floor tried).
 _PROBE_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 48)
+#: Products of at most this many input rows run on the few-row kernel where it applies (more run
+#: on oneDNN: from three or four rows on, oneDNN's products were as fast or faster here).
+FEW_ROWS = 2
 
 
 def onednn_bf16() -> bool:
@@ -85,6 +100,8 @@ class PackedLinear(torch.nn.Linear):
     _packed_for: tuple[int, int] = (0, -2)
     #: fewer input rows are padded with zero rows up to this many (:func:`set_row_floor`; 1: never)
     row_floor: int = 1
+    #: products of up to :data:`FEW_ROWS` rows may run on the few-row kernel (:func:`set_few_rows`)
+    few_rows: bool = True
 
     def repack(self, rows: int = 2048) -> None:
         """(Re)make the packed copy of ``weight`` (oneDNN picks its layout for ``rows`` input rows;
@@ -111,6 +128,9 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.applies(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)
+        kernel = _few_row_kernel(x, [self])
+        if kernel is not None:
+            return kernel.products(x, [self.weight], [self.bias]).view(*x.shape[:-1], self.out_features)
         return _floored(x, self.row_floor, lambda t: torch.ops.mkldnn._linear_pointwise(
             t, self.packed_weight(), self.bias, "none", [None], ""))
 
@@ -154,6 +174,10 @@ class PackedSwiGLU(torch.nn.Module):
         gate, up = self.gate_proj, self.up_proj
         if not (gate.applies(x) and up.applies(x)):
             return self.down_proj(self.act_fn(gate(x)) * up(x))
+        kernel = _few_row_kernel(x, [gate, up])
+        if kernel is not None:
+            act = kernel.swiglu(x, gate.weight, gate.bias, up.weight, up.bias)  # (R, I)
+            return self.down_proj(act.view(*x.shape[:-1], gate.out_features))
         linear = torch.ops.mkldnn._linear_pointwise
 
         def product(t: torch.Tensor) -> torch.Tensor:
@@ -213,10 +237,49 @@ class MergedProduct:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``(..., in)`` -> one ``(..., out_i)`` view per layer (of one merged output)."""
+        kernel = _few_row_kernel(x, self.layers)
+        if kernel is not None:
+            merged = kernel.products(x, [m.weight for m in self.layers], [m.bias for m in self.layers])
+            return list(merged.view(*x.shape[:-1], sum(self.sizes)).split(self.sizes, dim=-1))
         packed = self._weights()
         floor = max(layer.row_floor for layer in self.layers)
         merged = _floored(x, floor, lambda t: torch.ops.mkldnn._linear_pointwise(t, packed, self._bias, "none", [None], ""))
         return list(merged.split(self.sizes, dim=-1))
+
+
+def _few_row_kernel(x: torch.Tensor, layers: list[PackedLinear]) -> Any | None:
+    """The few-row kernel if it computes ``layers``' products of ``x`` (the caller checked that the
+    packed product applies): at most :data:`FEW_ROWS` bfloat16 rows, every layer with
+    ``few_rows`` on, no row floor and a contiguous weight, and the kernel built and checked here."""
+    if x.dtype != torch.bfloat16 or x.dim() == 0 or not 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS:
+        return None
+    if not all(m.few_rows and m.row_floor == 1 and m.weight.is_contiguous() for m in layers):
+        return None
+    return row_products()
+
+
+def set_few_rows(model: torch.nn.Module, enabled: bool = True) -> int:
+    """Let every :class:`PackedLinear` of ``model`` run its products of up to :data:`FEW_ROWS`
+    rows on the few-row kernel (the default), or keep them all on oneDNN (``enabled=False``).
+    Returns the number of layers set."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    for layer in layers:
+        layer.few_rows = bool(enabled)
+    return len(layers)
+
+
+def few_rows_used(model: Any) -> tuple[bool, str]:
+    """``(used, why not)``: whether ``model``'s one-row products run on the few-row kernel, and if
+    not, why (not packed, not bfloat16, turned off, a row floor, or the kernel's own reason)."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)] if isinstance(model, torch.nn.Module) else []
+    if not layers:
+        return False, "its linear layers are not packed"
+    if layers[0].weight.dtype != torch.bfloat16:
+        return False, "the few-row products are bfloat16 only"
+    if not all(m.few_rows for m in layers):
+        return False, "turned off (set_few_rows, or a row floor: it keeps every product on oneDNN)"
+    status = rows_status()
+    return status.available, status.reason
 
 
 def _floored(x: torch.Tensor, floor: int, product: Any) -> torch.Tensor:
@@ -273,7 +336,8 @@ def set_row_floor(model: torch.nn.Module, rows: int | str = "auto") -> int:
     merged and fused products follow their layers): ``rows`` for all (>= 1; 1 turns it off), or
     ``"auto"``: each layer the floor :func:`row_floor_for` finds for its own product's shape and,
     for a q/k/v projection, the merged product's, so that only the products whose few-row kernels
-    round differently pay for padding. Returns the largest floor set.
+    round differently pay for padding. Any floor but 1 also keeps the model's few-row products on
+    oneDNN (:func:`set_few_rows`: off; a floor of 1 turns them on again). Returns the largest floor set.
 
     Raises:
         ConfigError: ``rows`` is neither an integer >= 1 nor ``"auto"``, or ``"auto"`` finds no
@@ -288,6 +352,7 @@ def set_row_floor(model: torch.nn.Module, rows: int | str = "auto") -> int:
             raise ConfigError(f"row floor must be an integer >= 1 or 'auto', got {rows!r}")
         for layer in layers:
             layer.row_floor = rows
+        set_few_rows(model, rows == 1)
         return rows
     if not layers:
         raise ConfigError("a row floor needs packed linear layers (load the model with pack=True)")
@@ -312,6 +377,7 @@ def set_row_floor(model: torch.nn.Module, rows: int | str = "auto") -> int:
 
     for layer in layers:
         layer.row_floor = max(floor_of(group) for group in products[id(layer)])
+    set_few_rows(model, False)  # a layer whose floor is 1 must compute its few rows as oneDNN does too
     return max(layer.row_floor for layer in layers)
 
 

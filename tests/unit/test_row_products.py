@@ -1,0 +1,172 @@
+"""The few-row products (``kernels/rows.cpp``): a decode step's bfloat16 linear layers computed
+one weight row at a time. Against float64 products (within bfloat16 rounding), each row's result
+the same whatever the row count, the merged and SwiGLU forms, the input checks, and the packed
+layers' choice between them and oneDNN (a row floor keeps oneDNN; without the kernel oneDNN runs)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from fastprefill import kernels, models
+from fastprefill.bench.records import environment
+from fastprefill.host import cpu_info
+from fastprefill.models import packed
+from fastprefill.models.packed import (
+    FEW_ROWS,
+    PackedSwiGLU,
+    few_rows_used,
+    onednn_bf16,
+    pack_linears,
+    set_few_rows,
+    set_row_floor,
+)
+
+CAN_RUN = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX") and cpu_info().bf16_native
+
+
+def _module():
+    """The built kernel, failing where a compiler exists but it is not built (setup builds it)."""
+    if not CAN_RUN:
+        pytest.skip("this CPU has no AVX512-BF16: the few-row products do not run here")
+    module, reason = kernels._load("avx512", "rows")
+    if module is None:
+        if shutil.which("g++") or shutil.which("c++"):
+            pytest.fail(f"the few-row products are not built: {reason}")
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    return module
+
+
+def _weights(k: int, sizes: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16() for n in sizes]
+
+
+def _assert_within_bf16(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Each output within bfloat16's rounding of the float64 reference (and the float32 sums' order)."""
+    tol = 2 ** -7 * ref.abs() + 1e-3
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    assert bool(((got.double() - ref).abs() <= tol).all()), float((got.double() - ref).abs().max())
+
+
+@pytest.mark.parametrize("k", [64, 200, 896, 4864])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_products_match_float64_and_each_row_is_computed_alone(k, rows):
+    mod = _module()
+    weights = _weights(k, (96, 16, 16))  # a merged q, k, v
+    gen = torch.Generator().manual_seed(1)
+    biases = [torch.randn(96, generator=gen).bfloat16(), None, torch.randn(16, generator=gen).bfloat16()]
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    out = mod.products(x, weights, biases)
+    bias = torch.cat([biases[0].double(), torch.zeros(16, dtype=torch.float64), biases[2].double()])
+    _assert_within_bf16(out, x.double() @ torch.cat(weights).double().T + bias)
+    alone = torch.cat([mod.products(x[i:i + 1], weights, biases) for i in range(rows)])
+    assert torch.equal(out, alone)  # a row's bits do not depend on the other rows
+    one_by_one = torch.cat([mod.products(x, [w], [b]) for w, b in zip(weights, biases, strict=True)], dim=1)
+    assert torch.equal(out, one_by_one)  # merging the layers changes no bit
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_swiglu_is_the_activation_of_the_two_products_rounded_as_onednn_rounds_it(rows):
+    mod = _module()
+    gate, up = _weights(896, (300, 300), seed=2)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 896, generator=gen).bfloat16()
+    bias = torch.randn(300, generator=gen).bfloat16()
+    out = mod.swiglu(x, gate, bias, up, None)
+    u = x.double() @ up.double().T
+    _assert_within_bf16(out, torch.nn.functional.silu(x.double() @ gate.double().T + bias.double()) * u)
+    assert torch.equal(out, torch.cat([mod.swiglu(x[i:i + 1], gate, bias, up, None) for i in range(rows)]))
+
+
+def test_bad_inputs_are_refused_with_what_was_wrong():
+    mod = _module()
+    w = _weights(64, (8,))[0]
+    x = torch.randn(1, 64).bfloat16()
+    cases = [
+        ((x.float(), [w], [None]), "bfloat16 CPU tensor"),
+        ((torch.randn(1, 32).bfloat16(), [w], [None]), "must be the weights' K"),
+        ((torch.randn(5, 64).bfloat16(), [w], [None]), "1 to 4 input rows"),
+        ((x, [w.t().contiguous().t()], [None]), "contiguous 2-D bfloat16"),
+        ((x, [w, _weights(32, (8,))[0]], [None, None]), "K = 64"),
+        ((x, [w], [torch.zeros(9).bfloat16()]), "weight's N"),
+        ((x, [w], []), "one bias"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            mod.products(*args)
+    with pytest.raises(RuntimeError, match="one shape"):
+        mod.swiglu(x, w, None, _weights(64, (9,))[0], None)
+
+
+def test_the_check_on_load_passes_and_the_status_names_the_build():
+    _module()
+    status = kernels.rows_status()
+    assert status.available and status.variant == "avx512" and status.reason == ""
+    assert kernels.row_products() is not None
+
+
+needs_kernel = pytest.mark.skipif(not (CAN_RUN and onednn_bf16()), reason="no AVX512-BF16 here")
+
+
+@needs_kernel
+def test_a_packed_model_runs_few_rows_on_the_kernel_and_more_on_onednn():
+    """One and two rows go to the kernel (bit for bit its output; a row's bits the same in both),
+    three rows to oneDNN; ``set_few_rows(False)`` and a row floor keep oneDNN for all."""
+    mod = _module()
+    layer = torch.nn.Linear(896, 300).bfloat16()
+    pack_linears(layer)
+    x = torch.randn(3, 896).bfloat16()
+    onednn = lambda t: torch.ops.mkldnn._linear_pointwise(t, layer.packed_weight(), layer.bias, "none", [None], "")
+    with torch.inference_mode():
+        for rows in range(1, FEW_ROWS + 1):
+            assert torch.equal(layer(x[:rows]), mod.products(x[:rows], [layer.weight], [layer.bias]))
+        assert torch.equal(layer(x[None, :1]), layer(x[:2])[None, :1])  # (1, 1, K): a decode step's shape
+        assert torch.equal(layer(x), onednn(x))
+        layer.few_rows = False
+        assert torch.equal(layer(x[:1]), onednn(x[:1]))
+
+
+@needs_kernel
+def test_the_models_fused_mlp_and_merged_projections_use_it_and_stay_close_to_onednn():
+    model, _ = models.load("random:qwen2", dtype="bfloat16", pack=True)
+    assert isinstance(model.model.layers[0].mlp, PackedSwiGLU)
+    assert few_rows_used(model) == (True, "")
+    assert environment(1, model)["few_rows"] is True
+    ids = torch.randint(0, model.config.vocab_size, (1, 1))
+    with torch.inference_mode():
+        fast = model(ids).logits
+        set_few_rows(model, False)
+        assert few_rows_used(model)[0] is False and "turned off" in few_rows_used(model)[1]
+        slow = model(ids).logits
+    assert float((fast.float() - slow.float()).abs().max()) <= 0.05 * float(slow.float().abs().max())
+    set_few_rows(model, True)
+    set_row_floor(model, 2)
+    assert few_rows_used(model)[0] is False
+    set_row_floor(model, 1)
+    assert few_rows_used(model) == (True, "")
+
+
+@needs_kernel
+def test_without_the_kernel_onednn_computes_every_product(monkeypatch):
+    """The fallback: where the kernel does not load, the packed layers run oneDNN's products, and
+    the model says why."""
+    layer = torch.nn.Linear(64, 8).bfloat16()
+    pack_linears(layer)
+    x = torch.randn(1, 64).bfloat16()
+    monkeypatch.setattr(packed, "row_products", lambda: None)
+    monkeypatch.setattr(packed, "rows_status", lambda: kernels.KernelStatus(torch.bfloat16, None, False, "not built"))
+    with torch.inference_mode():
+        want = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight(), layer.bias, "none", [None], "")
+        assert torch.equal(layer(x), want)
+    assert few_rows_used(layer) == (False, "not built")
+
+
+def test_a_model_the_kernel_cannot_serve_says_why():
+    plain, _ = models.load("random:llama", dtype="float32")
+    assert few_rows_used(plain) == (False, "its linear layers are not packed")
+    if packed.packable("cpu", torch.float32):
+        f32, _ = models.load("random:llama", dtype="float32", pack=True)
+        assert few_rows_used(f32) == (False, "the few-row products are bfloat16 only")
