@@ -37,7 +37,7 @@ import torch
 from fastprefill.bench.records import environment, result_name
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.models import load as load_model
-from fastprefill.models.adapters import fuse_attention
+from fastprefill.models.fused import fuse_attention
 from fastprefill.models.packed import linears_packed, pack_linears
 from reporting import write_json
 

@@ -1,4 +1,4 @@
-"""fastprefill's attention forward (models.adapters.FusedAttention) against the model's own.
+"""fastprefill's attention forward (models.fused.FusedAttention) against the model's own.
 
 The reference is the same model with its attention modules' own class (transformers' forward):
 the fused forward must give the same logits bit for bit where the projections are plain (the
@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from fastprefill.host import cpu_info
-from fastprefill.models import adapters
+from fastprefill.models import fused
 from fastprefill.models import load as load_model
 from fastprefill.models.attention import fastprefill_attention, set_attention_backend
 from fastprefill.models.packed import MergedProduct
@@ -27,7 +27,7 @@ DTYPES = ["float32"] + (["bfloat16"] if cpu_info().bf16_native else [])
 def _own_class(model):
     """A copy of ``model`` whose attention modules run their own class's forward again."""
     plain = copy.deepcopy(model)
-    assert adapters.fuse_attention(plain, fused=False) == plain.config.num_hidden_layers
+    assert fused.fuse_attention(plain, fused=False) == plain.config.num_hidden_layers
     return plain
 
 
@@ -45,10 +45,10 @@ def _prefill_then_step(model, ids):
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])
 def test_the_fused_forward_gives_the_models_own_bits(family, dtype, backend):
     model, _ = load_model(f"random:{family}", dtype=dtype)
-    assert adapters.attention_fused(model)
+    assert fused.attention_fused(model)
     set_attention_backend(model, backend)
     plain = _own_class(model)
-    assert not adapters.attention_fused(plain)
+    assert not fused.attention_fused(plain)
     ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0))
     for got, want in zip(_prefill_then_step(model, ids), _prefill_then_step(plain, ids)):
         assert torch.equal(got, want)
@@ -58,7 +58,7 @@ def test_the_fused_forward_gives_the_models_own_bits(family, dtype, backend):
 def test_without_the_rotary_kernel_eagers_formula_runs(monkeypatch):
     model, _ = load_model("random:qwen2", dtype="float32")
     plain = _own_class(model)
-    monkeypatch.setattr(adapters, "rotary_kernel", lambda dtype: None)
+    monkeypatch.setattr(fused, "rotary_kernel", lambda dtype: None)
     ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
     for got, want in zip(_prefill_then_step(model, ids), _prefill_then_step(plain, ids)):
         assert torch.equal(got, want)
@@ -83,7 +83,7 @@ def test_packed_projections_run_as_one_product_and_match_three(monkeypatch):
 def test_fusing_changes_no_parameter_and_is_done_once():
     model, _ = load_model("random:llama", dtype="float32")
     keys = list(model.state_dict())
-    assert adapters.fuse_attention(model) == 0  # load did it
+    assert fused.fuse_attention(model) == 0  # load did it
     assert list(model.state_dict()) == keys == list(_own_class(model).state_dict())
     gpt2, _ = load_model("random:gpt2", dtype="float32")
-    assert adapters.fuse_attention(gpt2) == 0 and not adapters.attention_fused(gpt2)
+    assert fused.fuse_attention(gpt2) == 0 and not fused.attention_fused(gpt2)

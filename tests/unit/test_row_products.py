@@ -170,3 +170,59 @@ def test_a_model_the_kernel_cannot_serve_says_why():
     if packed.packable("cpu", torch.float32):
         f32, _ = models.load("random:llama", dtype="float32", pack=True)
         assert few_rows_used(f32) == (False, "the few-row products are bfloat16 only")
+
+
+def test_norm_kernels_round_as_the_family_norm_does():
+    """``rms_norm`` and ``add_rms_norm`` against transformers' Qwen2 RMSNorm (float32 statistics,
+    rounded, times the weight): the residual sum bit for bit, the norm within one bfloat16 step
+    (the float32 sum of squares is taken in another order)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    mod = _module()
+    norm = Qwen2RMSNorm(896, eps=1e-6).bfloat16()
+    gen = torch.Generator().manual_seed(4)
+    norm.weight.data = torch.randn(896, generator=gen).bfloat16()
+    x, r = (torch.randn(1, 2, 896, generator=gen).bfloat16() * 3 for _ in range(2))
+    with torch.inference_mode():
+        got = mod.rms_norm(x, norm.weight, 1e-6)
+        assert got.shape == x.shape
+        _assert_within_bf16(got, norm(x).double())
+        total, normed = mod.add_rms_norm(r, x, norm.weight, 1e-6)
+        assert torch.equal(total, r + x)
+        _assert_within_bf16(normed, norm(r + x).double())
+    with pytest.raises(RuntimeError, match="one shape"):
+        mod.add_rms_norm(r[:, :1], x, norm.weight, 1e-6)
+    with pytest.raises(RuntimeError, match="norm's weight"):
+        mod.rms_norm(x, norm.weight.float(), 1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["random:qwen2", "random:llama"])
+def test_the_fused_decoder_layer_runs_a_decode_steps_norms_on_the_kernel(family, monkeypatch):
+    """One or two rows go through the kernel's norms (counted) and stay within bfloat16 rounding of
+    the family's own forward; three rows, a row floor or ``fuse_layers(False)`` run the family's own
+    forward, bit for bit; the layer's hooks still fire."""
+    from fastprefill.models.fused import FusedDecoderLayer, fuse_layers, layers_fused
+
+    model, _ = models.load(family, dtype="bfloat16", pack=True)
+    assert layers_fused(model) and environment(1, model)["layers_fused"] is True
+    calls = []
+    real = kernels.row_products()
+    monkeypatch.setattr("fastprefill.models.fused.row_products", lambda: calls.append(1) or real)
+    fired = []
+    model.model.layers[0].register_forward_pre_hook(lambda *a: fired.append(1))
+    ids = torch.randint(0, model.config.vocab_size, (1, 2))
+    with torch.inference_mode():
+        few, many = model(ids[:, :1]).logits, model(torch.cat([ids, ids[:, :1]], dim=1)).logits
+        assert len(calls) == model.config.num_hidden_layers and len(fired) == 2
+        assert fuse_layers(model, fused=False) == model.config.num_hidden_layers
+        assert not layers_fused(model) and not isinstance(model.model.layers[0], FusedDecoderLayer)
+        own_few, own_many = model(ids[:, :1]).logits, model(torch.cat([ids, ids[:, :1]], dim=1)).logits
+        fuse_layers(model)
+        set_row_floor(model, 2)
+        floored = model(ids[:, :1]).logits
+        set_row_floor(model, 1)
+    assert torch.equal(many, own_many)
+    assert float((few.float() - own_few.float()).abs().max()) <= 0.05 * float(own_few.float().abs().max())
+    assert len(calls) == model.config.num_hidden_layers  # not called again: three rows, own forward, a floor
+    assert floored.shape == few.shape

@@ -132,15 +132,17 @@ def environment(threads: int, model: Any, device: Any = None) -> dict[str, Any]:
     CPU, the precision of ``model`` (a model, or its ``torch.dtype``) with the CPU's bfloat16
     capability (:func:`fastprefill.host.precision_report`), and whether its decoder blocks are
     compiled, its linear weights packed, its one- and two-row products on the few-row kernel, its
-    attention on the C++ kernel or SDPA and its attention modules on fastprefill's fused forward (``None`` when only a dtype is given); for a model on
+    attention on the C++ kernel or SDPA and its attention modules and decoder layers on fastprefill's
+    fused forwards (``None`` when only a dtype is given); for a model on
     a GPU (or a dtype and a GPU ``device``) also ``"accelerator"``: the GPU, its driver, CUDA and
     cuDNN (:func:`fastprefill.host.accelerator_report`)."""
     import torch
     import transformers
 
     from fastprefill.host import accelerator_report, precision_report
-    from fastprefill.models.adapters import attention_fused, blocks_compiled
+    from fastprefill.models.adapters import blocks_compiled
     from fastprefill.models.attention import attention_backend
+    from fastprefill.models.fused import attention_fused, layers_fused
     from fastprefill.models.packed import few_rows_used, linears_packed
 
     dtype = model if isinstance(model, torch.dtype) else model.dtype
@@ -154,6 +156,7 @@ def environment(threads: int, model: Any, device: Any = None) -> dict[str, Any]:
         "few_rows": None if isinstance(model, torch.dtype) else few_rows_used(model)[0],
         "attention": None if isinstance(model, torch.dtype) else attention_backend(model)[0],
         "attention_fused": None if isinstance(model, torch.dtype) else attention_fused(model),
+        "layers_fused": None if isinstance(model, torch.dtype) else layers_fused(model),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -1,4 +1,5 @@
-// Matrix products of a few input rows on the CPU for fastprefill: a decode step's linear layers.
+// A decode step's few-row work on the CPU for fastprefill: its linear layers' matrix products and
+// the RMSNorms between them.
 //
 // A decode step multiplies one row (or a couple, for a small decode batch) by every weight of the
 // model, so its time is the time to read the weights once. oneDNN's products of one or two rows
@@ -14,7 +15,11 @@
 //       side by side (merged q, k and v projections read one input once, as one call);
 //   swiglu(x (R, K), w_gate (I, K), b_gate, w_up (I, K), b_up) -> (R, I):
 //       silu(x w_gate^T + b_gate), rounded to bfloat16, times (x w_up^T + b_up) in float32,
-//       rounded: oneDNN's swish post-op and mul binary post-op, in the same order of roundings.
+//       rounded: oneDNN's swish post-op and mul binary post-op, in the same order of roundings;
+//   rms_norm(x (R, D), w (D), eps) -> (R, D): x / sqrt(mean(x^2) + eps) in float32, rounded, times w,
+//       rounded (transformers' Llama / Qwen2 RMSNorm, its roundings in its order);
+//   add_rms_norm(residual (R, D), x (R, D), w (D), eps) -> (residual + x rounded, rms_norm of that):
+//       a decoder layer's residual add and the norm after it, in one call.
 //
 // bfloat16 only; compiled in the AVX-512 variant with -mavx512bf16 (fastprefill.kernels loads it
 // where the CPU has AVX512-BF16). Threads: ATen's parallel_for over the output columns.
@@ -193,6 +198,45 @@ torch::Tensor swiglu(const torch::Tensor& x, const torch::Tensor& gate_w, const 
   return y;
 }
 
+// out = rms_norm(x) * w for one row of D elements (float32 statistics; roundings as the module's).
+void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t D, uint16_t* out) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float v = from_bf16(x[i]);
+    sum += v * v;
+  }
+  const float scale = 1.f / std::sqrt(sum / float(D) + eps);
+  for (int64_t i = 0; i < D; ++i) out[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(x[i]) * scale)));
+}
+
+torch::Tensor check_norm(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 1 && w.is_contiguous(),
+              "the norm's weight must be a contiguous bfloat16 CPU vector");
+  return check_input(x, w.size(0));
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  const torch::Tensor rows = check_norm(x, w);
+  const int64_t D = w.size(0);
+  torch::Tensor out = torch::empty_like(rows);
+  for (int64_t r = 0; r < rows.size(0); ++r)
+    norm_row(data(rows) + r * D, data(w), float(eps), D, reinterpret_cast<uint16_t*>(out.data_ptr()) + r * D);
+  return out.view(x.sizes());
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& residual, const torch::Tensor& x,
+                                                      const torch::Tensor& w, double eps) {
+  TORCH_CHECK(residual.sizes() == x.sizes(), "the residual and the added rows must have one shape");
+  const torch::Tensor a = check_norm(residual, w), b = check_norm(x, w);
+  const int64_t D = w.size(0);
+  torch::Tensor sum = torch::empty_like(a), out = torch::empty_like(a);
+  uint16_t* sp = reinterpret_cast<uint16_t*>(sum.data_ptr());
+  for (int64_t i = 0; i < a.numel(); ++i) sp[i] = to_bf16(from_bf16(data(a)[i]) + from_bf16(data(b)[i]));
+  for (int64_t r = 0; r < a.size(0); ++r)
+    norm_row(sp + r * D, data(w), float(eps), D, reinterpret_cast<uint16_t*>(out.data_ptr()) + r * D);
+  return {sum.view(x.sizes()), out.view(x.sizes())};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -200,5 +244,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weights"), py::arg("biases"));
   m.def("swiglu", &swiglu, "silu(x w_gate^T + b_gate) * (x w_up^T + b_up) -> (R, I), bfloat16, R <= 4",
         py::arg("x"), py::arg("gate_w"), py::arg("gate_b"), py::arg("up_w"), py::arg("up_b"));
+  m.def("rms_norm", &rms_norm, "RMSNorm of x (R,D) with weight (D) -> (R,D), bfloat16, R <= 4",
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("add_rms_norm", &add_rms_norm, "(residual + x, RMSNorm(residual + x)), each (R,D), bfloat16, R <= 4",
+        py::arg("residual"), py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.attr("max_rows") = kMaxRows;
 }

@@ -19,8 +19,9 @@ import torch
 from fastprefill.errors import ConfigError
 from fastprefill.host import cpu_info, resolve_dtype
 from fastprefill.models import random as random_models
-from fastprefill.models.adapters import compile_blocks, fuse_attention, fuse_mlps
+from fastprefill.models.adapters import compile_blocks, fuse_mlps
 from fastprefill.models.attention import ATTENTION_BACKENDS, attention_backend, set_attention_backend
+from fastprefill.models.fused import fuse_attention, fuse_layers
 from fastprefill.models.packed import (
     can_pack,
     few_rows_used,
@@ -90,9 +91,9 @@ def load(
             why), ``"kernel"`` (refused where the kernel cannot run) or ``"sdpa"``.
         cache_dir, progress: for zoo models (see :func:`~fastprefill.models.pretrained.load_pretrained`).
 
-    On the CPU, a Llama or Qwen2 model's attention modules run fastprefill's forward
-    (:func:`~fastprefill.models.adapters.fuse_attention`: the rotary embedding in one pass, bit for
-    bit eager's, and packed q, k and v projections as one product).
+    On the CPU, a Llama or Qwen2 model's attention modules and decoder layers run fastprefill's
+    forwards (:mod:`fastprefill.models.fused`: the rotary in one pass, bit for bit eager's, q, k
+    and v as one product, a decode step's norms on the few-row kernel).
 
     Raises:
         ConfigError: an unknown ``dtype`` or ``attention`` (before loading); ``"kernel"`` where it
@@ -119,10 +120,10 @@ def load(
         raise ConfigError(f"pack=True needs a bfloat16 or float32 model on the CPU with oneDNN (got {model.dtype} "
                           f"on {device}{cpu}); pass pack=None (auto) or False")
     if pack:
-        pack_linears(model)
-        fuse_mlps(model)
+        pack_linears(model), fuse_mlps(model)
     if torch.device(device).type == "cpu":
         fuse_attention(model)
+        fuse_layers(model)
     if compile is None:
         compile = torch.device(device).type == "cpu" and _inductor_can_compile()
     if compile:

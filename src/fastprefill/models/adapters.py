@@ -6,9 +6,9 @@ model's *own* decoder layers (``model.model.layers[i]``), its own rotary embeddi
 final norm and head. Nothing is monkey-patched: the extension point used is transformers'
 ``AttentionInterface``, where fastprefill's attention function (:mod:`fastprefill.models.attention`)
 is selected on a model only inside :meth:`DecoderAdapter.attention_scope`, which restores the
-previous choice in ``finally``. On the CPU the loader also gives each attention module
-:class:`FusedAttention`'s forward (:func:`fuse_attention`: the module's own class with that one
-method, as :class:`~fastprefill.models.packed.PackedLinear` does for ``nn.Linear``).
+previous choice in ``finally``. On the CPU the loader also gives each attention module and
+decoder layer fastprefill's forward (:mod:`fastprefill.models.fused`: the module's own class with
+that one method, as :class:`~fastprefill.models.packed.PackedLinear` does for ``nn.Linear``).
 
 Tensor shapes used throughout (batch ``B`` is always 1 in fastprefill's engine):
 
@@ -28,18 +28,14 @@ Supported families for the layer-loop methods: ``llama`` (SmolLM2) and ``qwen2``
 from __future__ import annotations
 
 import contextlib
-import functools
-import sys
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fastprefill.errors import UnsupportedModelError
-from fastprefill.kernels import rotary_kernel
 from fastprefill.models.attention import SCORE_SINK_KWARG, SCORER_KWARG, ScoreFn, fastprefill_attention
-from fastprefill.models.packed import MergedProduct, PackedLinear, PackedSwiGLU
+from fastprefill.models.packed import PackedLinear, PackedSwiGLU
 from fastprefill.models.shape import ModelShape
 
 #: Families whose decoder layers have the Llama calling convention
@@ -150,107 +146,6 @@ def fuse_mlps(model: Any) -> int:
             layer.mlp = PackedSwiGLU(mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
             count += 1
     return count
-
-
-class FusedAttention(torch.nn.Module):
-    """A Llama / Qwen2 attention module's forward, with its element-wise work in fewer passes.
-
-    Mixed into the model's own attention class by :func:`fuse_attention` (the module keeps its
-    parameters, names and attributes; only ``forward`` is this one). It computes what
-    transformers' forward computes, in the same order, through the same attention function
-    (``config._attn_implementation``, fastprefill's or SDPA), with two differences in how:
-
-    - the rotary embedding of the queries and keys is one pass of the C++ build
-      (:func:`fastprefill.kernels.rotary_kernel`) instead of eager's element-wise passes and
-      concatenation per tensor, rounded as eager rounds it, so its bits are eager's; where the
-      build does not run (another device or dtype, a gradient, not built, cos and sin not
-      ``(B, T, d)`` with a unit last stride) eager's formula runs;
-    - where the q, k and v projections are packed (:class:`~fastprefill.models.packed.PackedLinear`),
-      they run as one product (:class:`~fastprefill.models.packed.MergedProduct`), the input read
-      once; oneDNN may round that product's columns differently in the last bits.
-
-    Shapes: hidden states ``(B, T, D)``; ``position_embeddings`` ``(cos, sin)``, each ``(B, T, d)``;
-    returns ``((B, T, D), None)`` as the module's own forward does.
-    """
-
-    #: the model's own attention class, and the module that defines it (its eager rotary and attention)
-    _own: type | None = None
-    _family: Any = None
-
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
-                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b, t, _ = hidden_states.shape
-        d = self.head_dim
-        h_q, h_kv = self.config.num_attention_heads, self.config.num_key_value_heads
-        q, k, v = self._projections(hidden_states)  # (B, T, H_q * d), (B, T, H_kv * d) twice
-        cos, sin = position_embeddings
-        rotate = rotary_kernel(q.dtype) if (
-            q.device.type == "cpu" and cos.dtype == sin.dtype == q.dtype and cos.dim() == sin.dim() == 3
-            and cos.stride(-1) == sin.stride(-1) == 1
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))) else None
-        if rotate is not None:
-            query, key = rotate(q, cos, sin, h_q), rotate(k, cos, sin, h_kv)  # (B, H, T, d)
-        else:
-            query, key = self._family.apply_rotary_pos_emb(q.view(b, t, h_q, d).transpose(1, 2),
-                                                     k.view(b, t, h_kv, d).transpose(1, 2), cos, sin)
-        value = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, H_kv, T, d)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                          self._family.eager_attention_forward)
-        if hasattr(self, "sliding_window"):
-            kwargs["sliding_window"] = self.sliding_window
-        out, weights = interface(self, query, key, value, attention_mask,
-                                 dropout=0.0 if not self.training else self.attention_dropout,
-                                 scaling=self.scaling, **kwargs)
-        return self.o_proj(out.reshape(b, t, -1).contiguous()), weights
-
-    def _projections(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """``q, k, v`` projections of ``x`` ``(B, T, D)``: one merged product where they are packed."""
-        layers = [self.q_proj, self.k_proj, self.v_proj]
-        if all(isinstance(m, PackedLinear) for m in layers):
-            merged = self.__dict__.get("_fastprefill_qkv")
-            if merged is None or any(a is not b for a, b in zip(merged.layers, layers)):
-                merged = self.__dict__["_fastprefill_qkv"] = MergedProduct(layers)
-            if merged.applies(x):
-                return merged(x)
-        return [m(x) for m in layers]
-
-
-@functools.cache
-def _fused_class(cls: type) -> type:
-    """``cls`` (a family's attention class) with :class:`FusedAttention`'s forward."""
-    return type(f"Fused{cls.__name__}", (FusedAttention, cls), {"__module__": __name__, "_own": cls,
-                                                                 "_family": sys.modules[cls.__module__]})
-
-
-def fuse_attention(model: Any, fused: bool = True) -> int:
-    """Give every decoder layer's attention of a :data:`LAYER_LOOP_FAMILIES` model
-    :class:`FusedAttention`'s forward (in place: the module's class becomes a subclass of its own
-    with that forward; parameters, names and ``state_dict`` unchanged), or with ``fused=False``
-    its own class's forward again. Returns how many modules changed (0 for other families, or
-    when they are as asked already)."""
-    if not supports_layer_loop(getattr(model, "config", None)):
-        return 0
-    count = 0
-    for layer in decoder_layers(model):
-        attn = layer.self_attn
-        if fused and not isinstance(attn, FusedAttention):
-            attn.__class__ = _fused_class(type(attn))
-        elif not fused and isinstance(attn, FusedAttention):
-            attn.__class__ = attn._own
-            attn.__dict__.pop("_fastprefill_qkv", None)
-        else:
-            continue
-        count += 1
-    return count
-
-
-def attention_fused(model: Any) -> bool:
-    """Whether :func:`fuse_attention` gave ``model``'s attention modules the fused forward."""
-    layers = decoder_layers(model)
-    return bool(layers) and isinstance(layers[0].self_attn, FusedAttention)
 
 
 def compile_blocks(model: PreTrainedModel) -> int:
