@@ -1,6 +1,8 @@
 """The few-row products (``kernels/rows.cpp``) against oneDNN's, on a real model in one process,
 timed interleaved: the same packed modules with :func:`fastprefill.models.packed.set_few_rows`
-switched on (``kernel``) and off (``onednn``).
+switched on (``kernel``) and off (``onednn``). The decoder layers' norms follow the switch
+(:class:`fastprefill.models.fused.FusedDecoderLayer`), so ``onednn`` is the decode step as it ran
+before the kernel: oneDNN's products and the norms' compiled graphs.
 
 - **products alone**: each product form of a decoder layer (the merged q/k/v projections, the
   output projection, the SwiGLU MLP: gate and up with the activation, then down) and the LM head,
