@@ -96,7 +96,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         packed.FEW_ROWS = max(args.rows)
         try:
             for n in args.rows:
-                inputs = {form: torch.randn(1, n, width, generator=gen).to(model.dtype)
+                inputs = {form: torch.randn(n, 1, width, generator=gen).to(model.dtype)  # n streams' step
                           for form, (_, width, _) in forms.items()}
                 for r in range(args.rounds):
                     for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:

@@ -113,8 +113,8 @@ needs_kernel = pytest.mark.skipif(not (CAN_RUN and onednn_bf16()), reason="no AV
 
 @needs_kernel
 def test_a_packed_model_runs_few_rows_on_the_kernel_and_more_on_onednn():
-    """One and two rows go to the kernel (bit for bit its output; a row's bits the same in both),
-    three rows to oneDNN; ``set_few_rows(False)`` and a row floor keep oneDNN for all."""
+    """One and two rows of one position go to the kernel (bit for bit its output; a row's bits the
+    same in both), a prompt's two positions and three rows to oneDNN; ``set_few_rows(False)`` and a row floor keep oneDNN for all."""
     mod = _module()
     layer = torch.nn.Linear(896, 300).bfloat16()
     pack_linears(layer)
@@ -124,6 +124,8 @@ def test_a_packed_model_runs_few_rows_on_the_kernel_and_more_on_onednn():
         for rows in range(1, FEW_ROWS + 1):
             assert torch.equal(layer(x[:rows]), mod.products(x[:rows], [layer.weight], [layer.bias]))
         assert torch.equal(layer(x[None, :1]), layer(x[:2])[None, :1])  # (1, 1, K): a decode step's shape
+        assert torch.equal(layer(x[:2, None]), layer(x[:2])[:, None])  # (2, 1, K): two streams' step
+        assert torch.equal(layer(x[None, :2]), onednn(x[None, :2]))  # (1, 2, K): a prompt's two positions
         assert torch.equal(layer(x), onednn(x))
         layer.few_rows = False
         assert torch.equal(layer(x[:1]), onednn(x[:1]))

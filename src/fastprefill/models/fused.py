@@ -25,7 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fastprefill.kernels import rotary_kernel, row_products
 from fastprefill.models.adapters import decoder_layers, supports_layer_loop
-from fastprefill.models.packed import FEW_ROWS, MergedProduct, PackedLinear
+from fastprefill.models.packed import MergedProduct, PackedLinear, decode_rows
 
 __all__ = ["FusedAttention", "FusedDecoderLayer", "attention_fused", "fuse_attention", "fuse_layers", "layers_fused"]
 
@@ -144,8 +144,8 @@ def attention_fused(model: Any) -> bool:
 class FusedDecoderLayer(torch.nn.Module):
     """A Llama / Qwen2 decoder layer's forward, with a decode step's norms on the few-row kernel.
 
-    Mixed into the layer's own class by :func:`fuse_layers`. Where the hidden states are one or two
-    bfloat16 rows (up to :data:`~fastprefill.models.packed.FEW_ROWS`) on the CPU, without a
+    Mixed into the layer's own class by :func:`fuse_layers`. Where the hidden states are a decode
+    step's bfloat16 rows (:func:`~fastprefill.models.packed.decode_rows`) on the CPU, without a
     gradient, and the layer's products run on the few-row kernel (its output projection's
     ``few_rows`` on and no row floor: :func:`~fastprefill.models.packed.set_few_rows`), it computes
     what the family's forward computes with the kernel's ``rms_norm`` for the input norm and
@@ -172,7 +172,7 @@ class FusedDecoderLayer(torch.nn.Module):
 
     def _few_row_kernel(self, hidden: torch.Tensor) -> Any | None:
         """The few-row kernel if this call's norms run on it (see the class docstring), else ``None``."""
-        if hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" or not 1 <= hidden.numel() // hidden.shape[-1] <= FEW_ROWS:
+        if hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" or not decode_rows(hidden):
             return None
         o_proj = getattr(self.self_attn, "o_proj", None)
         if not (isinstance(o_proj, PackedLinear) and o_proj.few_rows and o_proj.row_floor == 1):

@@ -28,7 +28,8 @@ padded with zero rows up to it (their outputs dropped), so every product at or a
 runs the kernels that compute each row the same whatever other rows come with it
 (:func:`row_floor_for` finds the floor for this CPU's kernels by checking the products' shapes).
 
-A product of at most :data:`FEW_ROWS` bfloat16 rows (a decode step, a batch of two) runs on
+A decode step's product, at most :data:`FEW_ROWS` bfloat16 rows of one position each (one
+stream, or a batch of two: :func:`decode_rows`), runs on
 fastprefill's few-row products instead (:func:`fastprefill.kernels.row_products`), where they
 are built and this CPU has AVX512-BF16: oneDNN's one- and two-row products read the weights at
 about half the rate the cores can stream them, these read the plain weight in order
@@ -49,7 +50,7 @@ import torch
 from fastprefill.kernels import row_products, rows_status
 
 __all__ = ["FEW_ROWS", "ROW_FLOORS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "chunked",
-           "few_rows_used", "linears_packed", "onednn_bf16", "pack_linears", "packable", "row_floor_for",
+           "decode_rows", "few_rows_used", "linears_packed", "onednn_bf16", "pack_linears", "packable", "row_floor_for",
            "set_few_rows", "set_row_floor"]
 
 #: The row floors :func:`row_floor_for` tries, smallest first (a CPU with AMX tiles may pick its
@@ -247,11 +248,21 @@ class MergedProduct:
         return list(merged.split(self.sizes, dim=-1))
 
 
+def decode_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a decode step's input for the few-row kernel: at most :data:`FEW_ROWS`
+    rows of one position each (``(B, 1, D)``, or ``(R, D)``). A prompt's few positions
+    (``(1, T, D)``, ``T > 1``: a short partition, chunk or suffix) are not: oneDNN keeps their
+    bits those of the same rows inside a longer prompt."""
+    if x.dim() == 0 or (x.dim() >= 3 and x.shape[-2] != 1):
+        return False
+    return 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS
+
+
 def _few_row_kernel(x: torch.Tensor, layers: list[PackedLinear]) -> Any | None:
     """The few-row kernel if it computes ``layers``' products of ``x`` (the caller checked that the
-    packed product applies): at most :data:`FEW_ROWS` bfloat16 rows, every layer with
-    ``few_rows`` on, no row floor and a contiguous weight, and the kernel built and checked here."""
-    if x.dtype != torch.bfloat16 or x.dim() == 0 or not 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS:
+    packed product applies): bfloat16 :func:`decode_rows`, every layer with ``few_rows`` on, no
+    row floor and a contiguous weight, and the kernel built and checked here."""
+    if x.dtype != torch.bfloat16 or not decode_rows(x):
         return None
     if not all(m.few_rows and m.row_floor == 1 and m.weight.is_contiguous() for m in layers):
         return None
