@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from fastprefill.cache import ROOM_TOKENS, RoomyLayer, fork_cache, make_roomy, pad_caches, unpad_row
+from fastprefill.cache.dynamic import HIT_STORAGE, StoragePool
 from fastprefill.engine import generate
 from fastprefill.methods.full import FullPrefill
 from fastprefill.prefix_cache import PrefixCache
@@ -127,3 +128,55 @@ def test_a_hit_appends_its_suffix_and_decode_steps_in_place(hit_setup):
     a = generate(model, None, ids, max_new_tokens=6, stop_at_eos=False, prefix_cache=pc)
     b = generate(model, None, ids, max_new_tokens=6, stop_at_eos=False)
     assert a.timing.cached_tokens == 64 and a.token_ids == b.token_ids
+
+
+def test_the_hit_storage_pool_reuses_only_storage_no_tensor_uses():
+    """A storage comes back only once no view of it is alive, the smallest that fits; one in use is
+    never handed out twice; ``keep=0`` keeps nothing; one taken in inference mode can be written outside it."""
+    pool = StoragePool(keep=2)
+    shape = (2, 3, 2, 40, 4)
+    with torch.inference_mode():
+        a = pool.take(shape, torch.float32, "cpu")
+    a[:, :, :, :5] = 1.0  # a normal tensor: written outside inference mode
+    view = a[0, 1]
+    b = pool.take(shape, torch.float32, "cpu")
+    assert b.data_ptr() != a.data_ptr() and pool.allocated == 2 and pool.reused == 0
+    del a  # the pool and `view` still hold it
+    c = pool.take(shape, torch.float32, "cpu")
+    assert c.data_ptr() not in (view.data_ptr() - view.storage_offset() * 4, b.data_ptr()) and pool.reused == 0
+    del view, b
+    small = pool.take((2, 3, 2, 30, 4), torch.float32, "cpu")  # fits in a free one, reused
+    assert pool.reused == 1 and small.shape[3] >= 30 and len(pool._held) == 2
+    assert pool.take((2, 3, 2, 41, 4), torch.float32, "cpu").shape[3] == 41  # none fits: a new one
+    assert pool.take((2, 3, 2, 40, 4), torch.bfloat16, "cpu").dtype == torch.bfloat16  # another dtype: new
+    none = StoragePool(keep=0)
+    none.take(shape, torch.float32, "cpu")
+    assert none.nbytes == 0 and none.take(shape, torch.float32, "cpu") is not None and none.reused == 0
+
+
+def test_hits_from_the_pool_hold_their_own_keys_while_alive(hit_setup):
+    """Two hits alive at once get two storages, each holding the cached K/V as a hit without the
+    pool does; once both are gone the next hit reuses one, and its logits still equal full prefill's."""
+    model, ids, pc = hit_setup
+    HIT_STORAGE.clear()
+    storage = lambda hit: hit.cache.layers[0]._kbuf.untyped_storage().data_ptr()
+    with torch.inference_mode():
+        first, second = pc.lookup(model, ids), pc.lookup(model, ids)
+        ptrs = {storage(first), storage(second)}
+        assert len(ptrs) == 2
+        keep = HIT_STORAGE.keep
+        HIT_STORAGE.keep = 0
+        try:
+            plain = pc.lookup(model, ids)  # a new tensor, outside the pool
+        finally:
+            HIT_STORAGE.keep = keep
+        assert storage(plain) not in ptrs
+        for hit in (first, second):
+            for got, want in zip(hit.cache.layers, plain.cache.layers, strict=True):
+                assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        del first, second, hit
+        reused = HIT_STORAGE.reused
+        again = pc.lookup(model, ids)
+        assert HIT_STORAGE.reused == reused + 1 and storage(again) in ptrs
+        out = FullPrefill().prefill(model, ids, again.cache)
+        torch.testing.assert_close(out.logits, FullPrefill().prefill(model, ids).logits, atol=1e-4, rtol=0)

@@ -8,6 +8,7 @@ Shapes: keys/values ``(B, H_kv, N, d)``.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["ROOM_TOKENS", "RoomyLayer", "fork_cache", "layer_kv", "make_roomy", "pad_caches", "roomy_from_blocks",
+__all__ = ["HIT_STORAGE", "ROOM_TOKENS", "RoomyLayer", "StoragePool", "fork_cache", "layer_kv", "make_roomy", "pad_caches", "roomy_from_blocks",
            "unpad_row", "wrap_dynamic_cache"]
 
 
@@ -104,15 +105,94 @@ def make_roomy(cache: CacheT) -> CacheT:
     return cache
 
 
+class StoragePool:
+    """Storage of earlier prefix-cache hits, kept to be written again by the next hit.
+
+    A hit copies its blocks into one new ``(2, L, H_kv, C, d)`` tensor. On a 4k-token prompt of a
+    1.5B model that is over 100 MB, and memory the process has not touched before costs a page
+    fault per 4 KiB page: on the machines measured, 10 times what the copy itself costs, and
+    whether it happens depends on how the heap was cut up by earlier requests. The pool keeps the
+    last ``keep`` storages it handed out; :meth:`take` gives back one that no tensor uses any more
+    (no view of it is alive: the cache it served is gone) and is large enough, so a steady stream
+    of hits reuses memory whose pages are already in place. A storage still in use is never
+    handed out twice.
+
+    Whether anything else uses a storage is read from its reference count
+    (``torch._C._storage_Use_Count``); where that is missing the pool keeps nothing and every hit
+    allocates, as without it. The memory kept is at most ``keep`` hits' K/V with room.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._held: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._count = getattr(torch._C, "_storage_Use_Count", None)
+        self._alone = 0  # the count of a storage that one tensor alone uses (read with its Python object alive)
+        if self._count is not None:
+            probe = torch.empty(1)
+            held = probe.untyped_storage()
+            self._alone = self._count(held._cdata)
+        self.reused = 0  # takes served from the pool
+        self.allocated = 0  # takes that allocated
+
+    def _unused(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the only tensor on its storage (its count against a lone tensor's)."""
+        assert self._count is not None
+        held = t.untyped_storage()  # alive while its count is read
+        return self._count(held._cdata) <= self._alone
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A ``(2, L, H_kv, C', d)`` tensor with ``C' >= C`` (``shape`` is ``(2, L, H_kv, C, d)``),
+        uninitialised: a view of a kept one no tensor uses (the smallest that fits), else a new one.
+        It, or a view of it, stays the caller's while alive."""
+        device = torch.device(device)
+        with self._lock:
+            if self._count is not None:
+                fits = [t for t in self._held if t.dtype == dtype and t.device == device and t.shape[:3] == shape[:3]
+                        and t.shape[4] == shape[4] and t.shape[3] >= shape[3] and self._unused(t)]
+                if fits:
+                    best = min(fits, key=lambda t: t.shape[3])
+                    self._held = [t for t in self._held if t is not best] + [best]  # the most recently used last
+                    self.reused += 1
+                    return best.view(best.shape)  # a view: while the caller holds it, the pool sees it used
+            with torch.inference_mode(False):  # a normal tensor: the next hit may write it outside inference mode
+                storage = torch.empty(shape, dtype=dtype, device=device)
+            self.allocated += 1
+            if self._count is not None and self.keep > 0:
+                self._held.append(storage)
+                while len(self._held) > self.keep:  # forget the oldest, free ones first
+                    drop = next((t for t in self._held[:-1] if self._unused(t)), self._held[0])
+                    self._held = [t for t in self._held if t is not drop]
+            return storage.view(storage.shape)
+
+    def clear(self) -> None:
+        """Keep nothing (storages in use stay with their users)."""
+        with self._lock:
+            self._held.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storages kept (in use or not)."""
+        return sum(t.nbytes for t in self._held)
+
+
+#: The process's pool of prefix-cache hit storage (:func:`roomy_from_blocks`).
+HIT_STORAGE = StoragePool()
+
+
 def roomy_from_blocks(config: PretrainedConfig, blocks: Sequence[torch.Tensor], tokens: int, upto: int,
-                      device: torch.device | str) -> DynamicCache:
+                      device: torch.device | str, pool: StoragePool | None = HIT_STORAGE) -> DynamicCache:
     """A new ``DynamicCache`` of :class:`RoomyLayer` s holding the first ``tokens`` positions of ``blocks``
     (each ``(2, L, H_kv, B_i, d)``, in order), with room for ``upto`` positions and some decoding: the
-    blocks are copied once, into that storage (a prefix-cache hit, whose suffix then appends in place)."""
+    blocks are copied once, into that storage (a prefix-cache hit, whose suffix then appends in place).
+    The storage comes from ``pool`` (``None``: a new tensor)."""
     first = blocks[0]
     held = sum(b.shape[3] for b in blocks)
-    storage = first.new_empty((*first.shape[:3], _with_room(max(held, upto)), first.shape[4]),
-                              device=device)  # (2, L, H_kv, C, d)
+    shape = (*first.shape[:3], _with_room(max(held, upto)), first.shape[4])  # (2, L, H_kv, C, d)
+    if pool is None:
+        storage = first.new_empty(shape, device=device)
+    else:
+        storage = pool.take(shape, first.dtype, device)
     if first.device == storage.device:
         torch.cat(list(blocks), dim=3, out=storage[:, :, :, :held])
     else:
