@@ -1,13 +1,13 @@
 """A prefix-cache hit with its storage reused (:data:`fastprefill.cache.dynamic.HIT_STORAGE`, the
-library's default) against a new tensor for every hit (the pool keeping nothing), in one process,
-timed interleaved.
+library's default) against a new tensor for every hit (``PrefixCache.hit_storage = None``), in one
+process, timed interleaved.
 
 Each round and mode: a new :class:`fastprefill.PrefixCache`, a cold prompt (a random ``T``-token
 document and a 16-token question, untimed: it stores the document and leaves the heap as a request
 leaves it), then the follow-up (the same document, another 18-token question), timed:
 ``fastprefill.engine.generate(..., max_new_tokens=1, prefix_cache=cache)``. Per hit the wall time, the
 prefix lookup's seconds (which copy the blocks into the hit's storage) and the page faults of the
-call (``getrusage`` minor faults). Per cell the medians and the median of the per-round paired ratios
+lookup and of the whole call (``getrusage`` minor faults). Per cell the medians and the median of the per-round paired ratios
 ``fresh / pool`` with their range; the first token of both modes is compared.
 
     python benchmarks/hit_storage.py --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b --lengths 2048 4096
@@ -39,21 +39,25 @@ def _faults() -> int:
 
 
 def _hit(model: Any, tok: Any, first: torch.Tensor, followup: torch.Tensor, mode: str) -> dict[str, Any]:
-    """One round of one mode: a cold prompt stored, then the follow-up timed."""
-    keep = HIT_STORAGE.keep
-    if mode == "fresh":
-        HIT_STORAGE.keep = 0
-        HIT_STORAGE.clear()
-    try:
-        cache = PrefixCache(4 << 30, block_tokens=16)
-        generate(model, tok, first, None, max_new_tokens=1, prefix_cache=cache)
-        f0, t0 = _faults(), time.perf_counter()
-        res = generate(model, tok, followup, None, max_new_tokens=1, prefix_cache=cache)
-        seconds, faults = time.perf_counter() - t0, _faults() - f0
-    finally:
-        HIT_STORAGE.keep = keep
+    """One round of one mode: a cold prompt stored, then the follow-up timed (and the page faults
+    of its prefix lookup counted apart)."""
+    cache = PrefixCache(4 << 30, block_tokens=16)
+    cache.hit_storage = HIT_STORAGE if mode == "pool" else None
+    generate(model, tok, first, None, max_new_tokens=1, prefix_cache=cache)
+    lookup, counted = cache.lookup, []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        f0 = _faults()
+        out = lookup(*args, **kwargs)
+        counted.append(_faults() - f0)
+        return out
+
+    cache.lookup = counting  # type: ignore[method-assign]
+    f0, t0 = _faults(), time.perf_counter()
+    res = generate(model, tok, followup, None, max_new_tokens=1, prefix_cache=cache)
+    seconds, faults = time.perf_counter() - t0, _faults() - f0
     return {"seconds": seconds, "lookup_s": res.timing.prefix_lookup_s, "faults": faults,
-            "cached_tokens": res.timing.cached_tokens, "token": int(res.token_ids[0])}
+            "lookup_faults": sum(counted), "cached_tokens": res.timing.cached_tokens, "token": int(res.token_ids[0])}
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -87,6 +91,7 @@ def _cell(rows: list[dict[str, Any]], length: int) -> dict[str, Any]:
         out[f"{m}_lookup_ms"] = 1e3 * statistics.median(r["lookup_s"] for r in rs)
         out[f"{m}_lookup_max_ms"] = 1e3 * max(r["lookup_s"] for r in rs)
         out[f"{m}_faults"] = statistics.median(r["faults"] for r in rs)
+        out[f"{m}_lookup_faults"] = statistics.median(r["lookup_faults"] for r in rs)
     return out
 
 
@@ -95,16 +100,18 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"# A prefix-cache hit's storage, reused or new: {result['model']}, {env['dtype']}", "",
              (f"{machine(env)}. {result['rounds']} rounds, the modes alternating; each hit follows a cold prompt "
               f"over the same document in a new prefix cache. `pool`: the hit's storage comes from the library's pool "
-              f"(keeps {result['keep']}); `fresh`: a new tensor per hit."), "",
+              f"(keeps {result['keep']}); `fresh`: a new tensor per hit (`PrefixCache.hit_storage = None`). Faults: "
+              f"minor page faults, of the prefix lookup and of the whole hit (medians)."), "",
              ("| T | cached | pool ms | fresh ms | fresh / pool (paired median) | range | rounds | pool lookup ms | "
-              "fresh lookup ms | pool lookup max ms | fresh lookup max ms | pool faults | fresh faults | same token |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "fresh lookup ms | pool lookup max ms | fresh lookup max ms | pool lookup faults | fresh lookup faults | "
+              "pool faults | fresh faults | same token |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for length in sorted({r["length"] for r in rows}):
         c = _cell(rows, length)
         lines.append(f"| {length} | {c['cached']} | {c['pool_ms']:.1f} | {c['fresh_ms']:.1f} | {c['ratio']:.2f} | "
                      f"[{c['min']:.2f}, {c['max']:.2f}] | {c['n']} | {c['pool_lookup_ms']:.1f} | "
                      f"{c['fresh_lookup_ms']:.1f} | {c['pool_lookup_max_ms']:.1f} | {c['fresh_lookup_max_ms']:.1f} | "
-                     f"{c['pool_faults']:.0f} | {c['fresh_faults']:.0f} | {'yes' if c['same'] else 'no'} |")
+                     f"{c['pool_lookup_faults']:.0f} | {c['fresh_lookup_faults']:.0f} | {c['pool_faults']:.0f} | {c['fresh_faults']:.0f} | {'yes' if c['same'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

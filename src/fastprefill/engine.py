@@ -355,8 +355,12 @@ def stream(
     params = sampling if sampling is not None else SamplingParams()
     input_ids, method = prepare_generation(model, tokenizer, prompt, method, max_new_tokens, chat=chat,
                                            sampling=params)
-    yield from Generation(model, tokenizer, input_ids, method, max_new_tokens, stop_at_eos=stop_at_eos, stop=stop,
-                          prefix_cache=prefix_cache, sampling=params).run()
+    gen = Generation(model, tokenizer, input_ids, method, max_new_tokens, stop_at_eos=stop_at_eos, stop=stop,
+                     prefix_cache=prefix_cache, sampling=params)
+    try:
+        yield from gen.run()
+    finally:  # its K/V freed now, not at the next garbage collection (a generation and its branches form a cycle)
+        gen.close()
 
 
 def collect(events: Sequence[Sequence[StreamEvent]], tokenizer: PreTrainedTokenizerBase | None,

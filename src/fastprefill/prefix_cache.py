@@ -57,6 +57,7 @@ from fastprefill.cache.block_file import (
     write_blocks,
 )
 from fastprefill.cache.blocks import Block, BlockIndex, block_keys
+from fastprefill.cache.dynamic import HIT_STORAGE, StoragePool
 from fastprefill.errors import ConfigError, is_int
 from fastprefill.models.fingerprint import weights_fingerprint
 from fastprefill.models.shape import ModelShape
@@ -134,6 +135,9 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.block_tokens = block_tokens
         self.stats = PrefixCacheStats()
+        #: where a hit's storage comes from: the process's pool (reused once no cache holds it), or
+        #: ``None`` for a new tensor per hit
+        self.hit_storage: StoragePool | None = HIT_STORAGE
         self._index = BlockIndex(max_bytes)
         self._lock = threading.Lock()
         self._model: weakref.ref[PreTrainedModel] | None = None
@@ -215,7 +219,7 @@ class PrefixCache:
             self.stats.miss_tokens += len(ids) - p
         if p <= longer_than:
             return PrefixHit(p, None)
-        return PrefixHit(p, roomy_from_blocks(model.config, kv, p, len(ids), model.device))
+        return PrefixHit(p, roomy_from_blocks(model.config, kv, p, len(ids), model.device, self.hit_storage))
 
     def store(self, model: PreTrainedModel, token_ids: Sequence[int] | torch.Tensor, cache: DynamicCache,
               exact_tokens: int) -> int:

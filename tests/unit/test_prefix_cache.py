@@ -5,6 +5,7 @@ method over a cached prefix against its reference (full prefill's logits, transf
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import pytest
 import torch
@@ -352,6 +353,18 @@ def test_block_keys_name_the_whole_prefix():
     assert block_keys([*range(8), 99], 4) == a  # the same whole blocks, the same keys
     other = block_keys([99, *range(1, 8)], 4)
     assert other[1][1] == a[1][1] and other[1][0] != a[1][0]  # same tokens after another first block
+
+
+def test_block_keys_are_the_digests_saved_caches_hold():
+    """A key is BLAKE2b-128 of the parent's key and the tokens as int64 bytes, as a torch int64
+    tensor holds them: the keys of caches saved before stay valid."""
+    ids = [5, 151643, 0, 2**31 + 7, 42, 9, 13, 77]
+    parent, want = b"", []
+    for start in (0, 4):
+        block = torch.tensor(ids[start:start + 4], dtype=torch.int64).numpy().tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        want.append(parent)
+    assert [key for key, _ in block_keys(ids, 4)] == want
 
 
 def test_block_index_evicts_least_recent_leaves_first_and_protected_ones_last():

@@ -17,6 +17,7 @@ every call. Shapes: a block's K/V is ``(2, L, H_kv, B, d)`` (keys, values).
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ def block_keys(ids: Sequence[int], block_tokens: int) -> list[tuple[bytes, tuple
     parent = b""
     for start in range(0, len(ids) - block_tokens + 1, block_tokens):
         tokens = tuple(int(t) for t in ids[start:start + block_tokens])
-        digest = hashlib.blake2b(parent + torch.tensor(tokens, dtype=torch.int64).numpy().tobytes(),
-                                 digest_size=16).digest()
+        # the tokens as native int64 bytes, as a torch int64 tensor holds them (the keys saved caches keep)
+        digest = hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
         out.append((digest, tokens))
         parent = digest
     return out

@@ -122,6 +122,10 @@ class StoragePool:
     allocates, as without it. The memory kept is at most ``keep`` hits' K/V with room.
     """
 
+    #: a new storage's positions are rounded up to a multiple of this, so that hits of about one
+    #: length (a document and different questions) fit each other's storage
+    GRANULE = 512
+
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self._held: list[torch.Tensor] = []
@@ -143,7 +147,8 @@ class StoragePool:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """A ``(2, L, H_kv, C', d)`` tensor with ``C' >= C`` (``shape`` is ``(2, L, H_kv, C, d)``),
-        uninitialised: a view of a kept one no tensor uses (the smallest that fits), else a new one.
+        uninitialised: a view of a kept one no tensor uses (the smallest that fits), else a new one
+        (``C'``: ``C`` rounded up to a multiple of :attr:`GRANULE`).
         It, or a view of it, stays the caller's while alive."""
         device = torch.device(device)
         with self._lock:
@@ -155,8 +160,9 @@ class StoragePool:
                     self._held = [t for t in self._held if t is not best] + [best]  # the most recently used last
                     self.reused += 1
                     return best.view(best.shape)  # a view: while the caller holds it, the pool sees it used
+            room = -(-shape[3] // self.GRANULE) * self.GRANULE
             with torch.inference_mode(False):  # a normal tensor: the next hit may write it outside inference mode
-                storage = torch.empty(shape, dtype=dtype, device=device)
+                storage = torch.empty((*shape[:3], room, shape[4]), dtype=dtype, device=device)
             self.allocated += 1
             if self._count is not None and self.keep > 0:
                 self._held.append(storage)
