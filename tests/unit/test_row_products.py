@@ -204,13 +204,21 @@ def test_the_fused_decoder_layer_runs_a_decode_steps_norms_on_the_kernel(family,
     """One or two rows go through the kernel's norms (counted) and stay within bfloat16 rounding of
     the family's own forward; three rows, a row floor or ``fuse_layers(False)`` run the family's own
     forward, bit for bit; the layer's hooks still fire."""
+    from fastprefill.models import fused
     from fastprefill.models.fused import FusedDecoderLayer, fuse_layers, layers_fused
 
     model, _ = models.load(family, dtype="bfloat16", pack=True)
     assert layers_fused(model) and environment(1, model)["layers_fused"] is True
     calls = []
-    real = kernels.row_products()
-    monkeypatch.setattr("fastprefill.models.fused.row_products", lambda: calls.append(1) or real)
+    real = fused.few_row_kernel
+
+    def counted(x, layers):
+        kernel = real(x, layers)
+        if kernel is not None:
+            calls.append(1)
+        return kernel
+
+    monkeypatch.setattr(fused, "few_row_kernel", counted)
     fired = []
     model.model.layers[0].register_forward_pre_hook(lambda *a: fired.append(1))
     ids = torch.randint(0, model.config.vocab_size, (1, 2))

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from fastprefill.kernels import rotary_kernel, row_products
+from fastprefill.kernels import rotary_kernel
 from fastprefill.models.adapters import decoder_layers, supports_layer_loop
-from fastprefill.models.packed import MergedProduct, PackedLinear, decode_rows
+from fastprefill.models.packed import MergedProduct, PackedLinear, few_row_kernel
 
 __all__ = ["FusedAttention", "FusedDecoderLayer", "attention_fused", "fuse_attention", "fuse_layers", "layers_fused"]
 
@@ -171,11 +171,10 @@ class FusedDecoderLayer(torch.nn.Module):
         return residual + self.mlp(normed)
 
     def _few_row_kernel(self, hidden: torch.Tensor) -> Any | None:
-        """The few-row kernel if this call's norms run on it (see the class docstring), else ``None``."""
-        if hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" or not decode_rows(hidden):
-            return None
+        """The few-row kernel if this call's norms run on it (see the class docstring), else ``None``:
+        where the layer's output projection would run its rows on it, and the norms can."""
         o_proj = getattr(self.self_attn, "o_proj", None)
-        if not (isinstance(o_proj, PackedLinear) and o_proj.few_rows and o_proj.row_floor == 1):
+        if not isinstance(o_proj, PackedLinear) or hidden.device.type != "cpu":
             return None
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if torch.is_grad_enabled() and any(n.weight.requires_grad for n in norms):
@@ -183,7 +182,7 @@ class FusedDecoderLayer(torch.nn.Module):
         if not all(hasattr(n, "variance_epsilon") and n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous()
                    for n in norms):
             return None
-        return row_products()
+        return few_row_kernel(hidden, [o_proj])
 
 
 @functools.cache

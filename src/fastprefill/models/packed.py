@@ -50,7 +50,7 @@ import torch
 from fastprefill.kernels import row_products, rows_status
 
 __all__ = ["FEW_ROWS", "ROW_FLOORS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "chunked",
-           "decode_rows", "few_rows_used", "linears_packed", "onednn_bf16", "pack_linears", "packable", "row_floor_for",
+           "decode_rows", "few_row_kernel", "few_rows_used", "linears_packed", "onednn_bf16", "pack_linears", "packable", "row_floor_for",
            "set_few_rows", "set_row_floor"]
 
 #: The row floors :func:`row_floor_for` tries, smallest first (a CPU with AMX tiles may pick its
@@ -129,7 +129,7 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.applies(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        kernel = _few_row_kernel(x, [self])
+        kernel = few_row_kernel(x, [self])
         if kernel is not None:
             return kernel.products(x, [self.weight], [self.bias]).view(*x.shape[:-1], self.out_features)
         return _floored(x, self.row_floor, lambda t: torch.ops.mkldnn._linear_pointwise(
@@ -175,7 +175,7 @@ class PackedSwiGLU(torch.nn.Module):
         gate, up = self.gate_proj, self.up_proj
         if not (gate.applies(x) and up.applies(x)):
             return self.down_proj(self.act_fn(gate(x)) * up(x))
-        kernel = _few_row_kernel(x, [gate, up])
+        kernel = few_row_kernel(x, [gate, up])
         if kernel is not None:
             act = kernel.swiglu(x, gate.weight, gate.bias, up.weight, up.bias)  # (R, I)
             return self.down_proj(act.view(*x.shape[:-1], gate.out_features))
@@ -238,7 +238,7 @@ class MergedProduct:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``(..., in)`` -> one ``(..., out_i)`` view per layer (of one merged output)."""
-        kernel = _few_row_kernel(x, self.layers)
+        kernel = few_row_kernel(x, self.layers)
         if kernel is not None:
             merged = kernel.products(x, [m.weight for m in self.layers], [m.bias for m in self.layers])
             return list(merged.view(*x.shape[:-1], sum(self.sizes)).split(self.sizes, dim=-1))
@@ -258,7 +258,7 @@ def decode_rows(x: torch.Tensor) -> bool:
     return 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS
 
 
-def _few_row_kernel(x: torch.Tensor, layers: list[PackedLinear]) -> Any | None:
+def few_row_kernel(x: torch.Tensor, layers: list[PackedLinear]) -> Any | None:
     """The few-row kernel if it computes ``layers``' products of ``x`` (the caller checked that the
     packed product applies): bfloat16 :func:`decode_rows`, every layer with ``few_rows`` on, no
     row floor and a contiguous weight, and the kernel built and checked here."""
