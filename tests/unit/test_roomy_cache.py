@@ -5,6 +5,7 @@ handed over, and a prefix-cache hit whose suffix and decode steps append without
 
 from __future__ import annotations
 
+import gc
 import pytest
 import torch
 from transformers import DynamicCache
@@ -160,17 +161,18 @@ def test_hits_from_the_pool_hold_their_own_keys_while_alive(hit_setup):
     pool does; once both are gone the next hit reuses one, and its logits still equal full prefill's."""
     model, ids, pc = hit_setup
     HIT_STORAGE.clear()
+    allocated = HIT_STORAGE.allocated
     storage = lambda hit: hit.cache.layers[0]._kbuf.untyped_storage().data_ptr()
     with torch.inference_mode():
         first, second = pc.lookup(model, ids), pc.lookup(model, ids)
         ptrs = {storage(first), storage(second)}
         assert len(ptrs) == 2
-        keep = HIT_STORAGE.keep
-        HIT_STORAGE.keep = 0
+        pc.hit_storage = None
         try:
             plain = pc.lookup(model, ids)  # a new tensor, outside the pool
         finally:
-            HIT_STORAGE.keep = keep
+            pc.hit_storage = HIT_STORAGE
+        assert HIT_STORAGE.allocated == allocated + 2
         assert storage(plain) not in ptrs
         for hit in (first, second):
             for got, want in zip(hit.cache.layers, plain.cache.layers, strict=True):
@@ -181,3 +183,19 @@ def test_hits_from_the_pool_hold_their_own_keys_while_alive(hit_setup):
         assert HIT_STORAGE.reused == reused + 1 and storage(again) in ptrs
         out = FullPrefill().prefill(model, ids, again.cache)
         torch.testing.assert_close(out.logits, FullPrefill().prefill(model, ids).logits, atol=1e-4, rtol=0)
+
+
+def test_a_finished_generation_leaves_its_hit_storage_to_the_next_hit(hit_setup):
+    """``generate`` frees a request's K/V when it returns, without waiting for Python's cycle
+    collector (switched off here): the next hit reuses the storage of the one before."""
+    model, ids, pc = hit_setup
+    HIT_STORAGE.clear()
+    gc.disable()
+    try:
+        first = generate(model, None, ids, max_new_tokens=3, stop_at_eos=False, prefix_cache=pc)
+        reused = HIT_STORAGE.reused
+        again = generate(model, None, ids, max_new_tokens=3, stop_at_eos=False, prefix_cache=pc)
+    finally:
+        gc.enable()
+    assert first.timing.cached_tokens == 64 and again.timing.cached_tokens == 79  # the first's own blocks too
+    assert HIT_STORAGE.reused == reused + 1 and again.token_ids == first.token_ids

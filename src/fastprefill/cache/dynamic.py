@@ -151,15 +151,14 @@ class StoragePool:
         (``C'``: ``C`` rounded up to a multiple of :attr:`GRANULE`).
         It, or a view of it, stays the caller's while alive."""
         device = torch.device(device)
-        with self._lock:
-            if self._count is not None:
-                fits = [t for t in self._held if t.dtype == dtype and t.device == device and t.shape[:3] == shape[:3]
-                        and t.shape[4] == shape[4] and t.shape[3] >= shape[3] and self._unused(t)]
-                if fits:
-                    best = min(fits, key=lambda t: t.shape[3])
-                    self._held = [t for t in self._held if t is not best] + [best]  # the most recently used last
-                    self.reused += 1
-                    return best.view(best.shape)  # a view: while the caller holds it, the pool sees it used
+        with self._lock:  # nothing is held where the count cannot be read
+            fits = [t for t in self._held if t.dtype == dtype and t.device == device and t.shape[:3] == shape[:3]
+                    and t.shape[4] == shape[4] and t.shape[3] >= shape[3] and self._unused(t)]
+            if fits:
+                best = min(fits, key=lambda t: t.shape[3])
+                self._held = [t for t in self._held if t is not best] + [best]  # the most recently used last
+                self.reused += 1
+                return best.view(best.shape)  # a view: while the caller holds it, the pool sees it used
             room = -(-shape[3] // self.GRANULE) * self.GRANULE
             with torch.inference_mode(False):  # a normal tensor: the next hit may write it outside inference mode
                 storage = torch.empty((*shape[:3], room, shape[4]), dtype=dtype, device=device)
