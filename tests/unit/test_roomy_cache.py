@@ -6,6 +6,7 @@ handed over, and a prefix-cache hit whose suffix and decode steps append without
 from __future__ import annotations
 
 import gc
+
 import pytest
 import torch
 from transformers import DynamicCache
