@@ -108,10 +108,10 @@ def make_roomy(cache: CacheT) -> CacheT:
 class StoragePool:
     """Storage of earlier prefix-cache hits, kept to be written again by the next hit.
 
-    A hit copies its blocks into one new ``(2, L, H_kv, C, d)`` tensor. On a 4k-token prompt of a
-    1.5B model that is over 100 MB, and memory the process has not touched before costs a page
-    fault per page, more than the copy itself where measured (``benchmarks/hit_storage.py``);
-    whether it happens depends on how the heap was cut up by earlier requests. The pool keeps the
+    A hit copies its blocks into one new ``(2, L, H_kv, C, d)`` tensor, as large as the prompt's
+    whole K/V, and memory the process has not touched before costs a page fault per page, more
+    than the copy itself where measured (``benchmarks/hit_storage.py``); whether it happens
+    depends on how the heap was cut up by earlier requests. The pool keeps the
     last ``keep`` storages it handed out; :meth:`take` gives back one that no tensor uses any more
     (no view of it is alive: the cache it served is gone) and is large enough, so a steady stream
     of hits reuses memory whose pages are already in place. A storage still in use is never
