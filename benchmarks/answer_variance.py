@@ -13,7 +13,7 @@ at the end-of-sequence token) three ways on the same model:
 
 So ``hit`` against ``alone`` is what the cache changes, and ``batched`` against ``hit`` what the
 decode batch changes (the same prefill, only the decode step's company differs). ``--row-floor``
-runs the model with :func:`fastprefill.models.packed.set_row_floor` (its packed products never
+runs the model with :func:`fastprefill.models.row_floor.set_row_floor` (its packed products never
 compute fewer rows than the floor); float32 is then loaded packed.
 
 A row per prompt and dtype holds the three answers' token ids and the decode times; the summary
@@ -47,7 +47,7 @@ from fastprefill.errors import ConfigError
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models import load as load_model
-from fastprefill.models.packed import set_row_floor
+from fastprefill.models.row_floor import set_row_floor
 from fastprefill.prefix_cache import PrefixCache
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--row-floor", default=None,
                    help="pad every packed product to at least this many rows (an integer, or 'auto'; "
-                        "fastprefill.models.packed.set_row_floor); float32 is then loaded packed")
+                        "fastprefill.models.row_floor.set_row_floor); float32 is then loaded packed")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default=None,
                    help="result file stem (default answer_variance_<model>_<task>_<length>[_floor])")

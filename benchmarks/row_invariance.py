@@ -37,7 +37,8 @@ import torch
 from fastprefill.bench.records import environment, read_rows, result_name
 from fastprefill.host import DTYPES, set_threads
 from fastprefill.kernels import attention_kernel
-from fastprefill.models.packed import chunked, pack_linears, packable, row_floor_for, set_row_floor
+from fastprefill.models.packed import pack_linears, packable
+from fastprefill.models.row_floor import chunked, row_floor_for, set_row_floor
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Qwen2.5-Coder-0.5B's products: q (and o), k/v, the MLP's gate/up, down; and its attention heads
@@ -107,7 +108,7 @@ def attention_checks(dtype: torch.dtype, tokens: int, suffixes: Sequence[int], s
 def cost_rows(dtype: torch.dtype, step: Sequence[tuple[int, int, int]], floor: int | None, reps: int,
               seed: int) -> list[dict[str, Any]]:
     """Each product of a decode step timed at one row and at its row floor (``floor``, or ``None``:
-    the one :func:`~fastprefill.models.packed.row_floor_for` finds for its shape, as
+    the one :func:`~fastprefill.models.row_floor.row_floor_for` finds for its shape, as
     ``set_row_floor(model, "auto")`` sets it; one row padded with zero rows, as the floor runs
     it), alternating, ``reps`` times: the medians in milliseconds."""
     name = str(dtype).removeprefix("torch.")

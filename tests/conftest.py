@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random decoder models (`random:llama`, `random:qwen2` of
 fastprefill.models.random; no download), prompts for them (`make_ids`), the check that the layer
-loop equals the model's forward (`loop_matches_forward`) and the real smollm2-135m."""
+loop equals the model's forward (`loop_matches_forward`) and the real smollm2-135m. The row floors
+``set_row_floor(model, "auto")`` finds go to a file of the test session, not the user's cache."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ import torch
 
 from fastprefill.models.random import random_model
 from tests import random_ids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_row_floor_cache(tmp_path_factory):
+    from fastprefill.models import row_floor
+
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("row-floors") / "row_floors.json"
+        mp.setattr(row_floor, "row_floor_cache_path", lambda: path)
+        yield path
 
 
 @pytest.fixture(scope="session")

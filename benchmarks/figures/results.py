@@ -341,7 +341,7 @@ def _check_ablation(report: VerifyReport, path: Path) -> None:
 #: ``.json`` results whose ``.md`` a benchmark script renders: file-name prefix -> (module, function)
 RENDERED = {"attention_": ("attention_bench", "markdown"), "machine_speed_": ("machine_speed", "markdown"),
             "kernel_versions_": ("kernel_versions", "markdown"), "row_products_": ("row_products", "markdown"),
-            "hit_storage_": ("hit_storage", "markdown"),
+            "hit_storage_": ("hit_storage", "markdown"), "row_floor_cost_": ("row_floor_cost", "markdown"),
             "fused_attention_": ("packed_bench", "markdown")}
 
 

@@ -7,6 +7,7 @@ or a pickle of a packed layer works."""
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 
 import pytest
@@ -16,21 +17,19 @@ from fastprefill import models
 from fastprefill.bench.records import environment
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
+from fastprefill.models import row_floor
 from fastprefill.models.adapters import blocks_compiled, fuse_mlps, swiglu_mlps
 from fastprefill.models.packed import (
-    ROW_FLOORS,
     MergedProduct,
     PackedLinear,
     PackedSwiGLU,
     can_pack,
-    chunked,
     linears_packed,
     onednn_bf16,
     pack_linears,
     packable,
-    row_floor_for,
-    set_row_floor,
 )
+from fastprefill.models.row_floor import ROW_FLOORS, chunked, row_floor_for, set_row_floor
 
 needs_onednn_bf16 = pytest.mark.skipif(
     not onednn_bf16(), reason="oneDNN has no bfloat16 path here (torch without oneDNN, or a CPU without "
@@ -276,6 +275,107 @@ def test_the_found_floor_makes_a_real_sized_product_row_invariant(dtype):
         whole = layer[0](x)[:48]
         for m in (1, 2, 3, 4, 8):
             assert torch.equal(chunked(layer[0], x[:48], m), whole), m
+
+
+def _counting_checks(monkeypatch, path):
+    """Floors kept in ``path``; returns the list of shapes :func:`row_floor_for` is asked about."""
+    monkeypatch.setattr(row_floor, "row_floor_cache_path", lambda: path)
+    asked, check = [], row_floor.row_floor_for
+
+    def counting(shapes, dtype, **kwargs):
+        asked.extend(tuple(s) for s in shapes)
+        return check(shapes, dtype, **kwargs)
+
+    monkeypatch.setattr(row_floor, "row_floor_for", counting)
+    return asked
+
+
+def _floors(model) -> list[int]:
+    return [m.row_floor for m in model.modules() if isinstance(m, PackedLinear)]
+
+
+@needs_onednn_bf16
+def test_auto_floors_are_checked_once_per_machine_and_read_back(monkeypatch, tmp_path):
+    """The first ``auto`` checks each distinct product shape once (a layer's own and the merged
+    q/k/v product's) and files the floors under this machine's key; a second model of the same
+    shapes reads them back without a check and gets the same floors; another thread count is
+    another key, checked again; ``cache=False`` neither reads nor writes the file."""
+    path = tmp_path / "floors.json"
+    asked = _counting_checks(monkeypatch, path)
+    model, _ = models.load("random:llama", dtype="bfloat16", pack=True)
+    top = set_row_floor(model, "auto")
+    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, PackedLinear)}
+    attn = model.model.layers[0].self_attn
+    shapes.add((attn.q_proj.in_features, attn.q_proj.out_features + 2 * attn.k_proj.out_features))
+    assert sorted(asked) == sorted(shapes)
+    machines = json.loads(path.read_text())
+    assert len(machines) == 1
+    (entry,) = machines.values()
+    assert entry["threads"] == torch.get_num_threads()
+    assert {tuple(map(int, k.split()[1].split("x"))) for k in entry["floors"]} == shapes
+    assert all(k.startswith("bfloat16 ") and v in ROW_FLOORS for k, v in entry["floors"].items())
+
+    again, _ = models.load("random:llama", dtype="bfloat16", pack=True)
+    asked.clear()
+    assert set_row_floor(again, "auto") == top and _floors(again) == _floors(model)
+    assert asked == []
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        set_row_floor(again, "auto")
+        assert sorted(asked) == sorted(shapes) and len(json.loads(path.read_text())) == 2
+    finally:
+        torch.set_num_threads(threads)
+    asked.clear()
+    other = tmp_path / "untouched.json"
+    monkeypatch.setattr(row_floor, "row_floor_cache_path", lambda: other)
+    set_row_floor(again, "auto", cache=False)
+    assert sorted(asked) == sorted(shapes) and not other.exists()
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"k": {"floors": 3}}'])
+def test_a_broken_floor_file_is_warned_about_checked_again_and_rewritten(monkeypatch, tmp_path, content):
+    path = tmp_path / "floors.json"
+    path.write_text(content)
+    asked = _counting_checks(monkeypatch, path)
+    model, _ = models.load("random:llama", dtype="bfloat16", pack=True)
+    with pytest.warns(RuntimeWarning, match="ignoring the row floor cache .*floors.json"):
+        set_row_floor(model, "auto")
+    assert asked and all(v in ROW_FLOORS for entry in json.loads(path.read_text()).values()
+                         for v in entry["floors"].values())
+
+
+@needs_onednn_bf16
+def test_a_floor_the_file_cannot_hold_is_checked_again(monkeypatch, tmp_path):
+    """A filed value that is not one of :data:`ROW_FLOORS` (a hand-edited or older file) is not
+    trusted: that shape is checked again and its floor rewritten; the others are read."""
+    path = tmp_path / "floors.json"
+    asked = _counting_checks(monkeypatch, path)
+    model, _ = models.load("random:llama", dtype="bfloat16", pack=True)
+    set_row_floor(model, "auto")
+    data = json.loads(path.read_text())
+    (entry,) = data.values()
+    bad = min(entry["floors"])
+    entry["floors"][bad] = 3
+    path.write_text(json.dumps(data))
+    asked.clear()
+    set_row_floor(model, "auto")
+    assert asked == [tuple(map(int, bad.split()[1].split("x")))]
+    assert json.loads(path.read_text())[next(iter(data))]["floors"][bad] in ROW_FLOORS
+
+
+@needs_onednn_bf16
+def test_a_floor_file_that_cannot_be_written_is_warned_about(monkeypatch, tmp_path):
+    """Where the cache cannot be written (here its folder is a file), the floors are still set
+    and the warning names the file."""
+    (tmp_path / "blocked").write_text("a file, not a folder")
+    _counting_checks(monkeypatch, tmp_path / "blocked" / "floors.json")
+    model, _ = models.load("random:llama", dtype="bfloat16", pack=True)
+    with pytest.warns(RuntimeWarning, match="could not write the row floor cache .*floors.json"):
+        top = set_row_floor(model, "auto")
+    assert top in ROW_FLOORS and max(_floors(model)) == top
 
 
 @needs_onednn_bf16

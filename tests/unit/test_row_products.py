@@ -21,8 +21,8 @@ from fastprefill.models.packed import (
     onednn_bf16,
     pack_linears,
     set_few_rows,
-    set_row_floor,
 )
+from fastprefill.models.row_floor import set_row_floor
 
 CAN_RUN = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX") and cpu_info().bf16_native
 

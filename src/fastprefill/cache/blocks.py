@@ -29,13 +29,14 @@ __all__ = ["Block", "BlockIndex", "block_keys"]
 
 def block_keys(ids: Sequence[int], block_tokens: int) -> list[tuple[bytes, tuple[int, ...]]]:
     """``(key, tokens)`` of every whole block of ``ids``, in order (a last partial block has none)."""
+    ids = [int(t) for t in ids]
+    # the tokens as native int64 bytes, as a torch int64 tensor holds them (the keys saved caches keep)
+    raw, width = memoryview(array("q", ids).tobytes()), array("q").itemsize * block_tokens
     out = []
     parent = b""
-    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
-        tokens = tuple(int(t) for t in ids[start:start + block_tokens])
-        # the tokens as native int64 bytes, as a torch int64 tensor holds them (the keys saved caches keep)
-        digest = hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
-        out.append((digest, tokens))
+    for i, start in enumerate(range(0, len(ids) - block_tokens + 1, block_tokens)):
+        digest = hashlib.blake2b(parent + raw[i * width:(i + 1) * width], digest_size=16).digest()
+        out.append((digest, tuple(ids[start:start + block_tokens])))
         parent = digest
     return out
 

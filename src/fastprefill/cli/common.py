@@ -66,11 +66,11 @@ def _load(model: str, device: str, dtype: str, compile: bool | None = None, row_
     """Load ``model`` in ``dtype`` (``"auto"``: see :func:`fastprefill.host.resolve_dtype`) for a
     command that runs it, its decoder blocks compiled and its linear weights packed unless
     ``compile=False`` (see :func:`fastprefill.models.load`); with a ``row_floor`` (``--row-floor``)
-    packed whatever the dtype, and the floor set (:func:`fastprefill.models.packed.set_row_floor`).
+    packed whatever the dtype, and the floor set (:func:`fastprefill.models.row_floor.set_row_floor`).
     The process keeps freed memory for reuse from here on (:func:`fastprefill.host.keep_freed_memory`)."""
     from fastprefill.host import keep_freed_memory
     from fastprefill.models import load
-    from fastprefill.models.packed import set_row_floor
+    from fastprefill.models.row_floor import set_row_floor
 
     keep_freed_memory()
     with console.status(f"loading {model} ..."):

@@ -19,14 +19,9 @@ apply (another device or dtype, autograd on the weight).
 and product run inside the gate and up products (oneDNN post-ops) instead of as two passes over
 the ``(T, I)`` intermediate.
 
-A row's result can depend on how many rows a product computes: oneDNN runs a one-row product
-(and, for some shapes, a two-row one) with another kernel, whose sums round differently, than a
-product of more rows. So a stream's decode step gives other bits alone than in a decode batch,
-and a prefix-cache hit's one-row suffix others than the same row inside a whole prefill.
-:func:`set_row_floor` gives every packed product of a model a *row floor*: fewer input rows are
-padded with zero rows up to it (their outputs dropped), so every product at or above the floor
-runs the kernels that compute each row the same whatever other rows come with it
-(:func:`row_floor_for` finds the floor for this CPU's kernels by checking the products' shapes).
+A row's result can depend on how many rows a product computes (oneDNN's few-row kernels round
+unlike its wider ones): each :class:`PackedLinear` has a ``row_floor`` below which its rows are
+padded with zero rows, set by :mod:`fastprefill.models.row_floor`.
 
 A decode step's product, at most :data:`FEW_ROWS` bfloat16 rows of one position each (one
 stream, or a batch of two: :func:`decode_rows`), runs on
@@ -35,29 +30,22 @@ are built and this CPU has AVX512-BF16: oneDNN's one- and two-row products read 
 about half the rate the cores can stream them, these read the plain weight in order
 (``docs/results/attention.md`` has the measurement). They compute each row alone, so its result
 is the same for one row or two, though not the same bits as the row inside a prompt-sized
-product. A model given a row floor (:func:`set_row_floor`, any but 1) keeps oneDNN for every
+product. A model given a row floor (:func:`fastprefill.models.row_floor.set_row_floor`, any but 1) keeps oneDNN for every
 product, so the floor's promise holds; :func:`set_few_rows` turns them off (or on) for a model.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any
 
 import torch
 
 from fastprefill.kernels import row_products, rows_status
 
-__all__ = ["FEW_ROWS", "ROW_FLOORS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "chunked",
-           "decode_rows", "few_row_kernel", "few_rows_used", "linears_packed", "onednn_bf16", "pack_linears", "packable", "row_floor_for",
-           "set_few_rows", "set_row_floor"]
+__all__ = ["FEW_ROWS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "decode_rows", "few_row_kernel",
+           "few_rows_used", "linears_packed", "onednn_bf16", "pack_linears", "packable", "set_few_rows"]
 
-#: The row floors :func:`row_floor_for` tries, smallest first (a CPU with AMX tiles may pick its
-#: kernels by blocks of 16 rows).
-ROW_FLOORS = (1, 2, 4, 8, 16)
-#: The row counts :func:`row_floor_for` computes its rows by (those at or above the floor tried).
-_PROBE_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 48)
 #: Products of at most this many input rows run on the few-row kernel where it applies (more run
 #: on oneDNN: from three or four rows on, oneDNN's products were as fast or faster here).
 FEW_ROWS = 2
@@ -99,7 +87,8 @@ class PackedLinear(torch.nn.Linear):
 
     _packed: torch.Tensor | None = None  # made on first use by a layer built as PackedLinear directly
     _packed_for: tuple[int, int] = (0, -2)
-    #: fewer input rows are padded with zero rows up to this many (:func:`set_row_floor`; 1: never)
+    #: fewer input rows are padded with zero rows up to this many
+    #: (:func:`fastprefill.models.row_floor.set_row_floor`; 1: never)
     row_floor: int = 1
     #: products of up to :data:`FEW_ROWS` rows may run on the few-row kernel (:func:`set_few_rows`)
     few_rows: bool = True
@@ -303,93 +292,6 @@ def _floored(x: torch.Tensor, floor: int, product: Any) -> torch.Tensor:
     flat = x.reshape(rows, x.shape[-1])
     out = product(torch.cat([flat, flat.new_zeros(floor - rows, x.shape[-1])]))[:rows]
     return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def chunked(product: Any, x: torch.Tensor, m: int) -> torch.Tensor:
-    """``product`` of ``x`` ``(R, in)`` computed ``m`` rows at a time (``R`` a multiple of ``m``)."""
-    return torch.cat([product(x[i:i + m].contiguous()) for i in range(0, x.shape[0], m)])
-
-
-def row_floor_for(shapes: Any, dtype: torch.dtype, *, rows: int = 48, whole: int = 256, seed: int = 0) -> int | None:
-    """The smallest floor of :data:`ROW_FLOORS` at which this CPU's packed products of every
-    ``(in_features, out_features)`` of ``shapes`` compute each row the same whatever the row count.
-    For each shape, the first ``rows`` rows of random inputs (32 for an output wider than 8192)
-    are computed ``M`` rows at a time, for each ``M`` at or above the floor that divides them
-    (up to 48), and compared bit for bit with the same rows inside one ``whole``-row product.
-    Many rows are compared because two kernels' float32 sums that differ in order mostly round
-    to the same bfloat16 output. ``None``: no floor does (or oneDNN does not pack ``dtype``
-    here)."""
-    if not packable("cpu", dtype):
-        return None
-    gen = torch.Generator().manual_seed(seed)
-    cases = []
-    with torch.inference_mode():
-        for d_in, d_out in dict.fromkeys(tuple(s) for s in shapes):
-            weight = (torch.randn(d_out, d_in, generator=gen) * d_in ** -0.5).to(dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2048)
-            product = functools.partial(_packed_product, packed)
-            x = torch.randn(max(rows, whole), d_in, generator=gen).to(dtype)
-            n = rows if d_out <= 8192 else 32  # a wide product (an LM head): fewer rows hold as many outputs
-            cases.append((product, x[:n], product(x)[:n]))
-        for floor in ROW_FLOORS:
-            if all(torch.equal(chunked(product, x, m), ref) for product, x, ref in cases
-                   for m in _PROBE_COUNTS if m >= floor and x.shape[0] % m == 0):
-                return floor
-    return None
-
-
-def _packed_product(packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
-
-
-def set_row_floor(model: torch.nn.Module, rows: int | str = "auto") -> int:
-    """Give every :class:`PackedLinear` of ``model`` a row floor (see the module docstring; its
-    merged and fused products follow their layers): ``rows`` for all (>= 1; 1 turns it off), or
-    ``"auto"``: each layer the floor :func:`row_floor_for` finds for its own product's shape and,
-    for a q/k/v projection, the merged product's, so that only the products whose few-row kernels
-    round differently pay for padding. Any floor but 1 also keeps the model's few-row products on
-    oneDNN (:func:`set_few_rows`: off; a floor of 1 turns them on again). Returns the largest floor set.
-
-    Raises:
-        ConfigError: ``rows`` is neither an integer >= 1 nor ``"auto"``, or ``"auto"`` finds no
-            floor (a model without packed layers, or a product that depends on its row count at
-            every floor of :data:`ROW_FLOORS`).
-    """
-    from fastprefill.errors import ConfigError
-
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    if rows != "auto":
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-            raise ConfigError(f"row floor must be an integer >= 1 or 'auto', got {rows!r}")
-        for layer in layers:
-            layer.row_floor = rows
-        set_few_rows(model, rows == 1)
-        return rows
-    if not layers:
-        raise ConfigError("a row floor needs packed linear layers (load the model with pack=True)")
-    dtype = layers[0].weight.dtype
-    products: dict[int, list[list[PackedLinear]]] = {id(m): [[m]] for m in layers}  # its own, a merged q/k/v
-    for module in model.modules():
-        qkv = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-        if all(isinstance(m, PackedLinear) for m in qkv):
-            for m in qkv:
-                products[id(m)].append(qkv)  # type: ignore[arg-type]
-    floors: dict[tuple[int, int], int] = {}
-
-    def floor_of(group: list[PackedLinear]) -> int:
-        shape = (group[0].in_features, sum(m.out_features for m in group))
-        if shape not in floors:
-            found = row_floor_for([shape], dtype)
-            if found is None:
-                raise ConfigError(f"no row floor of {ROW_FLOORS} makes this CPU's {dtype} {shape[0]}x{shape[1]} "
-                                  "product independent of its row count")
-            floors[shape] = found
-        return floors[shape]
-
-    for layer in layers:
-        layer.row_floor = max(floor_of(group) for group in products[id(layer)])
-    set_few_rows(model, False)  # a layer whose floor is 1 must compute its few rows as oneDNN does too
-    return max(layer.row_floor for layer in layers)
 
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:

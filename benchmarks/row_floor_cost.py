@@ -1,0 +1,150 @@
+"""What the row floor (``--row-floor auto``, :func:`fastprefill.models.row_floor.set_row_floor`) costs:
+a decode step of one stream and of a batch of streams with it and without it, in one process,
+interleaved; and the floor's check at load, the first time on a machine and once its floors are
+on disk.
+
+Modes: ``off`` (the default: a step's one or two rows on fastprefill's few-row kernel where it
+runs, oneDNN above) and ``auto`` (every product on oneDNN, padded to the floor found for its
+shape). The model is loaded once and switched between them (``set_row_floor(model, 1)`` gives
+back the default). A random ``--length``-token prompt is prefilled once; each round and mode then
+times ``--steps`` decode steps over it (after a warm-up round and two untimed steps), each step's cache cropped back to
+the prompt: one stream (``(1, 1)`` input) and ``--batch`` streams (``(B, 1)`` over ``B`` copies
+of the prompt's K/V). Per cell the medians of the per-round median steps and the median of the
+per-round paired ratios ``auto / off`` with their range; each mode's greedy tokens are compared.
+
+Load: per round ``set_row_floor(model, "auto", cache=False)`` (a machine's first load: every
+product shape checked) and ``set_row_floor(model, "auto")`` with the floor file already written
+(later loads), each timed once.
+
+    python benchmarks/row_floor_cost.py --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastprefill.bench.records import environment
+from fastprefill.host import DTYPES
+from fastprefill.models import load as load_model
+from fastprefill.models import row_floor
+from packed_bench import RESULTS, machine, run_all
+
+MODES = ("off", "auto")
+
+
+def _steps(model: Any, cache: Any, token: torch.Tensor, steps: int) -> tuple[list[float], list[int]]:
+    """``steps`` decode steps of ``token`` ``(B, 1)`` over ``cache`` (cropped back to the prompt
+    after each), after two untimed: the seconds of each and the first row's greedy token."""
+    seconds, tokens = [], []
+    with torch.inference_mode():
+        for i in range(steps + 2):
+            t0 = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            if i >= 2:
+                seconds.append(time.perf_counter() - t0)
+                tokens.append(int(out.logits[0, -1].argmax()))
+            cache.crop(-1)  # back to the prompt (transformers crops by a negative count)
+    return seconds, tokens
+
+
+def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    model, _ = load_model(name, dtype=args.dtype, pack=True, progress=False)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 20000, (1, args.length), generator=gen)
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    one = out.past_key_values
+    token = out.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+    many = copy.deepcopy(one)
+    many.batch_repeat_interleave(args.batch)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        floors = Path(tmp) / "row_floors.json"
+        original = row_floor.row_floor_cache_path
+        row_floor.row_floor_cache_path = lambda: floors  # type: ignore[assignment]  # not the user's floor file
+        try:
+            for mode in MODES:  # warm-up: each mode's compiled blocks and kernels at both stream counts
+                row_floor.set_row_floor(model, 1 if mode == "off" else "auto")
+                for streams, cache in ((1, one), (args.batch, many)):
+                    _steps(model, cache, token.expand(streams, 1).contiguous(), 1)
+            for r in range(args.rounds):
+                for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                    row_floor.set_row_floor(model, 1 if mode == "off" else "auto")
+                    for streams, cache in ((1, one), (args.batch, many)):
+                        s, toks = _steps(model, cache, token.expand(streams, 1).contiguous(), args.steps)
+                        rows.append({"round": r, "mode": mode, "streams": streams, "step_s": statistics.median(s),
+                                     "steps": len(s), "tokens": toks})
+                t0 = time.perf_counter()
+                row_floor.set_row_floor(model, "auto", cache=False)
+                first = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                row_floor.set_row_floor(model, "auto")
+                rows.append({"round": r, "mode": "load", "first_s": first, "cached_s": time.perf_counter() - t0})
+                print(f"{name} round {r}: {[(x['mode'], x.get('streams'), round(1e3 * x.get('step_s', 0), 1)) for x in rows if x['round'] == r]}",
+                      flush=True)
+        finally:
+            row_floor.row_floor_cache_path = original  # type: ignore[assignment]
+            row_floor.set_row_floor(model, 1)
+    return {"bench": "row-floor-cost", "model": name, "length": args.length, "batch": args.batch,
+            "rounds": args.rounds, "rows": rows, "environment": environment(args.threads, model)}
+
+
+def _cell(rows: list[dict[str, Any]], streams: int) -> dict[str, Any]:
+    by = {m: sorted((r for r in rows if r["mode"] == m and r["streams"] == streams), key=lambda r: r["round"])
+          for m in MODES}
+    ratios = [a["step_s"] / o["step_s"] for o, a in zip(by["off"], by["auto"], strict=True)]
+    return {"off_ms": 1e3 * statistics.median(r["step_s"] for r in by["off"]),
+            "auto_ms": 1e3 * statistics.median(r["step_s"] for r in by["auto"]),
+            "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios),
+            "same": all(r["tokens"] == by["off"][0]["tokens"] for m in MODES for r in by[m])}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env, rows = result["environment"], result["rows"]
+    loads = [r for r in rows if r["mode"] == "load"]
+    lines = [f"# What the row floor costs: {result['model']}, {env['dtype']}", "",
+             (f"{machine(env)}. One process, {result['rounds']} rounds, the modes alternating. `off`: the default "
+              f"(one or two rows on the few-row kernel where it runs); `auto`: `set_row_floor(model, \"auto\")` (every "
+              f"product on oneDNN, padded to its floor). A decode step over a {result['length']}-token prompt, "
+              f"per round the median of its timed steps."), "",
+             ("| streams | off (ms) | auto (ms) | auto / off (paired median) | range | rounds | same tokens |"),
+             "|---|---|---|---|---|---|---|"]
+    for streams in sorted({r["streams"] for r in rows if r["mode"] != "load"}):
+        c = _cell(rows, streams)
+        lines.append(f"| {streams} | {c['off_ms']:.1f} | {c['auto_ms']:.1f} | {c['ratio']:.2f} | "
+                     f"[{c['min']:.2f}, {c['max']:.2f}] | {c['n']} | {'yes' if c['same'] else 'no'} |")
+    lines += ["", ("The floor's check at load (seconds, median over rounds): every shape checked (a machine's first "
+                   "load) and read from the floor file (later loads)."), "",
+              "| check | seconds (median) | range | rounds |", "|---|---|---|---|"]
+    for label, key in (("first load", "first_s"), ("floors on disk", "cached_s")):
+        values = [r[key] for r in loads]
+        lines.append(f"| {label} | {statistics.median(values):.3f} | [{min(values):.3f}, {max(values):.3f}] | {len(values)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    p.add_argument("--length", type=int, default=1024, help="prompt tokens the steps decode over")
+    p.add_argument("--batch", type=int, default=4, help="streams of the batched step (>= 2)")
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per round, mode and stream count")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES))
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if min(args.rounds, args.steps, args.length) < 1 or args.batch < 2:
+        p.error("--rounds, --steps and --length must be >= 1, --batch >= 2")
+    run_all(args, "row_floor_cost", run_model, markdown)
+
+
+if __name__ == "__main__":
+    main()
