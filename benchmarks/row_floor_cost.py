@@ -6,11 +6,12 @@ on disk.
 Modes: ``off`` (the default: a step's one or two rows on fastprefill's few-row kernel where it
 runs, oneDNN above) and ``auto`` (every product on oneDNN, padded to the floor found for its
 shape). The model is loaded once and switched between them (``set_row_floor(model, 1)`` gives
-back the default). A random ``--length``-token prompt is prefilled once; each round and mode then
-times ``--steps`` decode steps over it (after a warm-up round and two untimed steps), each step's cache cropped back to
-the prompt: one stream (``(1, 1)`` input) and ``--batch`` streams (``(B, 1)`` over ``B`` copies
-of the prompt's K/V). Per cell the medians of the per-round median steps and the median of the
-per-round paired ratios ``auto / off`` with their range; each mode's greedy tokens are compared.
+back the default). A random ``--length``-token prompt is prefilled once into a prefix cache; each
+round and mode then starts one and ``--batch`` greedy generations over it (prefix-cache hits) and
+times ``--steps`` of their decode steps (after a warm-up round and two untimed steps) as the server
+runs them, one :class:`fastprefill.batch.DecodeBatch` step for all of them. Per cell the medians of
+the per-round median steps and the median of the per-round paired ratios ``auto / off`` with their
+range; each mode's greedy tokens are compared.
 
 Load: per round ``set_row_floor(model, "auto", cache=False)`` (a machine's first load: every
 product shape checked) and ``set_row_floor(model, "auto")`` with the floor file already written
@@ -22,7 +23,6 @@ product shape checked) and ``set_row_floor(model, "auto")`` with the floor file 
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import tempfile
 import time
@@ -31,8 +31,12 @@ from typing import Any
 
 import torch
 
+from fastprefill import PrefixCache
+from fastprefill.batch import DecodeBatch
 from fastprefill.bench.records import environment
+from fastprefill.engine import Generation, generate
 from fastprefill.host import DTYPES
+from fastprefill.methods.full import FullPrefill
 from fastprefill.models import load as load_model
 from fastprefill.models import row_floor
 from packed_bench import RESULTS, machine, run_all
@@ -40,31 +44,33 @@ from packed_bench import RESULTS, machine, run_all
 MODES = ("off", "auto")
 
 
-def _steps(model: Any, cache: Any, token: torch.Tensor, steps: int) -> tuple[list[float], list[int]]:
-    """``steps`` decode steps of ``token`` ``(B, 1)`` over ``cache`` (cropped back to the prompt
-    after each), after two untimed: the seconds of each and the first row's greedy token."""
-    seconds, tokens = [], []
-    with torch.inference_mode():
+def _steps(model: Any, ids: torch.Tensor, cache: PrefixCache, streams: int, steps: int) -> tuple[list[float], list[int]]:
+    """``streams`` greedy generations of ``ids`` ``(1, T)`` (prefix-cache hits), decoded together:
+    the seconds of ``steps`` batched steps after two untimed ones, and the first one's tokens."""
+    gens = [Generation(model, None, ids, FullPrefill(), steps + 3, stop_at_eos=False, prefix_cache=cache)
+            for _ in range(streams)]
+    batch, seconds = DecodeBatch(model, max_batch=streams), []
+    try:
+        for gen in gens:
+            gen.prefill(None)
+            gen.first_events()
         for i in range(steps + 2):
             t0 = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            batch.step(gens)
             if i >= 2:
                 seconds.append(time.perf_counter() - t0)
-                tokens.append(int(out.logits[0, -1].argmax()))
-            cache.crop(-1)  # back to the prompt (transformers crops by a negative count)
-    return seconds, tokens
+        return seconds, list(gens[0].choices[0].ids)
+    finally:
+        batch.release()
+        for gen in gens:
+            gen.close()
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     model, _ = load_model(name, dtype=args.dtype, pack=True, progress=False)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, 20000, (1, args.length), generator=gen)
-    with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    one = out.past_key_values
-    token = out.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
-    many = copy.deepcopy(one)
-    many.batch_repeat_interleave(args.batch)
+    ids = torch.randint(100, 20000, (1, args.length), generator=torch.Generator().manual_seed(0))
+    cache = PrefixCache(4 << 30, block_tokens=16)
+    generate(model, None, ids, FullPrefill(), 1, prefix_cache=cache)  # the prompt's blocks stored
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         floors = Path(tmp) / "row_floors.json"
@@ -73,13 +79,13 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         try:
             for mode in MODES:  # warm-up: each mode's compiled blocks and kernels at both stream counts
                 row_floor.set_row_floor(model, 1 if mode == "off" else "auto")
-                for streams, cache in ((1, one), (args.batch, many)):
-                    _steps(model, cache, token.expand(streams, 1).contiguous(), 1)
+                for streams in (1, args.batch):
+                    _steps(model, ids, cache, streams, 1)
             for r in range(args.rounds):
                 for mode in MODES if r % 2 == 0 else MODES[::-1]:
                     row_floor.set_row_floor(model, 1 if mode == "off" else "auto")
-                    for streams, cache in ((1, one), (args.batch, many)):
-                        s, toks = _steps(model, cache, token.expand(streams, 1).contiguous(), args.steps)
+                    for streams in (1, args.batch):
+                        s, toks = _steps(model, ids, cache, streams, args.steps)
                         rows.append({"round": r, "mode": mode, "streams": streams, "step_s": statistics.median(s),
                                      "steps": len(s), "tokens": toks})
                 t0 = time.perf_counter()

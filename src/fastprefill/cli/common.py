@@ -49,8 +49,9 @@ def model_args(p: argparse.ArgumentParser, default_model: bool = True, dtype: st
                        help="'auto': every matrix product whose few-row kernel rounds differently from a wider "
                             "one (a one-row decode step, a one-row prefix-cache suffix) is padded to the fewest rows "
                             "at which this CPU's kernels agree, so a request's tokens do not depend on its decode "
-                            "batch or on the cache (the linear weights are then packed, float32 too); or a number "
-                            "of rows. Default: off")
+                            "batch or on the cache (the linear weights are then packed, float32 too; the floors "
+                            "found are kept in row_floors.json in the cache folder, so only the first load on a "
+                            "machine checks them); or a number of rows. Default: off")
     p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1, help="torch threads")
 
 
