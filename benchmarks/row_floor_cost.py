@@ -32,38 +32,15 @@ from typing import Any
 import torch
 
 from fastprefill import PrefixCache
-from fastprefill.batch import DecodeBatch
 from fastprefill.bench.records import environment
-from fastprefill.engine import Generation, generate
-from fastprefill.host import DTYPES
+from fastprefill.engine import generate
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models import load as load_model
 from fastprefill.models import row_floor
-from packed_bench import RESULTS, machine, run_all
+from packed_bench import machine, run_all
+from stream_rows import batch_steps, steps_parser
 
 MODES = ("off", "auto")
-
-
-def _steps(model: Any, ids: torch.Tensor, cache: PrefixCache, streams: int, steps: int) -> tuple[list[float], list[int]]:
-    """``streams`` greedy generations of ``ids`` ``(1, T)`` (prefix-cache hits), decoded together:
-    the seconds of ``steps`` batched steps after two untimed ones, and the first one's tokens."""
-    gens = [Generation(model, None, ids, FullPrefill(), steps + 3, stop_at_eos=False, prefix_cache=cache)
-            for _ in range(streams)]
-    batch, seconds = DecodeBatch(model, max_batch=streams), []
-    try:
-        for gen in gens:
-            gen.prefill(None)
-            gen.first_events()
-        for i in range(steps + 2):
-            t0 = time.perf_counter()
-            batch.step(gens)
-            if i >= 2:
-                seconds.append(time.perf_counter() - t0)
-        return seconds, list(gens[0].choices[0].ids)
-    finally:
-        batch.release()
-        for gen in gens:
-            gen.close()
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -80,12 +57,12 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             for mode in MODES:  # warm-up: each mode's compiled blocks and kernels at both stream counts
                 row_floor.set_row_floor(model, 1 if mode == "off" else "auto")
                 for streams in (1, args.batch):
-                    _steps(model, ids, cache, streams, 1)
+                    batch_steps(model, [ids] * streams, 1, cache)
             for r in range(args.rounds):
                 for mode in MODES if r % 2 == 0 else MODES[::-1]:
                     row_floor.set_row_floor(model, 1 if mode == "off" else "auto")
                     for streams in (1, args.batch):
-                        s, toks = _steps(model, ids, cache, streams, args.steps)
+                        s, (toks, *_) = batch_steps(model, [ids] * streams, args.steps, cache)
                         rows.append({"round": r, "mode": mode, "streams": streams, "step_s": statistics.median(s),
                                      "steps": len(s), "tokens": toks})
                 t0 = time.perf_counter()
@@ -137,15 +114,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
-    p.add_argument("--length", type=int, default=1024, help="prompt tokens the steps decode over")
+    p = steps_parser(__doc__, 1024, "prompt tokens the steps decode over")
     p.add_argument("--batch", type=int, default=4, help="streams of the batched step (>= 2)")
-    p.add_argument("--steps", type=int, default=8, help="timed decode steps per round, mode and stream count")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtype", default="auto", choices=list(DTYPES))
-    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     if min(args.rounds, args.steps, args.length) < 1 or args.batch < 2:
         p.error("--rounds, --steps and --length must be >= 1, --batch >= 2")

@@ -21,6 +21,7 @@ from fastprefill.models.packed import (
     onednn_bf16,
     pack_linears,
     set_few_rows,
+    streams_as_rows,
 )
 from fastprefill.models.row_floor import set_row_floor
 
@@ -126,6 +127,9 @@ def test_a_packed_model_runs_few_rows_on_the_kernel_and_more_on_onednn():
         assert torch.equal(layer(x[None, :1]), layer(x[:2])[None, :1])  # (1, 1, K): a decode step's shape
         assert torch.equal(layer(x[:2, None]), layer(x[:2])[:, None])  # (2, 1, K): two streams' step
         assert torch.equal(layer(x[None, :2]), onednn(x[None, :2]))  # (1, 2, K): a prompt's two positions
+        with streams_as_rows():  # (1, 2, K) as two streams' decode rows (a batched step's layer call)
+            assert torch.equal(layer(x[None, :2]), layer(x[:2])[None])
+            assert torch.equal(layer(x[None]), onednn(x[None]))  # three rows: oneDNN all the same
         assert torch.equal(layer(x), onednn(x))
         layer.few_rows = False
         assert torch.equal(layer(x[:1]), onednn(x[:1]))
@@ -236,3 +240,62 @@ def test_the_fused_decoder_layer_runs_a_decode_steps_norms_on_the_kernel(family,
     assert float((few.float() - own_few.float()).abs().max()) <= 0.05 * float(own_few.float().abs().max())
     assert len(calls) == model.config.num_hidden_layers  # not called again: three rows, own forward, a floor
     assert floored.shape == few.shape
+
+
+@needs_kernel
+def test_two_streams_decoding_together_run_the_kernel_and_get_their_lone_bits(monkeypatch):
+    """A batched step of two streams (``run_layers``: their rows as one ``(1, 2, D)`` layer call)
+    runs its products and norms on the kernel, as each stream's step alone does, so each stream's
+    logits in the batch equal its logits alone bit for bit; a third stream takes oneDNN."""
+    from fastprefill.batch import DecodeBatch
+    from fastprefill.engine import Generation
+    from fastprefill.methods.full import FullPrefill
+
+    model, _ = models.load("random:qwen2", dtype="bfloat16", pack=True)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (9, 14, 11)]
+    calls = []
+    real = packed.few_row_kernel
+
+    def counted(x, layers):
+        kernel = real(x, layers)
+        calls.append(kernel is not None)
+        return kernel
+
+    monkeypatch.setattr(packed, "few_row_kernel", counted)
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def recording(choice, key):  # a stream's logits as its sampler sees them, step by step
+        pick = choice.pick
+
+        def pick_and_keep(logits, top=None):
+            seen.setdefault(key, []).append(logits.clone())
+            return pick(logits, top)
+
+        choice.pick = pick_and_keep
+
+    def decode(name, chosen, steps=4):
+        gens = [Generation(model, None, ids, FullPrefill(), steps + 1, stop_at_eos=False) for ids in chosen]
+        for i, g in enumerate(gens):
+            g.prefill(None)
+            g.first_events()
+            recording(g.branches[0].choice, f"{name}{i}")
+        batch = DecodeBatch(model, max_batch=len(gens))
+        calls.clear()
+        for _ in range(steps):
+            batch.step(gens)
+        used = list(calls)
+        batch.release()
+        for g in gens:
+            g.close()
+        return used
+
+    alone = [decode(f"alone{i}-", [ids]) for i, ids in enumerate(prompts[:2])]
+    together = decode("pair", prompts[:2])
+    three = decode("three", prompts)
+    assert all(all(u) and u for u in alone) and together and all(together)
+    assert three and not any(three)
+    for i in range(2):
+        assert len(seen[f"pair{i}"]) == len(seen[f"alone{i}-0"]) == 4
+        for got, want in zip(seen[f"pair{i}"], seen[f"alone{i}-0"], strict=True):
+            assert torch.equal(got, want)

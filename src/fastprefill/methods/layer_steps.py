@@ -43,6 +43,7 @@ from fastprefill.models.attention import (
     ScoreFn,
     attention_as,
 )
+from fastprefill.models.packed import streams_as_rows
 
 __all__ = ["ROUTED_ATTENTION", "LayerSteps", "Rows", "StepsDecoder", "run_layers"]
 
@@ -183,12 +184,15 @@ def run_layers(adapter: DecoderAdapter, steps: Sequence[LayerSteps]) -> torch.Te
                 if not all(wanted):
                     raise RuntimeError(f"a stream's decode step asked for no rows at layer {layer}")
                 route.groups = groups = [g for want in wanted for g in want]
-                out = adapter.layer(layer, _cat([g.hidden for g in groups]), torch.cat([g.positions for g in groups])[None],
-                                    route, rotary=(_cat([g.rotary[0] for g in groups]), _cat([g.rotary[1] for g in groups])))
+                with streams_as_rows(all(g.count == 1 for g in groups)):  # each row one stream's decode position
+                    out = adapter.layer(layer, _cat([g.hidden for g in groups]),
+                                        torch.cat([g.positions for g in groups])[None], route,
+                                        rotary=(_cat([g.rotary[0] for g in groups]), _cat([g.rotary[1] for g in groups])))
                 parts = iter(out.split([g.count for g in groups], dim=1))
                 done = layer == adapter.num_layers - 1
                 wanted = [_send(s, [next(parts) for _ in want], done, last) for s, want in zip(steps, wanted, strict=True)]
-            return adapter.head(_cat(last))[0]  # (B, V)
+            with streams_as_rows():  # one final hidden state per stream
+                return adapter.head(_cat(last))[0]  # (B, V)
     finally:
         route.groups = []
         _ROUTE.reset(token)

@@ -30,6 +30,7 @@ Shapes: queries ``(B, H_q, T, d)``; keys / values ``(B, H_kv, N, d)``; boolean m
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -306,9 +307,20 @@ def _ensure_registered() -> None:
         _registered = True
 
 
+#: Each model's configs (:func:`_configs`), found once: walking every module on each decode step
+#: cost more than a step's norms.
+_CONFIGS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, dict[int, Any]]] = weakref.WeakKeyDictionary()
+
+
 def _configs(model: torch.nn.Module) -> dict[int, Any]:
-    """Every config of ``model``'s modules, by its ``id``."""
-    return {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    """Every config of ``model``'s modules, by its ``id``: found by walking the modules at the first
+    call for a model, and again whenever ``model.config`` is another object than then."""
+    known = _CONFIGS.get(model)
+    if known is None or known[0] is not getattr(model, "config", None):
+        known = (getattr(model, "config", None),
+                 {id(m.config): m.config for m in model.modules() if hasattr(m, "config")})
+        _CONFIGS[model] = known
+    return known[1]
 
 
 def attention_choices(model: torch.nn.Module) -> dict[int, str | None]:

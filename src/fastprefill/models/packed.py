@@ -36,7 +36,10 @@ product, so the floor's promise holds; :func:`set_few_rows` turns them off (or o
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,7 +47,8 @@ import torch
 from fastprefill.kernels import row_products, rows_status
 
 __all__ = ["FEW_ROWS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "decode_rows", "few_row_kernel",
-           "few_rows_used", "linears_packed", "onednn_bf16", "pack_linears", "packable", "set_few_rows"]
+           "few_rows_used", "linears_packed", "onednn_bf16", "pack_linears", "packable", "set_few_rows",
+           "streams_as_rows"]
 
 #: Products of at most this many input rows run on the few-row kernel where it applies (more run
 #: on oneDNN: from three or four rows on, oneDNN's products were as fast or faster here).
@@ -237,12 +241,31 @@ class MergedProduct:
         return list(merged.split(self.sizes, dim=-1))
 
 
+#: Set by :func:`streams_as_rows`: the rows of a ``(1, R, D)`` input are R streams' decode positions.
+_STREAM_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar("fastprefill_stream_rows", default=False)
+
+
+@contextlib.contextmanager
+def streams_as_rows(enabled: bool = True) -> Iterator[None]:
+    """Within, a ``(1, R, D)`` input holds ``R`` streams' decode rows, one position each (a batched
+    decode step that concatenates its streams' rows, as :func:`fastprefill.methods.layer_steps.run_layers`
+    does), so :func:`decode_rows` counts them as a decode step's rows, not a prompt's positions.
+    Only for rows that are each a stream's one decode position: a stream's row then gets the bits
+    it gets alone (the few-row kernel computes each row alone)."""
+    token = _STREAM_ROWS.set(enabled)
+    try:
+        yield
+    finally:
+        _STREAM_ROWS.reset(token)
+
+
 def decode_rows(x: torch.Tensor) -> bool:
     """Whether ``x`` is a decode step's input for the few-row kernel: at most :data:`FEW_ROWS`
-    rows of one position each (``(B, 1, D)``, or ``(R, D)``). A prompt's few positions
-    (``(1, T, D)``, ``T > 1``: a short partition, chunk or suffix) are not: oneDNN keeps their
-    bits those of the same rows inside a longer prompt."""
-    if x.dim() == 0 or (x.dim() >= 3 and x.shape[-2] != 1):
+    rows of one position each (``(B, 1, D)``, or ``(R, D)``; inside :func:`streams_as_rows`, also
+    ``(1, R, D)``). A prompt's few positions (``(1, T, D)``, ``T > 1``: a short partition, chunk
+    or suffix) are not: oneDNN keeps their bits those of the same rows inside a longer prompt."""
+    streams = _STREAM_ROWS.get() and x.dim() == 3 and x.shape[0] == 1
+    if x.dim() == 0 or (x.dim() >= 3 and x.shape[-2] != 1 and not streams):
         return False
     return 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS
 
