@@ -273,3 +273,30 @@ def test_the_rotary_kernel_rejects_bad_inputs_with_a_message():
         mod.rotary(x, cos[:, :2], cos[:, :2], 2)
     with pytest.raises(RuntimeError, match="one dtype"):
         mod.rotary(x, cos.double(), cos, 2)
+
+
+def test_attention_as_sets_every_config_and_finds_them_once_per_model(monkeypatch):
+    """``attention_as`` sets the attention implementation of every config of the model's modules
+    and restores it after; the modules are walked once per model (not on every decode step), and
+    again when ``model.config`` is another object."""
+    model, _ = load_model("random:qwen2", dtype="float32")
+    before = attn.attention_choices(model)
+    walks = []
+    real = torch.nn.Module.modules
+
+    def counted(self):
+        if self is model:
+            walks.append(1)
+        return real(self)
+
+    monkeypatch.setattr(torch.nn.Module, "modules", counted)
+    for _ in range(3):
+        with attn.attention_as(model, "eager"):
+            assert set(attn.attention_choices(model).values()) == {"eager"}
+        assert attn.attention_choices(model) == before
+    assert len(walks) <= 1  # at most the first call here (an earlier one may have found them)
+    walks.clear()
+    model.config = type(model.config).from_dict(model.config.to_dict())  # another config object
+    with attn.attention_as(model, "eager"):
+        assert model.config._attn_implementation == "eager"
+    assert len(walks) == 1
