@@ -38,7 +38,7 @@ from fastprefill.methods.full import FullPrefill
 from fastprefill.models import load as load_model
 from fastprefill.models import row_floor
 from packed_bench import machine, run_all
-from stream_rows import batch_steps, steps_parser
+from stream_rows import batch_steps, paired, steps_parser
 
 MODES = ("off", "auto")
 
@@ -80,16 +80,6 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "rounds": args.rounds, "rows": rows, "environment": environment(args.threads, model)}
 
 
-def _cell(rows: list[dict[str, Any]], streams: int) -> dict[str, Any]:
-    by = {m: sorted((r for r in rows if r["mode"] == m and r["streams"] == streams), key=lambda r: r["round"])
-          for m in MODES}
-    ratios = [a["step_s"] / o["step_s"] for o, a in zip(by["off"], by["auto"], strict=True)]
-    return {"off_ms": 1e3 * statistics.median(r["step_s"] for r in by["off"]),
-            "auto_ms": 1e3 * statistics.median(r["step_s"] for r in by["auto"]),
-            "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios),
-            "same": all(r["tokens"] == by["off"][0]["tokens"] for m in MODES for r in by[m])}
-
-
 def markdown(result: dict[str, Any]) -> str:
     env, rows = result["environment"], result["rows"]
     loads = [r for r in rows if r["mode"] == "load"]
@@ -101,8 +91,8 @@ def markdown(result: dict[str, Any]) -> str:
              ("| streams | off (ms) | auto (ms) | auto / off (paired median) | range | rounds | same tokens |"),
              "|---|---|---|---|---|---|---|"]
     for streams in sorted({r["streams"] for r in rows if r["mode"] != "load"}):
-        c = _cell(rows, streams)
-        lines.append(f"| {streams} | {c['off_ms']:.1f} | {c['auto_ms']:.1f} | {c['ratio']:.2f} | "
+        c = paired(rows, streams, MODES)
+        lines.append(f"| {streams} | {c['ms']['off']:.1f} | {c['ms']['auto']:.1f} | {c['ratio']:.2f} | "
                      f"[{c['min']:.2f}, {c['max']:.2f}] | {c['n']} | {'yes' if c['same'] else 'no'} |")
     lines += ["", ("The floor's check at load (seconds, median over rounds): every shape checked (a machine's first "
                    "load) and read from the floor file (later loads)."), "",

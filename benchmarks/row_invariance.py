@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from fastprefill.bench.records import environment, read_rows, result_name
-from fastprefill.host import DTYPES, set_threads
+from fastprefill.host import DTYPES, dtype_name, set_threads
 from fastprefill.kernels import attention_kernel
 from fastprefill.models.packed import pack_linears, packable
 from fastprefill.models.row_floor import chunked, row_floor_for, set_row_floor
@@ -60,7 +60,7 @@ def linear_checks(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], tokens:
     """Each shape's product: the first ``compared`` rows computed ``M`` rows at a time against the
     same rows inside one ``tokens``-row product; packed (where oneDNN packs this dtype) and plain.
     (Many rows: two kernels' float32 sums in another order mostly round to one bfloat16.)"""
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for d_in, d_out in shapes:
@@ -86,7 +86,7 @@ def linear_checks(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], tokens:
 def attention_checks(dtype: torch.dtype, tokens: int, suffixes: Sequence[int], seed: int) -> list[dict[str, Any]]:
     """The kernel's suffix rows (a hit's, a decode step's) against the whole prefill's, and the
     whole prefill under other row blockings and key blocks against the defaults."""
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     kernel = attention_kernel(dtype)
     if kernel is None:
         return []
@@ -111,7 +111,7 @@ def cost_rows(dtype: torch.dtype, step: Sequence[tuple[int, int, int]], floor: i
     the one :func:`~fastprefill.models.row_floor.row_floor_for` finds for its shape, as
     ``set_row_floor(model, "auto")`` sets it; one row padded with zero rows, as the floor runs
     it), alternating, ``reps`` times: the medians in milliseconds."""
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     gen = torch.Generator().manual_seed(seed)
     out = []
     with torch.inference_mode():

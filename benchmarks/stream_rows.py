@@ -92,6 +92,19 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "environment": environment(args.threads, model)}
 
 
+def paired(rows: list[dict[str, Any]], streams: int, modes: tuple[str, str]) -> dict[str, Any]:
+    """The rounds of ``streams`` streams in ``modes`` (a base, then the other): each mode's median
+    step (ms), the median of the per-round ratios other / base with their range and count, and
+    whether every run gave the tokens of the base's first."""
+    base, other = modes
+    by = {m: sorted((r for r in rows if r["mode"] == m and r.get("streams") == streams), key=lambda r: r["round"])
+          for m in modes}
+    ratios = [o["step_s"] / b["step_s"] for b, o in zip(by[base], by[other], strict=True)]
+    return {"ms": {m: 1e3 * statistics.median(r["step_s"] for r in by[m]) for m in modes},
+            "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios),
+            "same": all(r["tokens"] == by[base][0]["tokens"] for m in modes for r in by[m])}
+
+
 def markdown(result: dict[str, Any]) -> str:
     env, rows = result["environment"], result["rows"]
     lines = [f"# A batched decode step's rows on the few-row kernel or on oneDNN: {result['model']}, {env['dtype']}", "",
@@ -102,13 +115,9 @@ def markdown(result: dict[str, Any]) -> str:
              "| streams | kernel (ms) | oneDNN (ms) | oneDNN / kernel (paired median) | range | rounds | same tokens |",
              "|---|---|---|---|---|---|---|"]
     for streams in sorted({r["streams"] for r in rows}):
-        by = {m: sorted((r for r in rows if r["mode"] == m and r["streams"] == streams), key=lambda r: r["round"])
-              for m in MODES}
-        ratios = [o["step_s"] / k["step_s"] for k, o in zip(by["kernel"], by["oneDNN"], strict=True)]
-        same = all(r["tokens"] == by["kernel"][0]["tokens"] for m in MODES for r in by[m])
-        lines.append(f"| {streams} | {1e3 * statistics.median(r['step_s'] for r in by['kernel']):.1f} | "
-                     f"{1e3 * statistics.median(r['step_s'] for r in by['oneDNN']):.1f} | {statistics.median(ratios):.2f} | "
-                     f"[{min(ratios):.2f}, {max(ratios):.2f}] | {len(ratios)} | {'yes' if same else 'no'} |")
+        c = paired(rows, streams, MODES)
+        lines.append(f"| {streams} | {c['ms']['kernel']:.1f} | {c['ms']['oneDNN']:.1f} | {c['ratio']:.2f} | "
+                     f"[{c['min']:.2f}, {c['max']:.2f}] | {c['n']} | {'yes' if c['same'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -293,7 +293,7 @@ def test_two_streams_decoding_together_run_the_kernel_and_get_their_lone_bits(mo
     alone = [decode(f"alone{i}-", [ids]) for i, ids in enumerate(prompts[:2])]
     together = decode("pair", prompts[:2])
     three = decode("three", prompts)
-    assert all(all(u) and u for u in alone) and together and all(together)
+    assert all(u and all(u) for u in alone) and together and all(together)
     assert three and not any(three)
     for i in range(2):
         assert len(seen[f"pair{i}"]) == len(seen[f"alone{i}-0"]) == 4

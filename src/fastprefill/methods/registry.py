@@ -40,6 +40,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from fastprefill.errors import ConfigError
+from fastprefill.host import dtype_name
 from fastprefill.methods.auto import TuneProfile
 from fastprefill.methods.base import Method, PrefillOutput
 from fastprefill.methods.baselines import GemFilter, RandomDrop, StaticPruning
@@ -85,7 +86,7 @@ class AutoMethod(Method):
 
         if model in self._checked:
             return
-        dtype = str(model.dtype).removeprefix("torch.")
+        dtype = dtype_name(model.dtype)
         if dtype != self._profile.dtype:
             raise ConfigError(f"the tuning profile {self.profile} was measured in {self._profile.dtype} and this model "
                               f"runs in {dtype}: load the model with --dtype {self._profile.dtype}, or tune it in "

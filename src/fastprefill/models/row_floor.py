@@ -140,9 +140,9 @@ def _found_floors(shapes: list[tuple[int, int]], dtype: torch.dtype,
     """:func:`row_floor_for` of each ``(in_features, out_features)`` of ``shapes`` alone; with
     ``cache``, those already in the floor file (:func:`row_floor_cache_path`) are read from it and
     the others added to it."""
-    from fastprefill.host import cpu_info
+    from fastprefill.host import cpu_info, dtype_name
 
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     path = row_floor_cache_path() if cache else None
     key = _floor_machine_key() if cache else ""
     known = dict(_read_floors(path).get(key, {}).get("floors", {})) if path else {}
