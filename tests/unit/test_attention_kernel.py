@@ -186,6 +186,26 @@ def test_an_unbuilt_kernel_says_how_to_build_it(monkeypatch, tmp_path):
         kernels._load.cache_clear()
 
 
+@pytest.mark.parametrize(("isa", "expected"), [
+    ("AVX2", {"attention avx2"}),
+    ("AVX512", {"attention avx512", "attention avx2", "rows avx512"}),
+    ("DEFAULT", set()),
+])
+def test_the_build_compiles_only_what_this_cpu_can_load(monkeypatch, isa, expected):
+    """cpp_extension imports what it compiles, and an AVX-512 build dies on import on an AVX2 CPU
+    (an illegal instruction, the whole setup with it): the build must leave such variants alone,
+    and refuse one asked for by name."""
+    built = []
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: isa)
+    monkeypatch.setattr(kernels, "_build_one", lambda kernel, source, variant, verbose: built.append(
+        f"{kernel} {variant}") or "built")
+    assert set(kernels.build()) == expected and set(built) == expected
+    if isa == "AVX2":
+        with pytest.raises(ValueError, match="cannot run the avx512 kernels"):
+            kernels.build(["avx512"])
+        assert set(built) == expected  # refused before compiling anything
+
+
 def test_the_build_finds_the_packaged_ninja_without_an_activated_venv(monkeypatch):
     ninja = pytest.importorskip("ninja")
     monkeypatch.setenv("PATH", "/nonexistent")

@@ -16,7 +16,8 @@ kernel's) or ``<cache>/kernels/<kernel>-<variant>-<key>/`` (``<cache>`` is
 flags and torch's version: a changed source or another torch is a new build directory, never a
 stale module.
 
-- :func:`build` compiles every kernel's variants (``python -m fastprefill.kernels build``; setup runs it).
+- :func:`build` compiles every kernel's variants that this CPU runs (``python -m fastprefill.kernels
+  build``; setup runs it).
 - :func:`attention_kernel` returns the attention variant for this CPU and dtype, loaded once per
   process and checked once against SDPA on a small random input, or ``None``;
   :func:`kernel_status` says which, and why not (not built, no compiler, the CPU lacks the ISA,
@@ -46,7 +47,7 @@ from typing import Any
 import torch
 
 __all__ = ["SOURCES", "VARIANTS", "KernelStatus", "attention_kernel", "build", "compile_source", "kernel_dir",
-           "kernel_status", "rotary_kernel", "row_products", "rows_status"]
+           "kernel_status", "rotary_kernel", "row_products", "rows_status", "runnable_variants"]
 
 #: The kernels: name -> (source, the variants it is built in).
 SOURCES: dict[str, tuple[Path, tuple[str, ...]]] = {
@@ -70,6 +71,8 @@ _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _LINK_FLAGS = ["-fopenmp"]
 #: torch's reading of the CPU (``torch.backends.cpu.get_cpu_capability()``) -> the variant it runs.
 _VARIANT_OF_ISA = {"AVX512": "avx512", "AVX512_BF16": "avx512", "AMX": "avx512", "AVX2": "avx2"}
+#: The variant a CPU runs -> every variant it can load (an AVX-512 CPU has AVX2 too).
+_RUNS = {"avx512": ("avx512", "avx2"), "avx2": ("avx2",)}
 #: Elementwise tolerance of the load-time check against SDPA, by dtype (SDPA's own rounding).
 _CHECK_ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
@@ -100,19 +103,33 @@ def _module_name(variant: str, kernel: str = "attention") -> str:
     return f"fastprefill_{kernel}_{variant}"
 
 
+def runnable_variants() -> tuple[str, ...]:
+    """The variants this CPU can load: an AVX-512 CPU runs both builds, an AVX2 CPU the AVX2 one,
+    another CPU none. (``cpp_extension`` imports what it compiles, and a build for an ISA the CPU
+    lacks dies on import with an illegal instruction, so only these are ever built here.)"""
+    return _RUNS.get(_variant_for_cpu() or "", ())
+
+
 def build(variants: list[str] | None = None, verbose: bool = False) -> dict[str, str]:
-    """Compile every kernel of :data:`SOURCES` in each of its variants (or those of ``variants``
-    it is built in).
+    """Compile every kernel of :data:`SOURCES` in each of its variants this CPU runs
+    (:func:`runnable_variants`), or in those of ``variants`` it is built in.
 
     A build already made for its source and torch is left alone. Needs a C++ compiler and
     ninja (both on the PATH). Returns ``{"<kernel> <variant>": "built" | "up to date" | "failed: <reason>"}``.
+
+    Raises:
+        ValueError: ``variants`` names an unknown variant, or one this CPU cannot run.
     """
+    runnable = runnable_variants()
     for variant in variants or []:
         if variant not in VARIANTS:
             raise ValueError(f"unknown kernel variant {variant!r}; choose from {sorted(VARIANTS)}")
+        if variant not in runnable:
+            raise ValueError(f"this CPU cannot run the {variant} kernels (torch reads its ISA as "
+                             f"{torch.backends.cpu.get_cpu_capability()}); build them on a CPU that has it")
     results: dict[str, str] = {}
     for kernel, (source, built_in) in SOURCES.items():
-        for variant in [v for v in built_in if variants is None or v in variants]:
+        for variant in [v for v in built_in if v in (runnable if variants is None else variants)]:
             results[f"{kernel} {variant}"] = _build_one(kernel, source, variant, verbose)
     return results
 
