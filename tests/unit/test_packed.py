@@ -17,9 +17,11 @@ from fastprefill import models
 from fastprefill.bench.records import environment
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
+from fastprefill.models import packed as packed_module
 from fastprefill.models import row_floor
 from fastprefill.models.adapters import blocks_compiled, fuse_mlps, swiglu_mlps
 from fastprefill.models.packed import (
+    WIDE_ROWS,
     MergedProduct,
     PackedLinear,
     PackedSwiGLU,
@@ -137,7 +139,7 @@ def test_packed_and_compiled_blocks_work_together(make_ids, loop_matches_forward
 def test_pack_true_where_it_cannot_apply_says_why(monkeypatch):
     with pytest.raises(ConfigError, match="pack=True needs a bfloat16 or float32 model on the CPU"):
         models.load("random:llama", dtype="float16", pack=True)
-    assert not can_pack("cpu", torch.float32) and not can_pack("cpu", torch.float16)  # float32: only when asked
+    assert not can_pack("cpu", torch.float16)
     assert not can_pack("cuda", torch.bfloat16)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # an AVX2-only CPU
     assert not onednn_bf16() and not can_pack("cpu", torch.bfloat16)
@@ -146,12 +148,58 @@ def test_pack_true_where_it_cannot_apply_says_why(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_float32_packs_by_default_where_the_copy_fits_in_memory(monkeypatch):
+    assert can_pack("cpu", torch.float32, 1 << 20)
+    assert not can_pack("cpu", torch.float32, 1 << 50)  # a copy larger than a third of any machine's memory
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: models.random_models.load(
+        "random:llama", dtype=k.get("dtype", torch.float32)))
+    model, _ = models.load("smollm2-135m", dtype="float32", compile=False)
+    assert linears_packed(model) and not isinstance(model.model.layers[0].mlp, PackedSwiGLU)  # its MLP as it was
+    monkeypatch.setattr(packed_module, "FLOAT32_PACK_SHARE", 0.0)
+    with pytest.warns(UserWarning, match="float32 model not packed: its packed copy"):
+        model, _ = models.load("smollm2-135m", dtype="float32", compile=False)
+    assert not linears_packed(model)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_a_float32_product_runs_packed_up_to_wide_rows_and_plain_above(monkeypatch):
+    """Few rows on oneDNN's packed copy, more than WIDE_ROWS on the plain weight (MKL), counted by
+    the calls each makes; both equal the plain product to float32 rounding. A row floor keeps
+    every product packed."""
+    layer = torch.nn.Linear(64, 48).float()
+    plain = copy.deepcopy(layer)
+    pack_linears(layer)
+    calls = {"packed": 0}
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Counting:
+        def __call__(self, *a, **k):
+            calls["packed"] += 1
+            return real(*a, **k)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Counting())
+    with torch.inference_mode():
+        for rows, packed_calls in ((1, 1), (WIDE_ROWS, 1), (WIDE_ROWS + 1, 0)):
+            calls["packed"] = 0
+            x = torch.randn(1, rows, 64)
+            torch.testing.assert_close(layer(x), plain(x), rtol=1e-5, atol=1e-5)
+            assert calls["packed"] == packed_calls, rows
+        set_row_floor(layer, 2)
+        calls["packed"] = 0
+        layer(torch.randn(1, WIDE_ROWS + 1, 64))
+        assert calls["packed"] == 1
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_a_float32_model_packs_when_asked_and_stays_exact_within_itself(make_ids, loop_matches_forward):
-    """``pack=True`` on a float32 model: packed and fused like a bfloat16 one, the layer loop equal
-    to its own forward, and the logits the plain model's to float32 rounding."""
+    """``pack=True`` on a float32 model: packed (its MLPs unfused), the layer loop equal to its own
+    forward, and the logits the plain model's to float32 rounding."""
     packed, _ = models.load("random:qwen2", dtype="float32", pack=True)
     plain, _ = models.load("random:qwen2", dtype="float32")
-    assert linears_packed(packed) and isinstance(packed.model.layers[0].mlp, PackedSwiGLU)
+    assert linears_packed(packed) and not isinstance(packed.model.layers[0].mlp, PackedSwiGLU)
     ids = make_ids(40, 3)
     full = loop_matches_forward(packed, ids, new_tokens=6)
     with torch.inference_mode():
@@ -163,10 +211,10 @@ def test_a_float32_model_packs_when_asked_and_stays_exact_within_itself(make_ids
 def test_auto_packs_a_real_model_only_where_bfloat16_is_native(monkeypatch):
     monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: models.random_models.load(
         "random:llama", dtype=k.get("dtype", torch.float32)))
-    monkeypatch.setattr(models, "can_pack", lambda device, dtype: True)
+    monkeypatch.setattr(models, "can_pack", lambda device, dtype, copy_bytes=0: True)
     model, _ = models.load("smollm2-135m", dtype="bfloat16", compile=False)
     assert linears_packed(model)
-    monkeypatch.setattr(models, "can_pack", lambda device, dtype: False)
+    monkeypatch.setattr(models, "can_pack", lambda device, dtype, copy_bytes=0: False)
     model, _ = models.load("smollm2-135m", dtype="bfloat16", compile=False)
     assert not linears_packed(model)
 
@@ -268,7 +316,7 @@ def test_the_found_floor_makes_a_real_sized_product_row_invariant(dtype):
     assert floor in ROW_FLOORS
     layer = torch.nn.Sequential(torch.nn.Linear(4864, 896, bias=False)).to(dtype)
     pack_linears(layer)
-    set_row_floor(layer, floor)  # also keeps a floor of 1's few rows on oneDNN
+    assert set_row_floor(layer, "auto") == floor  # "auto" keeps every product on oneDNN, a floor of 1 too
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(768, 4864, generator=gen).to(dtype)
     with torch.inference_mode():

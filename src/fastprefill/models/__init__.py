@@ -25,6 +25,7 @@ from fastprefill.models.fused import fuse_attention, fuse_layers
 from fastprefill.models.packed import (
     can_pack,
     few_rows_used,
+    linear_bytes,
     linears_packed,
     onednn_bf16,
     pack_linears,
@@ -79,13 +80,15 @@ def load(
             (without one, a warning says the model runs uncompiled), never for ``random:``
             test models.
         pack: prepack every linear layer's weight for oneDNN
-            (:func:`fastprefill.models.packed.pack_linears`: faster bfloat16 matrix products, the
-            linear weights' memory once more), and run each SwiGLU MLP's activation and product
-            inside its products (:func:`~fastprefill.models.adapters.fuse_mlps`; Llama and Qwen2).
-            ``None`` (the default): for a bfloat16 model on a
-            CPU that multiplies bfloat16 natively (:func:`~fastprefill.models.packed.can_pack`),
-            never for ``random:`` test models. ``True`` also packs a float32 model on the CPU;
-            where it cannot apply it raises ConfigError.
+            (:func:`fastprefill.models.packed.pack_linears`: faster bfloat16 matrix products, and
+            faster float32 products of up to :data:`~fastprefill.models.packed.WIDE_ROWS` rows, the
+            linear weights' memory once more); a bfloat16 model also runs each SwiGLU MLP's
+            activation and product inside its products (:func:`~fastprefill.models.adapters.fuse_mlps`;
+            Llama and Qwen2). ``None`` (the default): for a bfloat16 model on a CPU that
+            multiplies bfloat16 natively, and for a float32 model on the CPU whose packed copy
+            takes at most a third of the machine's memory (else a warning says so)
+            (:func:`~fastprefill.models.packed.can_pack`); never for ``random:`` test models.
+            ``True`` packs where it applies; where it cannot it raises ConfigError.
         attention: where unmasked causal attention runs (:func:`~fastprefill.models.attention.set_attention_backend`):
             ``"auto"`` (fastprefill's C++ kernel where it runs, else SDPA and a warning saying
             why), ``"kernel"`` (refused where the kernel cannot run) or ``"sdpa"``.
@@ -113,14 +116,20 @@ def load(
         model, tokenizer = load_pretrained(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir,
                                            progress=progress)
     if pack is None:
-        pack = can_pack(device, model.dtype)
+        pack = can_pack(device, model.dtype, linear_bytes(model))
+        if not pack and model.dtype == torch.float32 and packable(device, model.dtype) and not random_models.is_random_spec(spec):
+            warnings.warn(f"float32 model not packed: its packed copy ({linear_bytes(model) / 2**30:.1f} GiB) would "
+                          "take more than a third of this machine's memory, so prefix-cache hits and decode steps run "
+                          "on MKL's slower few-row products; pass pack=True to pack it anyway", stacklevel=2)
     elif pack and not packable(device, model.dtype):
         cpu = ("; this CPU has no oneDNN bfloat16 path (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)"
                if model.dtype == torch.bfloat16 and not onednn_bf16() else "")
         raise ConfigError(f"pack=True needs a bfloat16 or float32 model on the CPU with oneDNN (got {model.dtype} "
                           f"on {device}{cpu}); pass pack=None (auto) or False")
     if pack:
-        pack_linears(model), fuse_mlps(model)
+        pack_linears(model)
+        if model.dtype == torch.bfloat16:  # float32: the MLP stays compiled (its wide products are MKL's)
+            fuse_mlps(model)
     if torch.device(device).type == "cpu":
         fuse_attention(model)
         fuse_layers(model)

@@ -1,5 +1,5 @@
-"""Linear layers whose weights are prepacked for oneDNN's matrix products on the CPU (bfloat16 by
-default where the CPU multiplies it natively; float32 when asked).
+"""Linear layers whose weights are prepacked for oneDNN's matrix products on the CPU (by default:
+bfloat16 where the CPU multiplies it natively; float32 where the copy fits in memory).
 
 ``torch.nn.functional.linear`` hands oneDNN a plain ``(out, in)`` weight on every call, which it
 reads in that layout; a weight reordered once into oneDNN's blocked layout
@@ -7,6 +7,10 @@ reads in that layout; a weight reordered once into oneDNN's blocked layout
 IPEX apply) multiplies faster on CPUs with AMX or AVX512-BF16 units, for prompt-sized and
 one-row inputs alike (measured in ``docs/results/native-precision.md``). oneDNN may pick another
 kernel for a packed weight than for a plain one, so a result can differ in its last bits.
+In float32 (on the AVX2 EPYC measured) oneDNN's packed products of a few rows (a decode step, a
+hit's suffix, the LM head's row) ran 1.3-5x faster than MKL's plain ones, while MKL's were
+faster for prompt-sized inputs: a float32 product of more than :data:`WIDE_ROWS` rows runs on
+the plain weight, and a float32 model keeps its compiled MLPs (no :class:`PackedSwiGLU`).
 
 :func:`pack_linears` turns every ``torch.nn.Linear`` of a model into a :class:`PackedLinear`
 in place: the same module (its ``weight`` and ``bias`` parameters stay, so fingerprints,
@@ -39,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,13 +51,18 @@ import torch
 
 from fastprefill.kernels import row_products, rows_status
 
-__all__ = ["FEW_ROWS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack", "decode_rows", "few_row_kernel",
-           "few_rows_used", "linears_packed", "onednn_bf16", "pack_linears", "packable", "set_few_rows",
-           "streams_as_rows"]
+__all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "WIDE_ROWS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack",
+           "decode_rows", "few_row_kernel", "few_rows_used", "fits_in_memory", "linear_bytes", "linears_packed",
+           "onednn_bf16", "pack_linears", "packable", "set_few_rows", "streams_as_rows"]
 
 #: Products of at most this many input rows run on the few-row kernel where it applies (more run
 #: on oneDNN: from three or four rows on, oneDNN's products were as fast or faster here).
 FEW_ROWS = 2
+#: float32 products of more input rows than this run on the plain weight (``F.linear``: MKL's
+#: sgemm in torch's CPU wheels), fewer on the packed copy: on the AVX2 EPYC oneDNN's packed
+#: products of 1 to 64 rows ran 1.3-5x faster than MKL's, and MKL's of 512 rows and more 1.1x
+#: faster for most shapes (docs/decisions.md has the table).
+WIDE_ROWS = 128
 
 
 def onednn_bf16() -> bool:
@@ -70,14 +80,37 @@ def packable(device: str | torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16())
 
 
-def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """Whether packing is on by default: it applies (:func:`packable`) to a bfloat16 model and the
-    CPU's cores multiply bfloat16 natively (:func:`fastprefill.host.cpu_info`). A float32 model
-    packs only when asked (``load(pack=True)``): the packed copy doubles its linear weights'
-    memory, twice the bytes bfloat16's copy costs."""
+def can_pack(device: str | torch.device, dtype: torch.dtype, copy_bytes: int = 0) -> bool:
+    """Whether packing is on by default: it applies (:func:`packable`) and either the model is
+    bfloat16 on a CPU whose cores multiply bfloat16 natively (:func:`fastprefill.host.cpu_info`),
+    or it is float32 and the packed copy (``copy_bytes``: the linear weights once more) takes at
+    most :data:`FLOAT32_PACK_SHARE` of the machine's memory (:func:`fits_in_memory`)."""
     from fastprefill.host import cpu_info
 
-    return dtype == torch.bfloat16 and packable(device, dtype) and cpu_info().bf16_native
+    if not packable(device, dtype):
+        return False
+    if dtype == torch.float32:
+        return fits_in_memory(copy_bytes)
+    return dtype == torch.bfloat16 and cpu_info().bf16_native
+
+
+#: The largest share of the machine's memory a float32 model's packed copy may take by default.
+FLOAT32_PACK_SHARE = 1 / 3
+
+
+def fits_in_memory(copy_bytes: int) -> bool:
+    """Whether ``copy_bytes`` is at most :data:`FLOAT32_PACK_SHARE` of this machine's physical memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: do not pack by default
+        return False
+    return copy_bytes <= total * FLOAT32_PACK_SHARE
+
+
+def linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights :func:`pack_linears` would copy (every ``torch.nn.Linear``'s, shared ones once each)."""
+    weights = {id(m.weight): m.weight for m in model.modules() if type(m) in (torch.nn.Linear, PackedLinear)}
+    return sum(w.numel() * w.element_size() for w in weights.values())
 
 
 class PackedLinear(torch.nn.Linear):
@@ -94,7 +127,8 @@ class PackedLinear(torch.nn.Linear):
     #: fewer input rows are padded with zero rows up to this many
     #: (:func:`fastprefill.models.row_floor.set_row_floor`; 1: never)
     row_floor: int = 1
-    #: products of up to :data:`FEW_ROWS` rows may run on the few-row kernel (:func:`set_few_rows`)
+    #: products of up to :data:`FEW_ROWS` rows may run on the few-row kernel, and float32 products
+    #: of more than :data:`WIDE_ROWS` rows on the plain weight (:func:`set_few_rows`)
     few_rows: bool = True
 
     def repack(self, rows: int = 2048) -> None:
@@ -111,6 +145,12 @@ class PackedLinear(torch.nn.Linear):
         return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
                 and not (torch.is_grad_enabled() and weight.requires_grad))
 
+    def plain(self, x: torch.Tensor) -> bool:
+        """Whether a float32 product of ``x`` has more than :data:`WIDE_ROWS` rows and ``few_rows``
+        is on (no row floor): it runs on the plain weight, where MKL is the faster library."""
+        return (self.few_rows and x.dtype == torch.float32 and self.row_floor == 1
+                and x.numel() > WIDE_ROWS * x.shape[-1])
+
     def packed_weight(self) -> torch.Tensor:
         """The packed copy of ``weight``, re-made first if the weight changed since."""
         if self._packed is None or self._packed_for != _stamp(self.weight):
@@ -120,7 +160,7 @@ class PackedLinear(torch.nn.Linear):
 
     @torch.compiler.disable  # dynamo cannot trace oneDNN's opaque tensors; compiled blocks call out to it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.applies(x):
+        if not self.applies(x) or self.plain(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         kernel = few_row_kernel(x, [self])
         if kernel is not None:
@@ -231,6 +271,8 @@ class MergedProduct:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``(..., in)`` -> one ``(..., out_i)`` view per layer (of one merged output)."""
+        if all(layer.plain(x) for layer in self.layers):
+            return [layer(x) for layer in self.layers]  # each on its plain weight
         kernel = few_row_kernel(x, self.layers)
         if kernel is not None:
             merged = kernel.products(x, [m.weight for m in self.layers], [m.bias for m in self.layers])
@@ -283,8 +325,9 @@ def few_row_kernel(x: torch.Tensor, layers: list[PackedLinear]) -> Any | None:
 
 def set_few_rows(model: torch.nn.Module, enabled: bool = True) -> int:
     """Let every :class:`PackedLinear` of ``model`` run its products of up to :data:`FEW_ROWS`
-    rows on the few-row kernel (the default), or keep them all on oneDNN (``enabled=False``).
-    Returns the number of layers set."""
+    rows on the few-row kernel and its float32 products of more than :data:`WIDE_ROWS` rows on
+    the plain weight (the default), or keep them all on oneDNN's packed product
+    (``enabled=False``). Returns the number of layers set."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     for layer in layers:
         layer.few_rows = bool(enabled)
