@@ -135,7 +135,8 @@ def _torchrun(args: argparse.Namespace) -> int:
     report = _Reporter(args)
     try:
         keep_freed_memory()
-        model, tok = load(args.model, device=device, dtype=args.dtype)
+        model, tok = load(args.model, device=device, dtype=args.dtype,
+                          processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         requests = [Request(prompt, method, args.max_new_tokens, args.chat) for method in methods]
         checked = [check_request(model, tok, req, world) for req in requests]  # all, before any runs
         for method, req, prepared in zip(methods, requests, checked, strict=True):

@@ -155,8 +155,11 @@ def test_float32_packs_by_default_where_the_copy_fits_in_memory(monkeypatch):
         "random:llama", dtype=k.get("dtype", torch.float32)))
     model, _ = models.load("smollm2-135m", dtype="float32", compile=False)
     assert linears_packed(model) and not isinstance(model.model.layers[0].mlp, PackedSwiGLU)  # its MLP as it was
+    with pytest.warns(UserWarning, match=r"in 1000000000 process\(es\)"):  # runahead's ranks: a copy each
+        model, _ = models.load("smollm2-135m", dtype="float32", compile=False, processes=10**9)
+    assert not linears_packed(model)
     monkeypatch.setattr(packed_module, "FLOAT32_PACK_SHARE", 0.0)
-    with pytest.warns(UserWarning, match="float32 model not packed: its packed copy"):
+    with pytest.warns(UserWarning, match="float32 model not packed: its packed copies"):
         model, _ = models.load("smollm2-135m", dtype="float32", compile=False)
     assert not linears_packed(model)
 

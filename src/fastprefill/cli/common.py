@@ -63,10 +63,12 @@ def _row_floor(value: str) -> int | str:
     return int(value)
 
 
-def _load(model: str, device: str, dtype: str, compile: bool | None = None, row_floor: int | str | None = None):
+def _load(model: str, device: str, dtype: str, compile: bool | None = None, row_floor: int | str | None = None,
+          processes: int = 1):
     """Load ``model`` in ``dtype`` (``"auto"``: see :func:`fastprefill.host.resolve_dtype`) for a
     command that runs it, its decoder blocks compiled and its linear weights packed unless
-    ``compile=False`` (see :func:`fastprefill.models.load`); with a ``row_floor`` (``--row-floor``)
+    ``compile=False`` (see :func:`fastprefill.models.load`, and its ``processes``: the server's
+    rank pool holds the model too); with a ``row_floor`` (``--row-floor``)
     packed whatever the dtype, and the floor set (:func:`fastprefill.models.row_floor.set_row_floor`).
     The process keeps freed memory for reuse from here on (:func:`fastprefill.host.keep_freed_memory`)."""
     from fastprefill.host import keep_freed_memory
@@ -75,7 +77,8 @@ def _load(model: str, device: str, dtype: str, compile: bool | None = None, row_
 
     keep_freed_memory()
     with console.status(f"loading {model} ..."):
-        loaded = load(model, device=device, dtype=dtype, compile=compile, pack=True if row_floor is not None else compile)
+        loaded = load(model, device=device, dtype=dtype, compile=compile, pack=True if row_floor is not None else compile,
+                      processes=processes)
         if row_floor is not None:
             set_row_floor(loaded[0], row_floor)
         return loaded

@@ -33,10 +33,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               log_level=args.log_level, control_port=args.control_port, device=args.device,
                               dtype=args.dtype)
     set_threads(args.threads)
-    if args.device != "cpu" and rank_methods({s: serving_method(s) for s in (args.method, *args.allow_method)}):
+    on_ranks = rank_methods({s: serving_method(s) for s in (args.method, *args.allow_method)})
+    if args.device != "cpu" and on_ranks:
         raise FastprefillError("multi-rank methods serve on CPU ranks (gloo): drop --device, or run the server "
                                "under torchrun")
-    model, tok = _load(args.model, args.device, args.dtype, args.compile, args.row_floor)
+    model, tok = _load(args.model, args.device, args.dtype, args.compile, args.row_floor,
+                       processes=1 + max((m.ranks for m in on_ranks.values()), default=0))
     with console.status("starting the ranks ..."):
         ranks = start_ranks(config, args.model, dtype=args.dtype, threads_per_rank=args.threads_per_rank)
     app = create_app(model, tok, config, ranks)

@@ -99,7 +99,7 @@ def worker_main(
         set_threads(threads, interop=1)
         use_loopback()
         keep_freed_memory()
-        model, tokenizer = load(model_spec, dtype=dtype)
+        model, tokenizer = load(model_spec, dtype=dtype, processes=world + 1)  # the ranks and the driver's model
         if world > 1:
             init_group(rank, world, port=port, timeout_s=timeout_s)
         if not serve_rank(conn, model, tokenizer, rank, world, driver_alive=lambda: os.getppid() == parent_pid):

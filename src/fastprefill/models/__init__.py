@@ -61,6 +61,7 @@ def load(
     *,
     compile: bool | None = None,
     pack: bool | None = None,
+    processes: int = 1,
     attention: str = "auto",
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
@@ -89,6 +90,8 @@ def load(
             takes at most a third of the machine's memory (else a warning says so)
             (:func:`~fastprefill.models.packed.can_pack`); never for ``random:`` test models.
             ``True`` packs where it applies; where it cannot it raises ConfigError.
+        processes: how many processes on this machine hold this model (KV-Runahead's ranks and
+            their driver): the float32 check counts each one's packed copy.
         attention: where unmasked causal attention runs (:func:`~fastprefill.models.attention.set_attention_backend`):
             ``"auto"`` (fastprefill's C++ kernel where it runs, else SDPA and a warning saying
             why), ``"kernel"`` (refused where the kernel cannot run) or ``"sdpa"``.
@@ -116,11 +119,13 @@ def load(
         model, tokenizer = load_pretrained(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir,
                                            progress=progress)
     if pack is None:
-        pack = can_pack(device, model.dtype, linear_bytes(model))
+        copies = linear_bytes(model) * max(1, processes)
+        pack = can_pack(device, model.dtype, copies)
         if not pack and model.dtype == torch.float32 and packable(device, model.dtype) and not random_models.is_random_spec(spec):
-            warnings.warn(f"float32 model not packed: its packed copy ({linear_bytes(model) / 2**30:.1f} GiB) would "
-                          "take more than a third of this machine's memory, so prefix-cache hits and decode steps run "
-                          "on MKL's slower few-row products; pass pack=True to pack it anyway", stacklevel=2)
+            warnings.warn(f"float32 model not packed: its packed copies ({copies / 2**30:.1f} GiB in {max(1, processes)} "
+                          "process(es)) would take more than a third of this machine's memory, so prefix-cache hits and "
+                          "decode steps run on MKL's slower few-row products; pass pack=True to pack it anyway",
+                          stacklevel=2)
     elif pack and not packable(device, model.dtype):
         cpu = ("; this CPU has no oneDNN bfloat16 path (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)"
                if model.dtype == torch.bfloat16 and not onednn_bf16() else "")

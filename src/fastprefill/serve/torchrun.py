@@ -132,7 +132,7 @@ def serve(config: ServeConfig, *, host: str, port: int, threads: int, log_level:
         methods = check_specs(config, world)
         set_threads(threads, interop=1)
         keep_freed_memory()
-        model, tokenizer = load(config.model_name, dtype=dtype)
+        model, tokenizer = load(config.model_name, dtype=dtype, processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         for method in methods.values():
             method.check_model(model)
         timeout = max(m.timeout_s for m in rank_methods(methods).values())
