@@ -54,6 +54,19 @@ __all__ = [
 ]
 
 
+def _default_pack(model: Any, device: str | torch.device, processes: int, warn: bool) -> bool:
+    """``pack=None``: :func:`~fastprefill.models.packed.can_pack` with the packed copies of
+    ``processes`` processes; a float32 model left unpacked for memory says so (``warn``)."""
+    copies = linear_bytes(model) * max(1, processes)
+    pack = can_pack(device, model.dtype, copies)
+    if warn and not pack and model.dtype == torch.float32 and packable(device, model.dtype):
+        warnings.warn(f"float32 model not packed: its packed copies ({copies / 2**30:.1f} GiB in {max(1, processes)} "
+                      "process(es)) would take more than a third of this machine's memory, so prefix-cache hits and "
+                      "decode steps run on MKL's slower few-row products; pass pack=True to pack it anyway",
+                      stacklevel=3)
+    return pack
+
+
 def load(
     spec: str | os.PathLike[str] | ZooEntry,
     device: str | torch.device = "cpu",
@@ -80,18 +93,13 @@ def load(
             ``None`` (the default): on the CPU when a C++ compiler is on the PATH for inductor
             (without one, a warning says the model runs uncompiled), never for ``random:``
             test models.
-        pack: prepack every linear layer's weight for oneDNN
-            (:func:`fastprefill.models.packed.pack_linears`: faster bfloat16 matrix products, and
-            faster float32 products of up to :data:`~fastprefill.models.packed.WIDE_ROWS` rows, the
-            linear weights' memory once more); a bfloat16 model also runs each SwiGLU MLP's
-            activation and product inside its products (:func:`~fastprefill.models.adapters.fuse_mlps`;
-            Llama and Qwen2). ``None`` (the default): for a bfloat16 model on a CPU that
-            multiplies bfloat16 natively, and for a float32 model on the CPU whose packed copy
-            takes at most a third of the machine's memory (else a warning says so)
-            (:func:`~fastprefill.models.packed.can_pack`); never for ``random:`` test models.
-            ``True`` packs where it applies; where it cannot it raises ConfigError.
-        processes: how many processes on this machine hold this model (KV-Runahead's ranks and
-            their driver): the float32 check counts each one's packed copy.
+        pack: prepack every linear layer's weight for oneDNN (:mod:`fastprefill.models.packed`:
+            faster bfloat16 products, faster float32 ones of a few rows; the linear weights'
+            memory once more), a bfloat16 SwiGLU's activation inside its products. ``None``: where
+            :func:`~fastprefill.models.packed.can_pack` says (a float32 model's copies, one per
+            of ``processes``, within a third of memory, else a warning), never for ``random:``
+            models. ``True`` where it cannot apply raises ConfigError.
+        processes: the processes on this machine holding the model (runahead's ranks, their driver).
         attention: where unmasked causal attention runs (:func:`~fastprefill.models.attention.set_attention_backend`):
             ``"auto"`` (fastprefill's C++ kernel where it runs, else SDPA and a warning saying
             why), ``"kernel"`` (refused where the kernel cannot run) or ``"sdpa"``.
@@ -119,22 +127,14 @@ def load(
         model, tokenizer = load_pretrained(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir,
                                            progress=progress)
     if pack is None:
-        copies = linear_bytes(model) * max(1, processes)
-        pack = can_pack(device, model.dtype, copies)
-        if not pack and model.dtype == torch.float32 and packable(device, model.dtype) and not random_models.is_random_spec(spec):
-            warnings.warn(f"float32 model not packed: its packed copies ({copies / 2**30:.1f} GiB in {max(1, processes)} "
-                          "process(es)) would take more than a third of this machine's memory, so prefix-cache hits and "
-                          "decode steps run on MKL's slower few-row products; pass pack=True to pack it anyway",
-                          stacklevel=2)
+        pack = _default_pack(model, device, processes, warn=not random_models.is_random_spec(spec))
     elif pack and not packable(device, model.dtype):
         cpu = ("; this CPU has no oneDNN bfloat16 path (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)"
                if model.dtype == torch.bfloat16 and not onednn_bf16() else "")
         raise ConfigError(f"pack=True needs a bfloat16 or float32 model on the CPU with oneDNN (got {model.dtype} "
                           f"on {device}{cpu}); pass pack=None (auto) or False")
-    if pack:
-        pack_linears(model)
-        if model.dtype == torch.bfloat16:  # float32: the MLP stays compiled (its wide products are MKL's)
-            fuse_mlps(model)
+    if pack and pack_linears(model) and model.dtype == torch.bfloat16:  # float32: MLPs stay compiled
+        fuse_mlps(model)
     if torch.device(device).type == "cpu":
         fuse_attention(model)
         fuse_layers(model)

@@ -8,9 +8,9 @@ IPEX apply) multiplies faster on CPUs with AMX or AVX512-BF16 units, for prompt-
 one-row inputs alike (measured in ``docs/results/native-precision.md``). oneDNN may pick another
 kernel for a packed weight than for a plain one, so a result can differ in its last bits.
 In float32 (on the AVX2 EPYC measured) oneDNN's packed products of a few rows (a decode step, a
-hit's suffix, the LM head's row) ran 1.3-5x faster than MKL's plain ones, while MKL's were
-faster for prompt-sized inputs: a float32 product of more than :data:`WIDE_ROWS` rows runs on
-the plain weight, and a float32 model keeps its compiled MLPs (no :class:`PackedSwiGLU`).
+hit's suffix, the LM head's row) ran faster than MKL's plain ones, while MKL's were faster for
+prompt-sized inputs: a float32 product of more than :data:`WIDE_ROWS` rows runs on the plain
+weight, and a float32 model keeps its compiled MLPs (no :class:`PackedSwiGLU`).
 
 :func:`pack_linears` turns every ``torch.nn.Linear`` of a model into a :class:`PackedLinear`
 in place: the same module (its ``weight`` and ``bias`` parameters stay, so fingerprints,
@@ -59,9 +59,9 @@ __all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "WIDE_ROWS", "MergedProduct", "Pack
 #: on oneDNN: from three or four rows on, oneDNN's products were as fast or faster here).
 FEW_ROWS = 2
 #: float32 products of more input rows than this run on the plain weight (``F.linear``: MKL's
-#: sgemm in torch's CPU wheels), fewer on the packed copy: on the AVX2 EPYC oneDNN's packed
-#: products of 1 to 64 rows ran 1.3-5x faster than MKL's, and MKL's of 512 rows and more 1.1x
-#: faster for most shapes (docs/decisions.md has the table).
+#: sgemm in torch's CPU wheels), fewer on the packed copy: on the AVX2 EPYC, timed by shape and
+#: row count, oneDNN's packed products of up to 64 rows were the faster ones and MKL's of 512
+#: rows and more for most shapes, the two about even at 128 (``docs/decisions.md``).
 WIDE_ROWS = 128
 
 
