@@ -119,6 +119,7 @@ def _torchrun(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from fastprefill.distributed.rank import Request, check_request, run_rank
+    from fastprefill.distributed.torchrun_links import local_ranks, on_one_machine
     from fastprefill.models import load
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -129,14 +130,13 @@ def _torchrun(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
+    elif on_one_machine():
         use_loopback()
     init_group(device=device, timeout_s=args.timeout)
     report = _Reporter(args)
     try:
         keep_freed_memory()
-        model, tok = load(args.model, device=device, dtype=args.dtype,
-                          processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        model, tok = load(args.model, device=device, dtype=args.dtype, processes=local_ranks())
         requests = [Request(prompt, method, args.max_new_tokens, args.chat) for method in methods]
         checked = [check_request(model, tok, req, world) for req in requests]  # all, before any runs
         for method, req, prepared in zip(methods, requests, checked, strict=True):

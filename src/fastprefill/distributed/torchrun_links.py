@@ -32,13 +32,17 @@ from fastprefill.distributed.links import RankLink
 from fastprefill.distributed.pool import RankPoolError
 from fastprefill.distributed.rank import send_error, serve_rank
 
-__all__ = ["ThreadLink", "driver_links", "join_driver", "on_one_machine", "serve_driver"]
+__all__ = ["ThreadLink", "driver_links", "join_driver", "local_ranks", "on_one_machine", "serve_driver"]
+
+
+def local_ranks() -> int:
+    """How many torchrun ranks run on this machine (``LOCAL_WORLD_SIZE``; without it ``WORLD_SIZE``, else 1)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
 def on_one_machine() -> bool:
     """Whether every torchrun rank runs on this machine (``LOCAL_WORLD_SIZE == WORLD_SIZE``)."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    return os.environ.get("LOCAL_WORLD_SIZE", world) == world
+    return local_ranks() == int(os.environ.get("WORLD_SIZE", "1"))
 
 
 class ThreadLink(RankLink):

@@ -122,6 +122,7 @@ def serve(config: ServeConfig, *, host: str, port: int, threads: int, log_level:
     """
     import torch.distributed as dist
 
+    from fastprefill.distributed.torchrun_links import local_ranks, on_one_machine
     from fastprefill.host import keep_freed_memory
     from fastprefill.models import load
 
@@ -132,11 +133,11 @@ def serve(config: ServeConfig, *, host: str, port: int, threads: int, log_level:
         methods = check_specs(config, world)
         set_threads(threads, interop=1)
         keep_freed_memory()
-        model, tokenizer = load(config.model_name, dtype=dtype, processes=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        model, tokenizer = load(config.model_name, dtype=dtype, processes=local_ranks())
         for method in methods.values():
             method.check_model(model)
         timeout = max(m.timeout_s for m in rank_methods(methods).values())
-        if os.environ.get("LOCAL_WORLD_SIZE", str(world)) == str(world):
+        if on_one_machine():
             use_loopback()
         init_group(timeout_s=timeout)
         _same_model(model, tokenizer, config.model_name)
