@@ -90,10 +90,10 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"{name}: the few-row kernel does not run here ({why}); nothing to compare")
     forms = _products(model)
     rows: list[dict[str, Any]] = []
-    limit = packed.FEW_ROWS
+    limit = dict(packed.FEW_ROWS)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        packed.FEW_ROWS = max(args.rows)
+        packed.FEW_ROWS = {dtype: max(args.rows) for dtype in limit}
         try:
             for n in args.rows:
                 inputs = {form: torch.randn(n, 1, width, generator=gen).to(model.dtype)  # n streams' step
@@ -130,7 +130,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name} {length}: decode step {_ratio(rows, 'step', 'decode step', 1, length)}", flush=True)
     set_few_rows(model, True)
     return {"bench": "row-products", "model": name, "rounds": args.rounds, "calls": args.calls, "steps": args.steps,
-            "few_rows": limit, "rows": rows, "environment": environment(args.threads, model)}
+            "few_rows": limit[model.dtype], "rows": rows, "environment": environment(args.threads, model)}
 
 
 def _ratio(rows: list[dict[str, Any]], part: str, form: str, n: int, length: int | None = None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pickle
 import pytest
 import torch
 
-from fastprefill import models
+from fastprefill import kernels, models
 from fastprefill.bench.records import environment
 from fastprefill.errors import ConfigError
 from fastprefill.methods.full import FullPrefill
@@ -166,9 +166,9 @@ def test_float32_packs_by_default_where_the_copy_fits_in_memory(monkeypatch):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_a_float32_product_runs_packed_up_to_wide_rows_and_plain_above(monkeypatch):
-    """Few rows on oneDNN's packed copy, more than WIDE_ROWS on the plain weight (MKL), counted by
-    the calls each makes; both equal the plain product to float32 rounding. A row floor keeps
-    every product packed."""
+    """A prompt's few rows on oneDNN's packed copy, more than WIDE_ROWS on the plain weight (MKL),
+    a decode step's row on the few-row kernel where it runs here, counted by the oneDNN calls each
+    makes; all equal the plain product to float32 rounding. A row floor keeps every product packed."""
     layer = torch.nn.Linear(64, 48).float()
     plain = copy.deepcopy(layer)
     pack_linears(layer)
@@ -185,11 +185,13 @@ def test_a_float32_product_runs_packed_up_to_wide_rows_and_plain_above(monkeypat
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Counting())
     with torch.inference_mode():
-        for rows, packed_calls in ((1, 1), (WIDE_ROWS, 1), (WIDE_ROWS + 1, 0)):
+        decode = 0 if kernels.row_products(torch.float32) is not None else 1
+        for shape, packed_calls in (((1, 1, 64), decode), ((1, 2, 64), 1), ((1, WIDE_ROWS, 64), 1),
+                                    ((1, WIDE_ROWS + 1, 64), 0)):
             calls["packed"] = 0
-            x = torch.randn(1, rows, 64)
+            x = torch.randn(*shape)
             torch.testing.assert_close(layer(x), plain(x), rtol=1e-5, atol=1e-5)
-            assert calls["packed"] == packed_calls, rows
+            assert calls["packed"] == packed_calls, shape
         set_row_floor(layer, 2)
         calls["packed"] = 0
         layer(torch.randn(1, WIDE_ROWS + 1, 64))

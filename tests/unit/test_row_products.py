@@ -1,7 +1,8 @@
-"""The few-row products (``kernels/rows.cpp``): a decode step's bfloat16 linear layers computed
-one weight row at a time. Against float64 products (within bfloat16 rounding), each row's result
-the same whatever the row count, the merged and SwiGLU forms, the input checks, and the packed
-layers' choice between them and oneDNN (a row floor keeps oneDNN; without the kernel oneDNN runs)."""
+"""The few-row products (``kernels/rows.cpp``): a decode step's linear layers computed one weight
+row at a time, in bfloat16 (AVX512-BF16 CPUs) and float32 (any AVX2 CPU). Against float64
+products (within the dtype's rounding), each row's result the same whatever the row count, the
+merged and SwiGLU forms, the input checks, and the packed layers' choice between them and oneDNN
+(a row floor keeps oneDNN; without the kernel oneDNN runs)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,17 @@ from fastprefill.models.packed import (
 )
 from fastprefill.models.row_floor import set_row_floor
 
-CAN_RUN = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX") and cpu_info().bf16_native
+ISA = torch.backends.cpu.get_cpu_capability()
+CAN_RUN = ISA in ("AVX512", "AVX512_BF16", "AMX") and cpu_info().bf16_native  # bfloat16
+CAN_RUN_F32 = ISA in ("AVX512", "AVX512_BF16", "AMX", "AVX2")
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="f32")]
 
 
-def _module():
-    """The built kernel, failing where a compiler exists but it is not built (setup builds it)."""
-    if not CAN_RUN:
-        pytest.skip("this CPU has no AVX512-BF16: the few-row products do not run here")
-    module, reason = kernels._load("avx512", "rows")
+def _module(dtype: torch.dtype = torch.bfloat16):
+    """The built kernel for ``dtype``, failing where a compiler exists but it is not built (setup builds it)."""
+    if not (CAN_RUN if dtype == torch.bfloat16 else CAN_RUN_F32):
+        pytest.skip(f"this CPU lacks the ISA the few-row {dtype} products need")
+    module, reason = kernels._load(kernels._variant_for_cpu(), "rows")
     if module is None:
         if shutil.which("g++") or shutil.which("c++"):
             pytest.fail(f"the few-row products are not built: {reason}")
@@ -40,9 +44,9 @@ def _module():
     return module
 
 
-def _weights(k: int, sizes: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
+def _weights(k: int, sizes: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16() for n in sizes]
+    return [(torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype) for n in sizes]
 
 
 def _assert_within_bf16(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -52,17 +56,27 @@ def _assert_within_bf16(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert bool(((got.double() - ref).abs() <= tol).all()), float((got.double() - ref).abs().max())
 
 
+def _assert_within(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within ``dtype``'s rounding of the float64 reference: bfloat16's, or float32 sums over K."""
+    if dtype == torch.bfloat16:
+        _assert_within_bf16(got, ref)
+        return
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert bool(((got.double() - ref).abs() <= 1e-5 * ref.abs() + 1e-5).all()), float((got.double() - ref).abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [64, 200, 896, 4864])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_products_match_float64_and_each_row_is_computed_alone(k, rows):
-    mod = _module()
-    weights = _weights(k, (96, 16, 16))  # a merged q, k, v
+def test_products_match_float64_and_each_row_is_computed_alone(k, rows, dtype):
+    mod = _module(dtype)
+    weights = _weights(k, (96, 16, 16), dtype=dtype)  # a merged q, k, v
     gen = torch.Generator().manual_seed(1)
-    biases = [torch.randn(96, generator=gen).bfloat16(), None, torch.randn(16, generator=gen).bfloat16()]
-    x = torch.randn(rows, k, generator=gen).bfloat16()
+    biases = [torch.randn(96, generator=gen).to(dtype), None, torch.randn(16, generator=gen).to(dtype)]
+    x = torch.randn(rows, k, generator=gen).to(dtype)
     out = mod.products(x, weights, biases)
     bias = torch.cat([biases[0].double(), torch.zeros(16, dtype=torch.float64), biases[2].double()])
-    _assert_within_bf16(out, x.double() @ torch.cat(weights).double().T + bias)
+    _assert_within(out, x.double() @ torch.cat(weights).double().T + bias, dtype)
     alone = torch.cat([mod.products(x[i:i + 1], weights, biases) for i in range(rows)])
     assert torch.equal(out, alone)  # a row's bits do not depend on the other rows
     one_by_one = torch.cat([mod.products(x, [w], [b]) for w, b in zip(weights, biases, strict=True)], dim=1)
@@ -82,54 +96,79 @@ def test_swiglu_is_the_activation_of_the_two_products_rounded_as_onednn_rounds_i
     assert torch.equal(out, torch.cat([mod.swiglu(x[i:i + 1], gate, bias, up, None) for i in range(rows)]))
 
 
-def test_bad_inputs_are_refused_with_what_was_wrong():
-    mod = _module()
-    w = _weights(64, (8,))[0]
-    x = torch.randn(1, 64).bfloat16()
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bad_inputs_are_refused_with_what_was_wrong(dtype):
+    mod = _module(dtype)
+    name = "float32" if dtype == torch.float32 else "bfloat16"
+    w = _weights(64, (8,), dtype=dtype)[0]
+    x = torch.randn(1, 64).to(dtype)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
     cases = [
-        ((x.float(), [w], [None]), "bfloat16 CPU tensor"),
-        ((torch.randn(1, 32).bfloat16(), [w], [None]), "must be the weights' K"),
-        ((torch.randn(5, 64).bfloat16(), [w], [None]), "1 to 4 input rows"),
-        ((x, [w.t().contiguous().t()], [None]), "contiguous 2-D bfloat16"),
-        ((x, [w, _weights(32, (8,))[0]], [None, None]), "K = 64"),
-        ((x, [w], [torch.zeros(9).bfloat16()]), "weight's N"),
+        ((x.half(), [w], [None]), "bfloat16 or float32 CPU tensor"),
+        ((x.to(other), [w], [None]), "contiguous 2-D .* CPU tensor \\(N, K\\), as x is"),
+        ((torch.randn(1, 32).to(dtype), [w], [None]), "must be the weights' K"),
+        ((torch.randn(5, 64).to(dtype), [w], [None]), "1 to 4 input rows"),
+        ((x, [w.t().contiguous().t()], [None]), f"contiguous 2-D {name}"),
+        ((x, [w, _weights(32, (8,), dtype=dtype)[0]], [None, None]), "K = 64"),
+        ((x, [w], [torch.zeros(9).to(dtype)]), "weight's N"),
+        ((x, [w], [torch.zeros(8).to(other)]), f"contiguous {name} vector"),
         ((x, [w], []), "one bias"),
     ]
+    if not CAN_RUN:  # an AVX2 build: its bfloat16 refusal says why
+        cases[1] = ((x.bfloat16(), [w.bfloat16()], [None]), "no AVX512-BF16 code: float32 only")
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):
             mod.products(*args)
-    with pytest.raises(RuntimeError, match="one shape"):
-        mod.swiglu(x, w, None, _weights(64, (9,))[0], None)
+    with pytest.raises(RuntimeError, match="one shape" if dtype == torch.bfloat16 else "bfloat16 CPU tensors only"):
+        mod.swiglu(x, w, None, _weights(64, (9,), dtype=dtype)[0], None)
 
 
-def test_the_check_on_load_passes_and_the_status_names_the_build():
-    _module()
-    status = kernels.rows_status()
-    assert status.available and status.variant == "avx512" and status.reason == ""
-    assert kernels.row_products() is not None
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_check_on_load_passes_and_the_status_names_the_build(dtype):
+    _module(dtype)
+    status = kernels.rows_status(dtype)
+    assert status.available and status.variant == kernels._variant_for_cpu() and status.reason == ""
+    assert kernels.row_products(dtype) is not None
+
+
+def test_a_dtype_or_cpu_the_kernel_cannot_run_is_named():
+    assert "float16" in kernels.rows_status(torch.float16).reason
+    assert kernels.row_products(torch.float16) is None
+    if not CAN_RUN:
+        assert "AVX512-BF16" in kernels.rows_status(torch.bfloat16).reason
+        assert kernels.row_products(torch.bfloat16) is None
 
 
 needs_kernel = pytest.mark.skipif(not (CAN_RUN and onednn_bf16()), reason="no AVX512-BF16 here")
 
 
-@needs_kernel
-def test_a_packed_model_runs_few_rows_on_the_kernel_and_more_on_onednn():
-    """One and two rows of one position go to the kernel (bit for bit its output; a row's bits the
-    same in both), a prompt's two positions and three rows to oneDNN; ``set_few_rows(False)`` and a row floor keep oneDNN for all."""
-    mod = _module()
-    layer = torch.nn.Linear(896, 300).bfloat16()
+def _needs(dtype: torch.dtype) -> None:
+    """Skip unless the packed layers run ``dtype`` and the few-row kernel can run it on this CPU."""
+    if not packed.packable("cpu", dtype) or not (CAN_RUN if dtype == torch.bfloat16 else CAN_RUN_F32):
+        pytest.skip(f"the few-row {dtype} products do not run here")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_packed_model_runs_few_rows_on_the_kernel_and_more_on_onednn(dtype):
+    """Up to FEW_ROWS rows of one position go to the kernel (bit for bit its output; a row's bits the
+    same for any count), a prompt's positions and one row more to oneDNN; ``set_few_rows(False)``
+    keeps oneDNN for all."""
+    _needs(dtype)
+    mod = _module(dtype)
+    limit = FEW_ROWS[dtype]
+    layer = torch.nn.Linear(896, 300).to(dtype)
     pack_linears(layer)
-    x = torch.randn(3, 896).bfloat16()
+    x = torch.randn(limit + 1, 896).to(dtype)
     onednn = lambda t: torch.ops.mkldnn._linear_pointwise(t, layer.packed_weight(), layer.bias, "none", [None], "")
     with torch.inference_mode():
-        for rows in range(1, FEW_ROWS + 1):
+        for rows in range(1, limit + 1):
             assert torch.equal(layer(x[:rows]), mod.products(x[:rows], [layer.weight], [layer.bias]))
         assert torch.equal(layer(x[None, :1]), layer(x[:2])[None, :1])  # (1, 1, K): a decode step's shape
         assert torch.equal(layer(x[:2, None]), layer(x[:2])[:, None])  # (2, 1, K): two streams' step
         assert torch.equal(layer(x[None, :2]), onednn(x[None, :2]))  # (1, 2, K): a prompt's two positions
-        with streams_as_rows():  # (1, 2, K) as two streams' decode rows (a batched step's layer call)
-            assert torch.equal(layer(x[None, :2]), layer(x[:2])[None])
-            assert torch.equal(layer(x[None]), onednn(x[None]))  # three rows: oneDNN all the same
+        with streams_as_rows():  # (1, R, K) as R streams' decode rows (a batched step's layer call)
+            assert torch.equal(layer(x[None, :limit]), layer(x[:limit])[None])
+            assert torch.equal(layer(x[None]), onednn(x[None]))  # one row more: oneDNN all the same
         assert torch.equal(layer(x), onednn(x))
         layer.few_rows = False
         assert torch.equal(layer(x[:1]), onednn(x[:1]))
@@ -155,15 +194,16 @@ def test_the_models_fused_mlp_and_merged_projections_use_it_and_stay_close_to_on
     assert few_rows_used(model) == (True, "")
 
 
-@needs_kernel
-def test_without_the_kernel_onednn_computes_every_product(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_without_the_kernel_onednn_computes_every_product(monkeypatch, dtype):
     """The fallback: where the kernel does not load, the packed layers run oneDNN's products, and
     the model says why."""
-    layer = torch.nn.Linear(64, 8).bfloat16()
+    _needs(dtype)
+    layer = torch.nn.Linear(64, 8).to(dtype)
     pack_linears(layer)
-    x = torch.randn(1, 64).bfloat16()
-    monkeypatch.setattr(packed, "row_products", lambda: None)
-    monkeypatch.setattr(packed, "rows_status", lambda: kernels.KernelStatus(torch.bfloat16, None, False, "not built"))
+    x = torch.randn(1, 64).to(dtype)
+    monkeypatch.setattr(packed, "row_products", lambda dtype: None)
+    monkeypatch.setattr(packed, "rows_status", lambda dtype: kernels.KernelStatus(dtype, None, False, "not built"))
     with torch.inference_mode():
         want = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight(), layer.bias, "none", [None], "")
         assert torch.equal(layer(x), want)
@@ -175,7 +215,10 @@ def test_a_model_the_kernel_cannot_serve_says_why():
     assert few_rows_used(plain) == (False, "its linear layers are not packed")
     if packed.packable("cpu", torch.float32):
         f32, _ = models.load("random:llama", dtype="float32", pack=True)
-        assert few_rows_used(f32) == (False, "the few-row products are bfloat16 only")
+        status = kernels.rows_status(torch.float32)
+        assert few_rows_used(f32) == (status.available, status.reason)
+        set_few_rows(f32, False)
+        assert few_rows_used(f32)[0] is False and "turned off" in few_rows_used(f32)[1]
 
 
 def test_norm_kernels_round_as_the_family_norm_does():
@@ -242,18 +285,21 @@ def test_the_fused_decoder_layer_runs_a_decode_steps_norms_on_the_kernel(family,
     assert floored.shape == few.shape
 
 
-@needs_kernel
-def test_two_streams_decoding_together_run_the_kernel_and_get_their_lone_bits(monkeypatch):
-    """A batched step of two streams (``run_layers``: their rows as one ``(1, 2, D)`` layer call)
-    runs its products and norms on the kernel, as each stream's step alone does, so each stream's
-    logits in the batch equal its logits alone bit for bit; a third stream takes oneDNN."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_streams_decoding_together_run_the_kernel_and_get_their_lone_bits(monkeypatch, dtype):
+    """A batched step of up to FEW_ROWS streams (``run_layers``: their rows as one ``(1, R, D)``
+    layer call; two in bfloat16, four in float32) runs its products (and bfloat16's norms) on the
+    kernel, as each stream's step alone does, so each stream's logits in the batch equal its logits
+    alone bit for bit; one stream more takes oneDNN."""
     from fastprefill.batch import DecodeBatch
     from fastprefill.engine import Generation
     from fastprefill.methods.full import FullPrefill
 
-    model, _ = models.load("random:qwen2", dtype="bfloat16", pack=True)
+    _needs(dtype)
+    limit = FEW_ROWS[dtype]
+    model, _ = models.load("random:qwen2", dtype=str(dtype).removeprefix("torch."), pack=True)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (9, 14, 11)]
+    prompts = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (9, 14, 11, 7, 12)[:limit + 1]]
     calls = []
     real = packed.few_row_kernel
 
@@ -290,12 +336,12 @@ def test_two_streams_decoding_together_run_the_kernel_and_get_their_lone_bits(mo
             g.close()
         return used
 
-    alone = [decode(f"alone{i}-", [ids]) for i, ids in enumerate(prompts[:2])]
-    together = decode("pair", prompts[:2])
+    alone = [decode(f"alone{i}-", [ids]) for i, ids in enumerate(prompts[:limit])]
+    together = decode("pair", prompts[:limit])
     three = decode("three", prompts)
     assert all(u and all(u) for u in alone) and together and all(together)
     assert three and not any(three)
-    for i in range(2):
+    for i in range(limit):
         assert len(seen[f"pair{i}"]) == len(seen[f"alone{i}-0"]) == 4
         for got, want in zip(seen[f"pair{i}"], seen[f"alone{i}-0"], strict=True):
             assert torch.equal(got, want)

@@ -7,8 +7,8 @@ Two kernels (:data:`SOURCES`), each its own extension module; their headers say 
   and a decode step, plus the one-pass rotary embedding. It is compiled in one variant per vector
   ISA (:data:`VARIANTS`: AVX-512 and AVX2 flags, for its softmax's and packing's vector code; the
   matrix products inside are oneDNN's, which picks its own ISA).
-- ``rows.cpp``: bfloat16 matrix products of a few input rows (a decode step's linear layers),
-  AVX512-BF16 only, so compiled in the AVX-512 variant alone.
+- ``rows.cpp``: matrix products of a few input rows (a decode step's linear layers), float32 in
+  both variants, bfloat16 (AVX512-BF16) in the AVX-512 one, and a decode step's bfloat16 norms.
 
 Each build goes into the kernel cache ``<cache>/kernels/<variant>-<key>/`` (the attention
 kernel's) or ``<cache>/kernels/<kernel>-<variant>-<key>/`` (``<cache>`` is
@@ -23,9 +23,9 @@ stale module.
   :func:`kernel_status` says which, and why not (not built, no compiler, the CPU lacks the ISA,
   the check failed). Where it is ``None`` the library uses SDPA and says so once
   (:func:`fastprefill.models.attention.attention_backend`).
-- :func:`row_products` returns the few-row products, checked once against float64 products, or
-  ``None`` (:func:`rows_status` says why); where it is ``None`` oneDNN computes every product
-  (:mod:`fastprefill.models.packed`).
+- :func:`row_products` returns the few-row products for a dtype, checked once against float64
+  products, or ``None`` (:func:`rows_status` says why); where it is ``None`` oneDNN computes every
+  product (:mod:`fastprefill.models.packed`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ __all__ = ["SOURCES", "VARIANTS", "KernelStatus", "attention_kernel", "build", "
 #: The kernels: name -> (source, the variants it is built in).
 SOURCES: dict[str, tuple[Path, tuple[str, ...]]] = {
     "attention": (Path(__file__).with_name("attention.cpp"), ("avx512", "avx2")),
-    "rows": (Path(__file__).with_name("rows.cpp"), ("avx512",)),
+    "rows": (Path(__file__).with_name("rows.cpp"), ("avx512", "avx2")),
 }
 #: The builds: variant -> the compiler flags that select ATen's vector code for it (torch's
 #: ``CPU_CAPABILITY`` macros) and the instructions it may use.
@@ -306,53 +306,64 @@ def rotary_kernel(dtype: torch.dtype) -> RotaryKernel | None:
     return None if module is None else module.rotary
 
 
-def _rows_check(module: Any) -> str:
-    """Compare the few-row products with float64 products on small random inputs (1 to 4 rows, an
-    odd ``K``, merged weights with biases, a SwiGLU), each output within bfloat16's rounding of
-    the float64 result, and each row's output bit for bit the same whatever the row count;
-    ``""`` if all hold, else what did not."""
+#: Relative tolerance of the few-row products' load-time check against float64, by dtype (the
+#: dtype's rounding of the output, and float32 sums over K in another order).
+_ROWS_RTOL = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}
+
+
+def _rows_check(module: Any, dtype: torch.dtype) -> str:
+    """Compare the few-row products in ``dtype`` with float64 products on small random inputs (1 to
+    4 rows, an odd ``K``, merged weights with biases; a SwiGLU in bfloat16), each output within the
+    dtype's rounding of the float64 result, and each row's output bit for bit the same whatever the
+    row count; ``""`` if all hold, else what did not."""
     gen = torch.Generator().manual_seed(0)
     k = 200  # not a multiple of 64 or 32: the masked step runs
-    x = torch.randn(4, k, generator=gen).bfloat16()
-    weights = [(torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16() for n in (37, 5)]
-    biases = [torch.randn(37, generator=gen).bfloat16(), None]
+    x = torch.randn(4, k, generator=gen).to(dtype)
+    weights = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype) for n in (37, 5)]
+    biases = [torch.randn(37, generator=gen).to(dtype), None]
     ref = x.double() @ torch.cat(weights).double().T + torch.cat([biases[0].double(), torch.zeros(5, dtype=torch.float64)])
-    gate, up = ((torch.randn(21, k, generator=gen) * k ** -0.5).bfloat16() for _ in range(2))
+    gate, up = ((torch.randn(21, k, generator=gen) * k ** -0.5).to(dtype) for _ in range(2))
     g = x.double() @ gate.double().T
     swiglu_ref = (g * torch.sigmoid(g)).bfloat16().double() * (x.double() @ up.double().T)
+    rtol = _ROWS_RTOL[dtype]
     for rows in range(1, 5):
         out = module.products(x[:rows], weights, biases)
-        if not torch.allclose(out.double(), ref[:rows], rtol=2 ** -7, atol=1e-3):
-            return f"its products differ from float64's beyond bfloat16 rounding ({rows} rows)"
+        if not torch.allclose(out.double(), ref[:rows], rtol=rtol, atol=1e-3 if dtype == torch.bfloat16 else 1e-5):
+            return f"its products differ from float64's beyond {dtype}'s rounding ({rows} rows)"
         if not torch.equal(out, torch.cat([module.products(x[i:i + 1], weights, biases) for i in range(rows)])):
-            return f"a row's product depends on the row count ({rows} rows)"
-        if not torch.allclose(module.swiglu(x[:rows], gate, None, up, None).double(), swiglu_ref[:rows],
-                              rtol=2 ** -6, atol=1e-3):
+            return f"a row's product depends on the row count ({rows} rows, {dtype})"
+        if dtype == torch.bfloat16 and not torch.allclose(module.swiglu(x[:rows], gate, None, up, None).double(),
+                                                         swiglu_ref[:rows], rtol=2 ** -6, atol=1e-3):
             return f"its SwiGLU differs from float64's beyond bfloat16 rounding ({rows} rows)"
     return ""
 
 
 @functools.cache
-def rows_status() -> KernelStatus:
-    """Whether :func:`row_products` runs on this CPU (bfloat16; decided once per process)."""
+def rows_status(dtype: torch.dtype = torch.bfloat16) -> KernelStatus:
+    """Whether :func:`row_products` runs ``dtype`` on this CPU (decided once per process):
+    float32 in either variant, bfloat16 in the AVX-512 one on a CPU with AVX512-BF16."""
     from fastprefill.host import cpu_info
 
     variant = _variant_for_cpu()
-    if variant != "avx512" or not cpu_info().bf16_native:
-        return KernelStatus(torch.bfloat16, None, False, "the few-row products need AVX512-BF16, which this CPU lacks")
+    if dtype not in _ROWS_RTOL:
+        return KernelStatus(dtype, variant, False, f"the few-row products are float32 and bfloat16 only, not {dtype}")
+    if dtype == torch.bfloat16 and (variant != "avx512" or not cpu_info().bf16_native):
+        return KernelStatus(dtype, None, False, "the few-row bfloat16 products need AVX512-BF16, which this CPU lacks")
+    if variant is None:
+        return KernelStatus(dtype, None, False, "this CPU has neither AVX-512 nor AVX2")
     module, reason = _load(variant, "rows")
     if module is None:
-        return KernelStatus(torch.bfloat16, variant, False, reason)
-    reason = _rows_check(module)
-    return KernelStatus(torch.bfloat16, variant, not reason, reason)
+        return KernelStatus(dtype, variant, False, reason)
+    reason = _rows_check(module, dtype)
+    return KernelStatus(dtype, variant, not reason, reason)
 
 
-def row_products() -> Any | None:
-    """The few-row bfloat16 products (``rows.cpp``: ``products(x, weights, biases)`` and
-    ``swiglu(x, gate_w, gate_b, up_w, up_b)``, 1 to ``max_rows`` input rows), loaded and checked,
-    or ``None`` (:func:`rows_status` says why)."""
-    status = rows_status()
-    return _load("avx512", "rows")[0] if status.available else None
+def row_products(dtype: torch.dtype = torch.bfloat16) -> Any | None:
+    """The few-row products for ``dtype`` (``rows.cpp``: ``products(x, weights, biases)`` in
+    float32 and bfloat16; ``swiglu(x, gate_w, gate_b, up_w, up_b)`` and the norms in bfloat16;
+    1 to ``max_rows`` input rows), loaded and checked, or ``None`` (:func:`rows_status` says why)."""
+    status = rows_status(dtype)
+    return _load(status.variant, "rows")[0] if status.available and status.variant else None
 
 
 def _main(argv: list[str]) -> int:
@@ -369,13 +380,14 @@ def _main(argv: list[str]) -> int:
         if mine is not None and not results.get(f"attention {mine}", "").startswith(("built", "up to date")):
             warnings.warn(f"the attention kernel for this CPU ({mine}) did not build: fastprefill will use SDPA",
                           stacklevel=1)
-        if mine == "avx512" and not results.get("rows avx512", "").startswith(("built", "up to date")):
+        if mine is not None and not results.get(f"rows {mine}", "").startswith(("built", "up to date")):
             warnings.warn("the few-row products did not build: oneDNN will compute decode steps' products",
                           stacklevel=1)
         return 0
     for dtype in (torch.float32, torch.bfloat16):
         s = kernel_status(dtype)
         print(f"attention, {dtype}: " + (f"kernel ({s.variant})" if s.available else f"SDPA ({s.reason})"))
-    r = rows_status()
-    print("few-row products, torch.bfloat16: " + (f"kernel ({r.variant})" if r.available else f"oneDNN ({r.reason})"))
+    for dtype in (torch.float32, torch.bfloat16):
+        r = rows_status(dtype)
+        print(f"few-row products, {dtype}: " + (f"kernel ({r.variant})" if r.available else f"oneDNN ({r.reason})"))
     return 0

@@ -3,28 +3,36 @@
 //
 // A decode step multiplies one row (or a couple, for a small decode batch) by every weight of the
 // model, so its time is the time to read the weights once. oneDNN's products of one or two rows
-// read a packed bfloat16 weight at about half of what two cores can stream here; these read the
-// plain (N, K) weight row after row, so each thread walks one contiguous span of memory in order,
-// and compute each output as one dot product: two AVX512-BF16 accumulators (vdpbf16ps) over K,
-// added, reduced, plus the bias, rounded once to bfloat16 (nearest even, as torch rounds).
+// read a packed bfloat16 weight at about half of what two cores can stream here, and its float32
+// ones (and MKL's) at about two thirds; these read the plain (N, K) weight row after row, so each
+// thread walks one contiguous span of memory in order, and compute each output as one dot product
+// plus the bias:
+//   bfloat16: two AVX512-BF16 accumulators (vdpbf16ps) over K, added, reduced, rounded once to
+//   bfloat16 (nearest even, as torch rounds);
+//   float32: two accumulators of fused multiply-adds over K (ATen's vectors: AVX-512 or AVX2, as
+//   the build), added, reduced.
 //
 // Each output row is computed by the same instructions in the same order whatever the other input
 // rows are: a row's result does not depend on how many rows the call has (1 to kMaxRows).
 //
 //   products(x (R, K), [w_i (N_i, K)], [b_i (N_i) or None]) -> (R, sum N_i): the layers' outputs
-//       side by side (merged q, k and v projections read one input once, as one call);
-//   swiglu(x (R, K), w_gate (I, K), b_gate, w_up (I, K), b_up) -> (R, I):
+//       side by side (merged q, k and v projections read one input once, as one call); bfloat16
+//       or float32 (x, weights and biases of one dtype);
+//   swiglu(x (R, K), w_gate (I, K), b_gate, w_up (I, K), b_up) -> (R, I), bfloat16:
 //       silu(x w_gate^T + b_gate), rounded to bfloat16, times (x w_up^T + b_up) in float32,
 //       rounded: oneDNN's swish post-op and mul binary post-op, in the same order of roundings;
-//   rms_norm(x (R, D), w (D), eps) -> (R, D): x / sqrt(mean(x^2) + eps) in float32, rounded, times w,
-//       rounded (transformers' Llama / Qwen2 RMSNorm, its roundings in its order);
-//   add_rms_norm(residual (R, D), x (R, D), w (D), eps) -> (residual + x rounded, rms_norm of that):
-//       a decoder layer's residual add and the norm after it, in one call.
+//   rms_norm(x (R, D), w (D), eps) -> (R, D), bfloat16: x / sqrt(mean(x^2) + eps) in float32,
+//       rounded, times w, rounded (transformers' Llama / Qwen2 RMSNorm, its roundings in its order);
+//   add_rms_norm(residual (R, D), x (R, D), w (D), eps) -> (residual + x rounded, rms_norm of that),
+//       bfloat16: a decoder layer's residual add and the norm after it, in one call.
 //
-// bfloat16 only; compiled in the AVX-512 variant with -mavx512bf16 (fastprefill.kernels loads it
-// where the CPU has AVX512-BF16). Threads: ATen's parallel_for over the output columns.
+// The bfloat16 code is compiled in the AVX-512 variant only (-mavx512bf16); both variants have the
+// float32 code, and fastprefill.kernels loads the one matching the CPU. Threads: ATen's
+// parallel_for over the output columns.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
 
 #include <cmath>
 #include <cstdint>
@@ -80,34 +88,82 @@ inline void dots(const uint16_t* x, const uint16_t* w, int64_t K, float* out) {
 }
 #endif
 
+// out[m] = sum_k x[m, k] w[k] for the R rows of x (row stride K), float32: two accumulators of
+// fused multiply-adds a vector pair apart, the last partial vector zero-filled, added, reduced.
+template <int R>
+inline void dots(const float* x, const float* w, int64_t K, float* out) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t V = Vec::size();
+  Vec a0[R], a1[R];
+  for (int m = 0; m < R; ++m) a0[m] = a1[m] = Vec(0.f);
+  int64_t k = 0;
+  for (; k + 2 * V <= K; k += 2 * V) {
+    const Vec w0 = Vec::loadu(w + k), w1 = Vec::loadu(w + k + V);
+    for (int m = 0; m < R; ++m) {
+      a0[m] = at::vec::fmadd(Vec::loadu(x + m * K + k), w0, a0[m]);
+      a1[m] = at::vec::fmadd(Vec::loadu(x + m * K + k + V), w1, a1[m]);
+    }
+  }
+  for (; k < K; k += V) {  // a vector step, the last one partial (zeros past K)
+    const int64_t count = std::min<int64_t>(V, K - k);
+    const Vec wv = Vec::loadu(w + k, count);
+    for (int m = 0; m < R; ++m) a0[m] = at::vec::fmadd(Vec::loadu(x + m * K + k, count), wv, a0[m]);
+  }
+  for (int m = 0; m < R; ++m)
+    out[m] = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, a0[m] + a1[m]);
+}
+
+// An element of T as float, and a float rounded to T (bfloat16 as uint16_t: nearest even).
+inline float to_float(uint16_t v) { return from_bf16(v); }
+inline float to_float(float v) { return v; }
+template <typename T> inline T from_float(float v);
+template <> inline uint16_t from_float<uint16_t>(float v) { return to_bf16(v); }
+template <> inline float from_float<float>(float v) { return v; }
+
 // One layer's weight and bias: rows [start, start + n) of the merged output.
+template <typename T>
 struct Part {
-  const uint16_t* w;
-  const uint16_t* b;
+  const T* w;
+  const T* b;
   int64_t start, n;
 };
 
-template <int R>
-void products_span(const uint16_t* x, const std::vector<Part>& parts, uint16_t* y, int64_t K, int64_t N,
+template <int R, typename T>
+void products_span(const T* x, const std::vector<Part<T>>& parts, T* y, int64_t K, int64_t N,
                    int64_t n0, int64_t n1) {
-#if defined(__AVX512BF16__)
-  size_t p = 0;
-  while (n0 >= parts[p].start + parts[p].n) ++p;
-  float v[R];
-  for (int64_t n = n0; n < n1; ++n) {
-    if (n >= parts[p].start + parts[p].n) ++p;
-    const Part& part = parts[p];
-    const int64_t row = n - part.start;
-    dots<R>(x, part.w + row * K, K, v);
-    const float bias = part.b ? from_bf16(part.b[row]) : 0.f;
-    for (int m = 0; m < R; ++m) y[m * N + n] = to_bf16(v[m] + bias);
-  }
+#if !defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) return;  // refused before: check_dtype
+  else
 #endif
+  {
+    size_t p = 0;
+    while (n0 >= parts[p].start + parts[p].n) ++p;
+    float v[R];
+    for (int64_t n = n0; n < n1; ++n) {
+      if (n >= parts[p].start + parts[p].n) ++p;
+      const Part<T>& part = parts[p];
+      const int64_t row = n - part.start;
+      dots<R>(x, part.w + row * K, K, v);
+      const float bias = part.b ? to_float(part.b[row]) : 0.f;
+      for (int m = 0; m < R; ++m) y[m * N + n] = from_float<T>(v[m] + bias);
+    }
+  }
+}
+
+// Calls fn.template operator()<R>() for the runtime row count R in 1..kMaxRows.
+template <typename F>
+void by_rows(int64_t rows, F&& fn) {
+  switch (rows) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
 }
 
 template <int R>
-void swiglu_span(const uint16_t* x, const Part& gate, const Part& up, uint16_t* y, int64_t K, int64_t I,
-                 int64_t n0, int64_t n1) {
+void swiglu_span(const uint16_t* x, const Part<uint16_t>& gate, const Part<uint16_t>& up, uint16_t* y, int64_t K,
+                 int64_t I, int64_t n0, int64_t n1) {
 #if defined(__AVX512BF16__)
   float g[R], u[R];
   for (int64_t n = n0; n < n1; ++n) {
@@ -123,72 +179,81 @@ void swiglu_span(const uint16_t* x, const Part& gate, const Part& up, uint16_t* 
 #endif
 }
 
-// Calls fn.template operator()<R>() for the runtime row count R in 1..kMaxRows.
-template <typename F>
-void by_rows(int64_t rows, F&& fn) {
-  switch (rows) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    default: fn(std::integral_constant<int, 4>{}); break;
-  }
-}
-
 const uint16_t* data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 
-void check_supported() {
+// The dtype of a call's tensors: bfloat16 (this build must have its code) or float32.
+void check_dtype(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be a bfloat16 or float32 CPU tensor");
 #if !defined(__AVX512BF16__)
-  TORCH_CHECK(false, "this build of fastprefill's few-row products has no AVX512-BF16 code");
+  TORCH_CHECK(x.scalar_type() != at::kBFloat16,
+              "this build of fastprefill's few-row products has no AVX512-BF16 code: float32 only");
 #endif
 }
 
 torch::Tensor check_input(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "x must be a bfloat16 CPU tensor");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "x's last dimension (", x.size(-1), ") must be the weights' K (", K, ")");
   const int64_t rows = K ? x.numel() / K : 0;
   TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "few-row products take 1 to ", kMaxRows, " input rows, got ", rows);
   return x.contiguous().view({rows, K});
 }
 
-Part check_part(const torch::Tensor& w, const std::optional<torch::Tensor>& b, int64_t K, int64_t start) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
-              "each weight must be a contiguous 2-D bfloat16 CPU tensor (N, K)");
+template <typename T>
+Part<T> check_part(const torch::Tensor& w, const std::optional<torch::Tensor>& b, at::ScalarType dtype, int64_t K,
+                   int64_t start) {
+  const char* name = dtype == at::kFloat ? "float32" : "bfloat16";
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == dtype && w.dim() == 2 && w.is_contiguous(),
+              "each weight must be a contiguous 2-D ", name, " CPU tensor (N, K), as x is");
   TORCH_CHECK(w.size(1) == K, "every weight must have K = ", K, " columns, got ", w.size(1));
   if (b) {
-    TORCH_CHECK(b->scalar_type() == at::kBFloat16 && b->dim() == 1 && b->size(0) == w.size(0) && b->is_contiguous(),
-                "a bias must be a contiguous bfloat16 vector of the weight's N (", w.size(0), ")");
+    TORCH_CHECK(b->scalar_type() == dtype && b->dim() == 1 && b->size(0) == w.size(0) && b->is_contiguous(),
+                "a bias must be a contiguous ", name, " vector of the weight's N (", w.size(0), ")");
   }
-  return Part{data(w), b ? data(*b) : nullptr, start, w.size(0)};
+  return Part<T>{reinterpret_cast<const T*>(w.data_ptr()), b ? reinterpret_cast<const T*>(b->data_ptr()) : nullptr,
+                 start, w.size(0)};
 }
 
-torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                       const std::vector<std::optional<torch::Tensor>>& biases) {
-  check_supported();
-  TORCH_CHECK(!weights.empty() && weights.size() == biases.size(), "one bias (or None) per weight");
+template <typename T>
+torch::Tensor products_of(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                          const std::vector<std::optional<torch::Tensor>>& biases) {
   const int64_t K = weights[0].size(-1);
   const torch::Tensor rows = check_input(x, K);
-  std::vector<Part> parts;
+  std::vector<Part<T>> parts;
   int64_t N = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
-    parts.push_back(check_part(weights[i], biases[i], K, N));
+    parts.push_back(check_part<T>(weights[i], biases[i], x.scalar_type(), K, N));
     N += weights[i].size(0);
   }
   torch::Tensor y = torch::empty({rows.size(0), N}, x.options());
-  const uint16_t* xp = data(rows);
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const T* xp = reinterpret_cast<const T*>(rows.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
   by_rows(rows.size(0), [&](auto r) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { products_span<decltype(r)::value>(xp, parts, yp, K, N, n0, n1); });
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { products_span<decltype(r)::value, T>(xp, parts, yp, K, N, n0, n1); });
   });
   return y;
 }
 
+torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                       const std::vector<std::optional<torch::Tensor>>& biases) {
+  check_dtype(x);
+  TORCH_CHECK(!weights.empty() && weights.size() == biases.size(), "one bias (or None) per weight");
+  if (x.scalar_type() == at::kFloat) return products_of<float>(x, weights, biases);
+  return products_of<uint16_t>(x, weights, biases);
+}
+
+void check_bf16(const torch::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, what, " takes bfloat16 CPU tensors only");
+  check_dtype(x);
+}
+
 torch::Tensor swiglu(const torch::Tensor& x, const torch::Tensor& gate_w, const std::optional<torch::Tensor>& gate_b,
                      const torch::Tensor& up_w, const std::optional<torch::Tensor>& up_b) {
-  check_supported();
+  check_bf16(x, "swiglu");
   const int64_t K = gate_w.size(-1), I = gate_w.size(0);
   TORCH_CHECK(up_w.sizes() == gate_w.sizes(), "the gate and up weights must have one shape (I, K)");
   const torch::Tensor rows = check_input(x, K);
-  const Part gate = check_part(gate_w, gate_b, K, 0), up = check_part(up_w, up_b, K, 0);
+  const auto gate = check_part<uint16_t>(gate_w, gate_b, at::kBFloat16, K, 0);
+  const auto up = check_part<uint16_t>(up_w, up_b, at::kBFloat16, K, 0);
   torch::Tensor y = torch::empty({rows.size(0), I}, x.options());
   const uint16_t* xp = data(rows);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
@@ -212,6 +277,7 @@ void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t D, uint16
 torch::Tensor check_norm(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 1 && w.is_contiguous(),
               "the norm's weight must be a contiguous bfloat16 CPU vector");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "x must be a bfloat16 CPU tensor");
   return check_input(x, w.size(0));
 }
 
@@ -240,7 +306,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& resid
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("products", &products, "x (R,K) times each weight (N_i,K), plus its bias -> (R, sum N_i), bfloat16, R <= 4",
+  m.def("products", &products, "x (R,K) times each weight (N_i,K), plus its bias -> (R, sum N_i), bfloat16 or float32, R <= 4",
         py::arg("x"), py::arg("weights"), py::arg("biases"));
   m.def("swiglu", &swiglu, "silu(x w_gate^T + b_gate) * (x w_up^T + b_up) -> (R, I), bfloat16, R <= 4",
         py::arg("x"), py::arg("gate_w"), py::arg("gate_b"), py::arg("up_w"), py::arg("up_b"));

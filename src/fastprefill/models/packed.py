@@ -27,12 +27,13 @@ A row's result can depend on how many rows a product computes (oneDNN's few-row 
 unlike its wider ones): each :class:`PackedLinear` has a ``row_floor`` below which its rows are
 padded with zero rows, set by :mod:`fastprefill.models.row_floor`.
 
-A decode step's product, at most :data:`FEW_ROWS` bfloat16 rows of one position each (one
-stream, or a batch of two: :func:`decode_rows`), runs on
-fastprefill's few-row products instead (:func:`fastprefill.kernels.row_products`), where they
-are built and this CPU has AVX512-BF16: oneDNN's one- and two-row products read the weights at
-about half the rate the cores can stream them, these read the plain weight in order
-(``docs/results/attention.md`` has the measurement). They compute each row alone, so its result
+A decode step's product, at most :data:`FEW_ROWS` rows of one position each (one stream, or a
+small batch: :func:`decode_rows`), runs on fastprefill's few-row products instead
+(:func:`fastprefill.kernels.row_products`), where they are built: in bfloat16 where the CPU has
+AVX512-BF16, in float32 on any CPU with AVX2. oneDNN's few-row products read the weights at about
+half (bfloat16) or two thirds (float32, as MKL's) of the rate the cores can stream them; these
+read the plain weight in order (``docs/results/attention.md`` and ``docs/results/native-precision.md``
+have the measurements). They compute each row alone, so its result
 is the same for one row or two, though not the same bits as the row inside a prompt-sized
 product. A model given a row floor (:func:`fastprefill.models.row_floor.set_row_floor`, any but 1) keeps oneDNN for every
 product, so the floor's promise holds; :func:`set_few_rows` turns them off (or on) for a model.
@@ -55,9 +56,11 @@ __all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "WIDE_ROWS", "MergedProduct", "Pack
            "decode_rows", "few_row_kernel", "few_rows_used", "fits_in_memory", "linear_bytes", "linears_packed",
            "onednn_bf16", "pack_linears", "packable", "set_few_rows", "streams_as_rows"]
 
-#: Products of at most this many input rows run on the few-row kernel where it applies (more run
-#: on oneDNN: from three or four rows on, oneDNN's products were as fast or faster here).
-FEW_ROWS = 2
+#: Products of at most this many input rows, by dtype, run on the few-row kernel where it applies
+#: (more run on oneDNN): in bfloat16, from three or four rows on, oneDNN's products were as fast or
+#: faster on the AVX512-BF16 machine measured; in float32 the kernel was the faster one up to its
+#: limit of four rows on the AVX2 EPYC measured.
+FEW_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 2, torch.float32: 4}
 #: float32 products of more input rows than this run on the plain weight (``F.linear``: MKL's
 #: sgemm in torch's CPU wheels), fewer on the packed copy: on the AVX2 EPYC, timed by shape and
 #: row count, oneDNN's packed products of up to 64 rows were the faster ones and MKL's of 512
@@ -303,24 +306,24 @@ def streams_as_rows(enabled: bool = True) -> Iterator[None]:
 
 def decode_rows(x: torch.Tensor) -> bool:
     """Whether ``x`` is a decode step's input for the few-row kernel: at most :data:`FEW_ROWS`
-    rows of one position each (``(B, 1, D)``, or ``(R, D)``; inside :func:`streams_as_rows`, also
+    (of its dtype) rows of one position each (``(B, 1, D)``, or ``(R, D)``; inside :func:`streams_as_rows`, also
     ``(1, R, D)``). A prompt's few positions (``(1, T, D)``, ``T > 1``: a short partition, chunk
     or suffix) are not: oneDNN keeps their bits those of the same rows inside a longer prompt."""
     streams = _STREAM_ROWS.get() and x.dim() == 3 and x.shape[0] == 1
     if x.dim() == 0 or (x.dim() >= 3 and x.shape[-2] != 1 and not streams):
         return False
-    return 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS
+    return 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS.get(x.dtype, 0)
 
 
 def few_row_kernel(x: torch.Tensor, layers: list[PackedLinear]) -> Any | None:
     """The few-row kernel if it computes ``layers``' products of ``x`` (the caller checked that the
-    packed product applies): bfloat16 :func:`decode_rows`, every layer with ``few_rows`` on, no
+    packed product applies): bfloat16 or float32 :func:`decode_rows`, every layer with ``few_rows`` on, no
     row floor and a contiguous weight, and the kernel built and checked here."""
-    if x.dtype != torch.bfloat16 or not decode_rows(x):
+    if x.dtype not in (torch.bfloat16, torch.float32) or not decode_rows(x):
         return None
     if not all(m.few_rows and m.row_floor == 1 and m.weight.is_contiguous() for m in layers):
         return None
-    return row_products()
+    return row_products(x.dtype)
 
 
 def set_few_rows(model: torch.nn.Module, enabled: bool = True) -> int:
@@ -336,15 +339,16 @@ def set_few_rows(model: torch.nn.Module, enabled: bool = True) -> int:
 
 def few_rows_used(model: Any) -> tuple[bool, str]:
     """``(used, why not)``: whether ``model``'s one-row products run on the few-row kernel, and if
-    not, why (not packed, not bfloat16, turned off, a row floor, or the kernel's own reason)."""
+    not, why (not packed, another dtype, turned off, a row floor, or the kernel's own reason)."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)] if isinstance(model, torch.nn.Module) else []
     if not layers:
         return False, "its linear layers are not packed"
-    if layers[0].weight.dtype != torch.bfloat16:
-        return False, "the few-row products are bfloat16 only"
+    dtype = layers[0].weight.dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        return False, f"the few-row products are float32 and bfloat16 only, not {dtype}"
     if not all(m.few_rows for m in layers):
         return False, "turned off (set_few_rows, or a row floor: it keeps every product on oneDNN)"
-    status = rows_status()
+    status = rows_status(dtype)
     return status.available, status.reason
 
 
