@@ -102,6 +102,26 @@ def test_a_masked_call_matches_sdpa_within_its_own_error(variant, dtype, shape, 
     assert err <= max(1.5 * sdpa_err, floor), f"kernel error {err:.3g} vs SDPA's {sdpa_err:.3g}"
 
 
+@pytest.mark.parametrize("variant", ["avx512", "avx2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 14, 2, 300, 300, 64), (1, 14, 2, 23, 531, 64), (2, 12, 2, 1, 600, 128)],
+                         ids=["prefill", "suffix", "decode"])
+def test_keys_and_values_with_any_row_stride_give_the_contiguous_answer(variant, dtype, shape):
+    """K and V read where they lie: token-major (B, N, H, d) viewed head-major, and a cache's first
+    N rows of a longer buffer, give the bits of contiguous copies, whether the heads are packed
+    whole (a prefill's row blocks) or block by block (a decode step, a short suffix; float32
+    values read in place)."""
+    mod = _variant_module(variant)
+    q, k, v = _inputs(shape, dtype, seed=3)
+    b, _, hkv, _, n, d = shape
+    want = mod.causal_attention(q, k, v, 1 / math.sqrt(d))
+    token_major = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v)]  # row stride H * d
+    roomy = [torch.cat([x, torch.randn(b, hkv, 40, d).to(dtype)], dim=2)[:, :, :n] for x in (k, v)]  # head stride (N + 40) d
+    for kk, vv in (token_major, roomy, (token_major[0], roomy[1])):
+        assert kk.stride(2) != d or kk.stride(1) != n * d or vv.stride(2) != d or vv.stride(1) != n * d
+        assert torch.equal(mod.causal_attention(q, kk, vv, 1 / math.sqrt(d)), want)
+
+
 def test_a_row_its_mask_hides_entirely_gets_zeros():
     mod = _variant_module("avx2")
     q, k, v = _inputs((1, 4, 2, 6, 300, 64), torch.float32)

@@ -11,6 +11,10 @@
 // head; each block's two products run on oneDNN's batch-reduce GEMM micro-kernels through
 // at::native::cpublas::brgemm (bfloat16 dot products in VNNI layout where the CPU has them,
 // float32 FMA otherwise), with an online softmax in float32 between them (flash attention).
+// The keys are transposed for the first product (and bfloat16 values paired for the second; float32
+// values are read in place): once per head up front where several row blocks share them (a
+// prefill), block by block as the one task of a head reaches them otherwise (a decode step, a
+// short suffix), so such a call reads the cache once instead of reading, writing and reading it.
 //
 // Shapes: q (B, H_q, T, d), k and v (B, H_kv, N, d), any strides with a unit last stride;
 // H_q a multiple of H_kv; d even. Output (B, T, H_q, d), contiguous (the layout transformers'
@@ -118,9 +122,30 @@ inline void transpose_16x16(__m512i r[16]) {
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2)
+// Transpose an 8 x 8 tile of 32-bit words in registers: r[i] holds row i, afterwards column i.
+inline void transpose_8x8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // pairs of rows, word by word within each 128-bit lane
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // quads of rows: lane L of u[i + k] is column 4L + k of rows i .. i + 3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {  // the low lanes of both quads: column k; the high lanes: column 4 + k
+    r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+    r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+  }
+}
+#endif
+
 // Transpose `rows` rows of `words` 32-bit words (row r at src + r * stride elements of T) into
 // out[word][row], `ld` words apart: 16 x 16 tiles in registers where the build has AVX-512,
-// word by word for the rest.
+// 8 x 8 tiles where it has AVX2, word by word for the rest.
 template <typename T>
 void transpose_words(const T* src, int64_t stride, int64_t rows, int64_t words, uint32_t* out, int64_t ld) {
   int64_t r16 = 0, w16 = 0;
@@ -133,6 +158,17 @@ void transpose_words(const T* src, int64_t stride, int64_t rows, int64_t words, 
       for (int i = 0; i < 16; ++i) tile[i] = _mm512_loadu_si512(row_bytes(src, stride, r0 + i) + 4 * p0);
       transpose_16x16(tile);
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (p0 + i) * ld + r0, tile[i]);
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+  r16 = rows & ~int64_t(7);  // whole 8 x 8 tiles here
+  w16 = words & ~int64_t(7);
+  __m256 tile[8];
+  for (int64_t r0 = 0; r0 < r16; r0 += 8)
+    for (int64_t p0 = 0; p0 < w16; p0 += 8) {
+      for (int i = 0; i < 8; ++i)
+        tile[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(row_bytes(src, stride, r0 + i) + 4 * p0));
+      transpose_8x8(tile);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(reinterpret_cast<float*>(out + (p0 + i) * ld + r0), tile[i]);
     }
 #endif
   for (int64_t r = 0; r < rows; ++r) {
@@ -164,53 +200,81 @@ inline void interleave_rows(const at::BFloat16* a, const at::BFloat16* b, int64_
   }
 }
 
-// Pack one KV head's keys and values block by block for the two products.
-//   keys as B of S = Q K^T (d x w): bfloat16 VNNI [d/2][w][2], float32 [d][w] (both a transpose
-//   of 32-bit words: element pairs or elements);
-//   values as B of O += P V (w x d): bfloat16 VNNI [w/2][d][2] (rows interleaved two by two),
-//   float32 [w][d] (rows copied).
-// w is the block's width rounded up to even; keys past N are zeros (and masked: beyond every row).
-// Every call packs the whole cache, so this runs at memory speed: a decode step's cost grows with N.
+// The width of a packed key block of w keys: even in bfloat16 (VNNI pairs of keys), w in float32.
 template <typename T>
-void pack_head(const T* k, const T* v, int64_t ks, int64_t vs, int64_t n, int64_t d,
-               T* kp, T* vp, int64_t key_block) {
+constexpr int64_t packed_width(int64_t w) { return kVnni<T> ? (w + 1) & ~int64_t(1) : w; }
+
+// Pack one block of w keys (and in bfloat16 its values) for the two products:
+//   keys as B of S = Q K^T (d x wp): bfloat16 VNNI [d/2][wp][2], float32 [d][wp] (both a transpose
+//   of 32-bit words: element pairs or elements);
+//   bfloat16 values as B of O += P V (wp x d): VNNI [wp/2][d][2] (rows interleaved two by two).
+//   float32 values are read where they are (row stride vs): nothing to pack.
+// wp = packed_width(w); a bfloat16 block's odd last key is zeros (and masked: beyond every row).
+template <typename T>
+void pack_block(const T* k, const T* v, int64_t ks, int64_t vs, int64_t w, int64_t d, T* kb, T* vb) {
   const int64_t words = kVnni<T> ? d / 2 : d;
-  for (int64_t j0 = 0; j0 < n; j0 += key_block) {
-    const int64_t w = std::min(key_block, n - j0);
-    const int64_t wp = (w + 1) & ~int64_t(1);
-    T* kb = kp + j0 * d;
-    T* vb = vp + j0 * d;
-    uint32_t* k32 = reinterpret_cast<uint32_t*>(kb);
-    transpose_words(k + j0 * ks, ks, w, words, k32, wp);
+  const int64_t wp = packed_width<T>(w);
+  uint32_t* k32 = reinterpret_cast<uint32_t*>(kb);
+  transpose_words(k, ks, w, words, k32, wp);
+  if constexpr (kVnni<T>) {
     if (wp > w)
       for (int64_t p = 0; p < words; ++p) k32[p * wp + w] = 0;
-    if constexpr (kVnni<T>) {
-      for (int64_t c = 0; c < wp; c += 2)
-        interleave_rows(v + (j0 + c) * vs, c + 1 < w ? v + (j0 + c + 1) * vs : nullptr, d, vb + c * d);
-    } else {
-      for (int64_t c = 0; c < w; ++c) std::memcpy(vb + c * d, v + (j0 + c) * vs, d * sizeof(T));
-      if (wp > w) std::fill(vb + w * d, vb + wp * d, T(0));
-    }
+    for (int64_t c = 0; c < wp; c += 2) interleave_rows(v + c * vs, c + 1 < w ? v + (c + 1) * vs : nullptr, d, vb + c * d);
   }
 }
 
+// Pack one KV head's keys (and bfloat16 values) block by block, each block at j0 * d of kp (vp):
+// for a query block task that several tasks of the head share (a prefill's row blocks). A head
+// whose rows are one task (a decode step, a short suffix) packs each block as it reaches it instead
+// (block()), so the cache is read once, not read, written and read again.
+template <typename T>
+void pack_head(const T* k, const T* v, int64_t ks, int64_t vs, int64_t n, int64_t d,
+               T* kp, T* vp, int64_t key_block) {
+  for (int64_t j0 = 0; j0 < n; j0 += key_block)
+    pack_block<T>(k + j0 * ks, v + j0 * vs, ks, vs, std::min(key_block, n - j0), d, kp + j0 * d,
+                  vp ? vp + j0 * d : nullptr);
+}
+
+// Where one head's keys and values come from: packed whole by pack_head (kp, vp non-null), or
+// packed block by block into a task's buffers (kraw, vraw with their row strides). float32 values
+// are always read in place (vraw).
+template <typename T>
+struct HeadKV {
+  const T* kp;
+  const T* vp;
+  const T* kraw;
+  const T* vraw;
+  int64_t ks, vs;
+};
+
+// A task's working buffers, reused across its blocks.
+template <typename T>
+struct Scratch {
+  std::vector<T> qbuf;       // the stacked query rows (G * QB, d)
+  std::vector<float> s;      // scores of one key block (G * QB, wp)
+  std::vector<T> pb;         // their probabilities, the second product's input
+  std::vector<float> o, mx, sum, madd;  // output accumulators, running max and sum, a mask row's additive form
+  std::vector<T> kbuf, vbuf;  // one key block (and bfloat16 value block) packed, where the head is not packed whole
+};
+
 // One stacked block: rows (g, t) for g < G, t in [t0, t1); key blocks up to the causal limit.
 template <typename T>
-void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
+void block(const T* q, int64_t qs_h, int64_t qs_t, const HeadKV<T>& kv,
            T* out, int64_t os_t, int64_t os_h,
            int64_t h0, int64_t g, int64_t t0, int64_t t1, int64_t p, int64_t n, int64_t d,
-           float scale, int64_t key_block, const bool* mask, int64_t ms_t,
-           std::vector<T>& qbuf, std::vector<float>& s, std::vector<T>& pb,
-           std::vector<float>& o, std::vector<float>& mx, std::vector<float>& sum, std::vector<float>& madd) {
+           float scale, int64_t key_block, const bool* mask, int64_t ms_t, Scratch<T>& sc) {
   alignas(64) float tail[2 * Vec::size()];
   const int64_t qb = t1 - t0;
   const int64_t m = g * qb;
+  auto& [qbuf, s, pb, o, mx, sum, madd, kbuf, vbuf] = sc;
   qbuf.resize(m * d);
   s.resize(m * key_block + 2 * Vec::size());  // the softmax reads whole vector pairs past a row's end
   pb.resize(m * key_block);
   o.assign(m * d, 0.f);
   mx.assign(m, kNegInf);
   sum.assign(m, 0.f);
+  if (!kv.kp) kbuf.resize(key_block * d);
+  if (!kv.kp && kVnni<T>) vbuf.resize(key_block * d);
   for (int64_t j = 0; j < g; ++j)
     for (int64_t t = 0; t < qb; ++t)
       std::copy_n(q + (h0 + j) * qs_h + (t0 + t) * qs_t, d, qbuf.data() + (j * qb + t) * d);
@@ -219,11 +283,17 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
   if (mask) madd.resize(key_block + 2 * Vec::size());
   const int64_t vec = Vec::size();
   for (int64_t j0 = 0; j0 < last; j0 += key_block) {
-    const int64_t wp = ((std::min(key_block, n - j0)) + 1) & ~int64_t(1);  // the packed block's width
+    const int64_t w = std::min(key_block, n - j0);
+    const int64_t wp = packed_width<T>(w);  // the packed block's width
     // The columns computed: up to the last key any row of the block sees, rounded up to 32 (so that
     // few distinct micro-kernel shapes are made) and never past the packed block.
     const int64_t wc = std::min(wp, (std::min(key_block, last - j0) + 31) & ~int64_t(31));
-    at::native::cpublas::brgemm(m, wc, d, d, wp, wp, false, qbuf.data(), kp + j0 * d, s.data(), kVnni<T>);
+    const T* kblk = kv.kp ? kv.kp + j0 * d : kbuf.data();
+    if (!kv.kp) pack_block<T>(kv.kraw + j0 * kv.ks, kv.vraw + j0 * kv.vs, kv.ks, kv.vs, w, d, kbuf.data(), vbuf.data());
+    // values: bfloat16 packed (VNNI, rows d apart), float32 in place (rows vs apart)
+    const T* vblk = kVnni<T> ? (kv.kp ? kv.vp + j0 * d : vbuf.data()) : kv.vraw + j0 * kv.vs;
+    const int64_t ldv = kVnni<T> ? d : kv.vs;
+    at::native::cpublas::brgemm(m, wc, d, d, wp, wp, false, qbuf.data(), kblk, s.data(), kVnni<T>);
     for (int64_t r = 0; r < m; ++r) {
       float* sr = s.data() + r * wp;
       T* pr = pb.data() + r * wp;
@@ -282,7 +352,7 @@ void block(const T* q, int64_t qs_h, int64_t qs_t, const T* kp, const T* vp,
         at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, orow, orow, d);
       }
     }
-    at::native::cpublas::brgemm(m, d, wc, wp, d, d, true, pb.data(), vp + j0 * d, o.data(), kVnni<T>);
+    at::native::cpublas::brgemm(m, d, wc, wp, ldv, d, true, pb.data(), vblk, o.data(), kVnni<T>);
   }
   for (int64_t j = 0; j < g; ++j)
     for (int64_t t = 0; t < qb; ++t) {
@@ -301,40 +371,46 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, do
   const int64_t hkv = k.size(1), n = k.size(2);
   const int64_t g = hq / hkv, p = n - t;
   const int64_t npad = (n + 1) & ~int64_t(1);
+  const int64_t qb = std::max<int64_t>(1, std::min(t, row_target / g));
+  const int64_t nq = (t + qb - 1) / qb;
+  // Heads packed whole when several row-block tasks share them; else each task packs as it goes.
+  const bool whole = nq > 1;
   auto out = at::empty({b, t, hq, d}, q.options());
-  auto packed_k = at::empty({b, hkv, npad * d}, q.options());
-  auto packed_v = at::empty({b, hkv, npad * d}, q.options());
+  at::Tensor packed_k, packed_v;
+  if (whole) packed_k = at::empty({b, hkv, npad * d}, q.options());
+  if (whole && kVnni<T>) packed_v = at::empty({b, hkv, npad * d}, q.options());
   const T* qd = q.data_ptr<T>();
   const T* kd = k.data_ptr<T>();
   const T* vd = v.data_ptr<T>();
   T* od = out.data_ptr<T>();
-  T* kpd = packed_k.data_ptr<T>();
-  T* vpd = packed_v.data_ptr<T>();
+  T* kpd = whole ? packed_k.data_ptr<T>() : nullptr;
+  T* vpd = whole && kVnni<T> ? packed_v.data_ptr<T>() : nullptr;
   const bool* md = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const int64_t ms_b = md && mask.size(0) > 1 ? mask.stride(0) : 0;
   const int64_t ms_t = md && mask.size(2) > 1 ? mask.stride(2) : 0;
-  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t bi = i / hkv, h = i % hkv;
-      pack_head<T>(kd + bi * k.stride(0) + h * k.stride(1), vd + bi * v.stride(0) + h * v.stride(1),
-                   k.stride(2), v.stride(2), n, d, kpd + i * npad * d, vpd + i * npad * d, key_block);
-    }
-  });
-  const int64_t qb = std::max<int64_t>(1, std::min(t, row_target / g));
-  const int64_t nq = (t + qb - 1) / qb;
+  auto raw_k = [&](int64_t i) { return kd + (i / hkv) * k.stride(0) + (i % hkv) * k.stride(1); };
+  auto raw_v = [&](int64_t i) { return vd + (i / hkv) * v.stride(0) + (i % hkv) * v.stride(1); };
+  if (whole) {
+    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i)
+        pack_head<T>(raw_k(i), raw_v(i), k.stride(2), v.stride(2), n, d, kpd + i * npad * d,
+                     vpd ? vpd + i * npad * d : nullptr, key_block);
+    });
+  }
   // Tasks ordered light, heavy, light, heavy... (q block 0, nq-1, 1, nq-2, ...) so that the
   // contiguous ranges parallel_for hands each thread carry about equal causal work.
   at::parallel_for(0, b * hkv * nq, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<T> qbuf, pb;
-    std::vector<float> s, o, mx, sum, madd;
+    Scratch<T> scratch;
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t head = i / nq, k2 = i % nq;
       const int64_t blk = (k2 % 2 == 0) ? k2 / 2 : nq - 1 - k2 / 2;
       const int64_t bi = head / hkv, h = head % hkv;
       const int64_t t0 = blk * qb, t1 = std::min(t, t0 + qb);
-      block<T>(qd + bi * q.stride(0), q.stride(1), q.stride(2), kpd + head * npad * d, vpd + head * npad * d,
+      const HeadKV<T> kv{whole ? kpd + head * npad * d : nullptr, vpd ? vpd + head * npad * d : nullptr,
+                         raw_k(head), raw_v(head), k.stride(2), v.stride(2)};
+      block<T>(qd + bi * q.stride(0), q.stride(1), q.stride(2), kv,
                od + bi * t * hq * d, hq * d, d, h * g, g, t0, t1, p, n, d, static_cast<float>(scale),
-               key_block, md ? md + bi * ms_b : nullptr, ms_t, qbuf, s, pb, o, mx, sum, madd);
+               key_block, md ? md + bi * ms_b : nullptr, ms_t, scratch);
     }
     at::native::cpublas::brgemm_release(kVnni<T>);
   });
