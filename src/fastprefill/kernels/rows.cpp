@@ -131,22 +131,16 @@ struct Part {
 template <int R, typename T>
 void products_span(const T* x, const std::vector<Part<T>>& parts, T* y, int64_t K, int64_t N,
                    int64_t n0, int64_t n1) {
-#if !defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, uint16_t>) return;  // refused before: check_dtype
-  else
-#endif
-  {
-    size_t p = 0;
-    while (n0 >= parts[p].start + parts[p].n) ++p;
-    float v[R];
-    for (int64_t n = n0; n < n1; ++n) {
-      if (n >= parts[p].start + parts[p].n) ++p;
-      const Part<T>& part = parts[p];
-      const int64_t row = n - part.start;
-      dots<R>(x, part.w + row * K, K, v);
-      const float bias = part.b ? to_float(part.b[row]) : 0.f;
-      for (int m = 0; m < R; ++m) y[m * N + n] = from_float<T>(v[m] + bias);
-    }
+  size_t p = 0;
+  while (n0 >= parts[p].start + parts[p].n) ++p;
+  float v[R];
+  for (int64_t n = n0; n < n1; ++n) {
+    if (n >= parts[p].start + parts[p].n) ++p;
+    const Part<T>& part = parts[p];
+    const int64_t row = n - part.start;
+    dots<R>(x, part.w + row * K, K, v);
+    const float bias = part.b ? to_float(part.b[row]) : 0.f;
+    for (int m = 0; m < R; ++m) y[m * N + n] = from_float<T>(v[m] + bias);
   }
 }
 
@@ -238,7 +232,11 @@ torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>&
   check_dtype(x);
   TORCH_CHECK(!weights.empty() && weights.size() == biases.size(), "one bias (or None) per weight");
   if (x.scalar_type() == at::kFloat) return products_of<float>(x, weights, biases);
+#if defined(__AVX512BF16__)
   return products_of<uint16_t>(x, weights, biases);
+#else
+  TORCH_CHECK(false, "unreachable: check_dtype refuses bfloat16 in this build");
+#endif
 }
 
 void check_bf16(const torch::Tensor& x, const char* what) {
