@@ -148,23 +148,23 @@ inline void transpose_8x8(__m256 r[8]) {
 // 8 x 8 tiles where it has AVX2, word by word for the rest.
 template <typename T>
 void transpose_words(const T* src, int64_t stride, int64_t rows, int64_t words, uint32_t* out, int64_t ld) {
-  int64_t r16 = 0, w16 = 0;
+  int64_t rt = 0, wt = 0;  // the rows and words the register tiles cover
 #if defined(CPU_CAPABILITY_AVX512)
-  r16 = rows & ~int64_t(15);
-  w16 = words & ~int64_t(15);
+  rt = rows & ~int64_t(15);
+  wt = words & ~int64_t(15);
   __m512i tile[16];
-  for (int64_t r0 = 0; r0 < r16; r0 += 16)
-    for (int64_t p0 = 0; p0 < w16; p0 += 16) {
+  for (int64_t r0 = 0; r0 < rt; r0 += 16)
+    for (int64_t p0 = 0; p0 < wt; p0 += 16) {
       for (int i = 0; i < 16; ++i) tile[i] = _mm512_loadu_si512(row_bytes(src, stride, r0 + i) + 4 * p0);
       transpose_16x16(tile);
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (p0 + i) * ld + r0, tile[i]);
     }
 #elif defined(CPU_CAPABILITY_AVX2)
-  r16 = rows & ~int64_t(7);  // whole 8 x 8 tiles here
-  w16 = words & ~int64_t(7);
+  rt = rows & ~int64_t(7);
+  wt = words & ~int64_t(7);
   __m256 tile[8];
-  for (int64_t r0 = 0; r0 < r16; r0 += 8)
-    for (int64_t p0 = 0; p0 < w16; p0 += 8) {
+  for (int64_t r0 = 0; r0 < rt; r0 += 8)
+    for (int64_t p0 = 0; p0 < wt; p0 += 8) {
       for (int i = 0; i < 8; ++i)
         tile[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(row_bytes(src, stride, r0 + i) + 4 * p0));
       transpose_8x8(tile);
@@ -173,7 +173,7 @@ void transpose_words(const T* src, int64_t stride, int64_t rows, int64_t words, 
 #endif
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = row_bytes(src, stride, r);
-    for (int64_t p = r < r16 ? w16 : 0; p < words; ++p) std::memcpy(out + p * ld + r, row + 4 * p, 4);
+    for (int64_t p = r < rt ? wt : 0; p < words; ++p) std::memcpy(out + p * ld + r, row + 4 * p, 4);
   }
 }
 

@@ -319,7 +319,7 @@ def few_row_kernel(x: torch.Tensor, layers: list[PackedLinear]) -> Any | None:
     """The few-row kernel if it computes ``layers``' products of ``x`` (the caller checked that the
     packed product applies): bfloat16 or float32 :func:`decode_rows`, every layer with ``few_rows`` on, no
     row floor and a contiguous weight, and the kernel built and checked here."""
-    if x.dtype not in (torch.bfloat16, torch.float32) or not decode_rows(x):
+    if not decode_rows(x):  # a dtype without a FEW_ROWS entry never is
         return None
     if not all(m.few_rows and m.row_floor == 1 and m.weight.is_contiguous() for m in layers):
         return None
@@ -343,12 +343,9 @@ def few_rows_used(model: Any) -> tuple[bool, str]:
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)] if isinstance(model, torch.nn.Module) else []
     if not layers:
         return False, "its linear layers are not packed"
-    dtype = layers[0].weight.dtype
-    if dtype not in (torch.bfloat16, torch.float32):
-        return False, f"the few-row products are float32 and bfloat16 only, not {dtype}"
     if not all(m.few_rows for m in layers):
         return False, "turned off (set_few_rows, or a row floor: it keeps every product on oneDNN)"
-    status = rows_status(dtype)
+    status = rows_status(layers[0].weight.dtype)  # another dtype: its reason names the ones it runs
     return status.available, status.reason
 
 
