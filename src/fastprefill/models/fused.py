@@ -8,10 +8,11 @@ on the CPU (:func:`fuse_attention`, :func:`fuse_layers`), and each can be taken 
 
 - :class:`FusedAttention`: the rotary embedding in one pass, the q, k and v projections as one
   product.
-- :class:`FusedDecoderLayer`: for a decode step's one or two rows in bfloat16, the layer's two
-  RMSNorms and the residual add before the second one as calls of the few-row kernel
-  (:func:`fastprefill.kernels.row_products`) instead of the norms' compiled graphs, whose guards
-  and wrappers cost more than a one-row norm computes.
+- :class:`FusedDecoderLayer`: for a call of a few rows (a decode step, a hit's suffix), the
+  layer's RMSNorms and MLP by their own ``forward`` instead of their compiled graphs, whose guards,
+  wrappers and graph breaks cost more than a few rows compute; for a decode step's one or two rows
+  in bfloat16, the two RMSNorms and the residual add before the second one as calls of the
+  few-row kernel (:func:`fastprefill.kernels.row_products`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from fastprefill.kernels import rotary_kernel
 from fastprefill.models.adapters import decoder_layers, supports_layer_loop
 from fastprefill.models.packed import MergedProduct, PackedLinear, few_row_kernel
 
-__all__ = ["FusedAttention", "FusedDecoderLayer", "attention_fused", "fuse_attention", "fuse_layers", "layers_fused"]
+__all__ = ["EAGER_ROWS", "FusedAttention", "FusedDecoderLayer", "attention_fused", "fuse_attention", "fuse_layers",
+           "layers_fused"]
+
+#: A decoder layer's call of at most this many rows (batch times positions) runs its norms and MLP
+#: by their own ``forward``, not through their compiled graphs (:func:`~fastprefill.models.adapters.compile_blocks`):
+#: on the AVX2 EPYC measured, a compiled norm's or MLP's call cost more in dynamo's guards, wrappers
+#: and graph breaks (the MLP breaks at each packed product) than inductor's fusion saved, up to
+#: a few hundred rows (``docs/decisions.md``). Prompt-sized calls keep the compiled graphs.
+EAGER_ROWS = 128
 
 
 class FusedAttention(torch.nn.Module):
@@ -142,17 +151,21 @@ def attention_fused(model: Any) -> bool:
 
 
 class FusedDecoderLayer(torch.nn.Module):
-    """A Llama / Qwen2 decoder layer's forward, with a decode step's norms on the few-row kernel.
+    """A Llama / Qwen2 decoder layer's forward, with a few rows' norms and MLP outside their compiled graphs.
 
-    Mixed into the layer's own class by :func:`fuse_layers`. Where the hidden states are a decode
-    step's bfloat16 rows (:func:`~fastprefill.models.packed.decode_rows`) on the CPU, without a
-    gradient, and the layer's products run on the few-row kernel (its output projection's
-    ``few_rows`` on and no row floor: :func:`~fastprefill.models.packed.set_few_rows`), it computes
-    what the family's forward computes with the kernel's ``rms_norm`` for the input norm and
-    ``add_rms_norm`` for the residual add and the post-attention norm; the attention module and
-    the MLP are the layer's own calls. The kernel's norm takes its float32 statistics in another
-    order than eager or inductor, so its output can differ in the last bit. Otherwise (more rows,
-    another dtype or device, the kernel not built) the family's own forward runs.
+    Mixed into the layer's own class by :func:`fuse_layers`. A call of more than :data:`EAGER_ROWS`
+    rows (or with positional arguments) is the family's own forward. A call of fewer computes what
+    the family's forward computes (``h + attn(norm1(h))``, then that plus ``mlp(norm2(.))``), with
+    the norms and the MLP called by their own ``forward`` (eager: the compiled graphs' guards and
+    wrappers cost more than a few rows compute; their module hooks are not run) and the attention
+    module called as the family calls it. Where the rows are a decode step's bfloat16 rows
+    (:func:`~fastprefill.models.packed.decode_rows`) on the CPU, without a gradient, and the
+    layer's products run on the few-row kernel (its output projection's ``few_rows`` on and no
+    row floor: :func:`~fastprefill.models.packed.set_few_rows`), the kernel's ``rms_norm``
+    computes the input norm and ``add_rms_norm`` the residual add and the post-attention norm.
+    Eager and inductor take a norm's float32 statistics in other orders than each other and than
+    the kernel, so a row's output can differ in the last bit between a few-row call and a
+    prompt-sized one; each row's is the same whatever the number of rows up to :data:`EAGER_ROWS`.
 
     Shapes: hidden states ``(B, T, D)`` in and out; the keyword arguments are the family's.
     """
@@ -160,15 +173,22 @@ class FusedDecoderLayer(torch.nn.Module):
     _own: type | None = None
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        kernel = None if args else self._few_row_kernel(hidden_states)  # the family's arguments by name only
-        if kernel is None:
+        rows = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+        if args or rows > EAGER_ROWS:  # the family's arguments by name only
             assert self._own is not None
             return self._own.forward(self, hidden_states, *args, **kwargs)
         first, second = self.input_layernorm, self.post_attention_layernorm
-        normed = kernel.rms_norm(hidden_states, first.weight, first.variance_epsilon)
-        attended, _ = self.self_attn(hidden_states=normed, **kwargs)
-        residual, normed = kernel.add_rms_norm(hidden_states, attended, second.weight, second.variance_epsilon)
-        return residual + self.mlp(normed)
+        kernel = self._few_row_kernel(hidden_states)
+        if kernel is None:
+            residual = hidden_states
+            attended, _ = self.self_attn(hidden_states=first.forward(hidden_states), **kwargs)
+            residual = residual + attended
+            normed = second.forward(residual)
+        else:
+            normed = kernel.rms_norm(hidden_states, first.weight, first.variance_epsilon)
+            attended, _ = self.self_attn(hidden_states=normed, **kwargs)
+            residual, normed = kernel.add_rms_norm(hidden_states, attended, second.weight, second.variance_epsilon)
+        return residual + self.mlp.forward(normed)
 
     def _few_row_kernel(self, hidden: torch.Tensor) -> Any | None:
         """The few-row kernel if this call's norms run on it (see the class docstring), else ``None``:
@@ -183,7 +203,6 @@ class FusedDecoderLayer(torch.nn.Module):
                    for n in norms):
             return None
         return few_row_kernel(hidden, [o_proj])
-
 
 @functools.cache
 def _layer_class(cls: type) -> type:
