@@ -21,6 +21,7 @@ from fastprefill.models import packed as packed_module
 from fastprefill.models import row_floor
 from fastprefill.models.adapters import blocks_compiled, fuse_mlps, swiglu_mlps
 from fastprefill.models.packed import (
+    FEW_ROWS,
     WIDE_ROWS,
     MergedProduct,
     PackedLinear,
@@ -166,9 +167,10 @@ def test_float32_packs_by_default_where_the_copy_fits_in_memory(monkeypatch):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_a_float32_product_runs_packed_up_to_wide_rows_and_plain_above(monkeypatch):
-    """A prompt's few rows on oneDNN's packed copy, more than WIDE_ROWS on the plain weight (MKL),
-    a decode step's row on the few-row kernel where it runs here, counted by the oneDNN calls each
-    makes; all equal the plain product to float32 rounding. A row floor keeps every product packed."""
+    """Up to FEW_ROWS rows (a decode step's, a prompt's few positions) on the few-row kernel where it
+    runs here, more on oneDNN's packed copy, more than WIDE_ROWS on the plain weight (MKL), counted
+    by the oneDNN calls each makes; all equal the plain product to float32 rounding. A row floor
+    keeps every product packed."""
     layer = torch.nn.Linear(64, 48).float()
     plain = copy.deepcopy(layer)
     pack_linears(layer)
@@ -185,9 +187,11 @@ def test_a_float32_product_runs_packed_up_to_wide_rows_and_plain_above(monkeypat
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Counting())
     with torch.inference_mode():
-        decode = 0 if kernels.row_products(torch.float32) is not None else 1
-        for shape, packed_calls in (((1, 1, 64), decode), ((1, 2, 64), 1), ((1, WIDE_ROWS, 64), 1),
-                                    ((1, WIDE_ROWS + 1, 64), 0)):
+        few = 0 if kernels.row_products(torch.float32) is not None else 1
+        limit = FEW_ROWS[torch.float32]
+        assert limit < WIDE_ROWS
+        for shape, packed_calls in (((1, 1, 64), few), ((1, 2, 64), few), ((1, limit, 64), few), ((1, limit + 1, 64), 1),
+                                    ((1, WIDE_ROWS, 64), 1), ((1, WIDE_ROWS + 1, 64), 0)):
             calls["packed"] = 0
             x = torch.randn(*shape)
             torch.testing.assert_close(layer(x), plain(x), rtol=1e-5, atol=1e-5)

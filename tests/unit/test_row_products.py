@@ -1,5 +1,6 @@
 """The few-row products (``kernels/rows.cpp``): a decode step's linear layers computed one weight
-row at a time, in bfloat16 (AVX512-BF16 CPUs) and float32 (any AVX2 CPU). Against float64
+row at a time, in bfloat16 (AVX512-BF16 CPUs, up to 4 rows) and float32 (any AVX2 CPU, up to 64
+rows in tiles). Against float64
 products (within the dtype's rounding), each row's result the same whatever the row count, the
 merged and SwiGLU forms, the input checks, and the packed layers' choice between them and oneDNN
 (a row floor keeps oneDNN; without the kernel oneDNN runs)."""
@@ -17,6 +18,7 @@ from fastprefill.host import cpu_info
 from fastprefill.models import packed
 from fastprefill.models.packed import (
     FEW_ROWS,
+    PROMPT_ROWS,
     PackedSwiGLU,
     few_rows_used,
     onednn_bf16,
@@ -83,6 +85,29 @@ def test_products_match_float64_and_each_row_is_computed_alone(k, rows, dtype):
     assert torch.equal(out, one_by_one)  # merging the layers changes no bit
 
 
+@pytest.mark.parametrize("k", [13, 200, 896])
+def test_float32_tiles_give_each_row_its_bits_alone_up_to_the_limit(k):
+    """float32 products of up to ``max_float_rows`` rows (tiles of 4 rows by 3 weight rows, a tile
+    spanning two merged layers, 1-2 columns left at the end) are within float32's rounding of
+    float64's, and each row's output is the bits it gets alone, whatever the row count."""
+    mod = _module(torch.float32)
+    limit = mod.max_float_rows
+    assert limit >= FEW_ROWS[torch.float32]
+    weights = _weights(k, (37, 5, 64), seed=4, dtype=torch.float32)  # 106 columns: blocks cross layers
+    gen = torch.Generator().manual_seed(5)
+    biases = [torch.randn(37, generator=gen), None, torch.randn(64, generator=gen)]
+    x = torch.randn(limit, k, generator=gen)
+    full = mod.products(x, weights, biases)
+    bias = torch.cat([biases[0].double(), torch.zeros(5, dtype=torch.float64), biases[2].double()])
+    _assert_within(full, x.double() @ torch.cat(weights).double().T + bias, torch.float32)
+    alone = torch.cat([mod.products(x[i:i + 1], weights, biases) for i in range(limit)])
+    assert torch.equal(full, alone)
+    for rows in (2, 5, 7, 17, limit - 1):
+        assert torch.equal(mod.products(x[:rows], weights, biases), full[:rows])
+    with pytest.raises(RuntimeError, match=f"few-row float32 products take 1 to {limit} input rows, got {limit + 1}"):
+        mod.products(torch.randn(limit + 1, k), weights, biases)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_swiglu_is_the_activation_of_the_two_products_rounded_as_onednn_rounds_it(rows):
     mod = _module()
@@ -107,7 +132,8 @@ def test_bad_inputs_are_refused_with_what_was_wrong(dtype):
         ((x.half(), [w], [None]), "bfloat16 or float32 CPU tensor"),
         ((x.to(other), [w], [None]), "contiguous 2-D .* CPU tensor \\(N, K\\), as x is"),
         ((torch.randn(1, 32).to(dtype), [w], [None]), "must be the weights' K"),
-        ((torch.randn(5, 64).to(dtype), [w], [None]), "1 to 4 input rows"),
+        ((torch.randn(65 if dtype == torch.float32 else 5, 64).to(dtype), [w], [None]),
+         "1 to 64 input rows" if dtype == torch.float32 else "1 to 4 input rows"),
         ((x, [w.t().contiguous().t()], [None]), f"contiguous 2-D {name}"),
         ((x, [w, _weights(32, (8,), dtype=dtype)[0]], [None, None]), "K = 64"),
         ((x, [w], [torch.zeros(9).to(dtype)]), "weight's N"),
@@ -151,8 +177,8 @@ def _needs(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_packed_model_runs_few_rows_on_the_kernel_and_more_on_onednn(dtype):
     """Up to FEW_ROWS rows of one position go to the kernel (bit for bit its output; a row's bits the
-    same for any count), a prompt's positions and one row more to oneDNN; ``set_few_rows(False)``
-    keeps oneDNN for all."""
+    same for any count), a prompt's positions too in float32 (to oneDNN in bfloat16), one row more
+    to oneDNN; ``set_few_rows(False)`` keeps oneDNN for all."""
     _needs(dtype)
     mod = _module(dtype)
     limit = FEW_ROWS[dtype]
@@ -165,7 +191,8 @@ def test_a_packed_model_runs_few_rows_on_the_kernel_and_more_on_onednn(dtype):
             assert torch.equal(layer(x[:rows]), mod.products(x[:rows], [layer.weight], [layer.bias]))
         assert torch.equal(layer(x[None, :1]), layer(x[:2])[None, :1])  # (1, 1, K): a decode step's shape
         assert torch.equal(layer(x[:2, None]), layer(x[:2])[:, None])  # (2, 1, K): two streams' step
-        assert torch.equal(layer(x[None, :2]), onednn(x[None, :2]))  # (1, 2, K): a prompt's two positions
+        prompt = mod.products(x[:2], [layer.weight], [layer.bias])[None] if dtype in PROMPT_ROWS else onednn(x[None, :2])
+        assert torch.equal(layer(x[None, :2]), prompt)  # (1, 2, K): a prompt's two positions (float32: the kernel)
         with streams_as_rows():  # (1, R, K) as R streams' decode rows (a batched step's layer call)
             assert torch.equal(layer(x[None, :limit]), layer(x[:limit])[None])
             assert torch.equal(layer(x[None]), onednn(x[None]))  # one row more: oneDNN all the same
@@ -288,7 +315,7 @@ def test_the_fused_decoder_layer_runs_a_decode_steps_norms_on_the_kernel(family,
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_streams_decoding_together_run_the_kernel_and_get_their_lone_bits(monkeypatch, dtype):
     """A batched step of up to FEW_ROWS streams (``run_layers``: their rows as one ``(1, R, D)``
-    layer call; two in bfloat16, four in float32) runs its products (and bfloat16's norms) on the
+    layer call; two in bfloat16, forty in float32) runs its products (and bfloat16's norms) on the
     kernel, as each stream's step alone does, so each stream's logits in the batch equal its logits
     alone bit for bit; one stream more takes oneDNN."""
     from fastprefill.batch import DecodeBatch
@@ -299,7 +326,7 @@ def test_streams_decoding_together_run_the_kernel_and_get_their_lone_bits(monkey
     limit = FEW_ROWS[dtype]
     model, _ = models.load("random:qwen2", dtype=str(dtype).removeprefix("torch."), pack=True)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (9, 14, 11, 7, 12)[:limit + 1]]
+    prompts = [torch.randint(0, model.config.vocab_size, (1, 7 + 5 * i % 8), generator=gen) for i in range(limit + 1)]
     calls = []
     real = packed.few_row_kernel
 

@@ -313,12 +313,14 @@ _ROWS_RTOL = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}
 
 def _rows_check(module: Any, dtype: torch.dtype) -> str:
     """Compare the few-row products in ``dtype`` with float64 products on small random inputs (1 to
-    4 rows, an odd ``K``, merged weights with biases; a SwiGLU in bfloat16), each output within the
-    dtype's rounding of the float64 result, and each row's output bit for bit the same whatever the
-    row count; ``""`` if all hold, else what did not."""
+    4 rows; in float32 up to 9 too, across the 4-row tiles; an odd ``K``, merged weights with
+    biases; a SwiGLU in bfloat16), each output within the dtype's rounding of the float64 result,
+    and each row's output bit for bit the same whatever the row count; ``""`` if all hold, else
+    what did not."""
     gen = torch.Generator().manual_seed(0)
     k = 200  # not a multiple of 64 or 32: the masked step runs
-    x = torch.randn(4, k, generator=gen).to(dtype)
+    counts = (1, 2, 3, 4) if dtype == torch.bfloat16 else (1, 2, 3, 4, 5, 8, 9)
+    x = torch.randn(max(counts), k, generator=gen).to(dtype)
     weights = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype) for n in (37, 5)]
     biases = [torch.randn(37, generator=gen).to(dtype), None]
     ref = x.double() @ torch.cat(weights).double().T + torch.cat([biases[0].double(), torch.zeros(5, dtype=torch.float64)])
@@ -326,7 +328,7 @@ def _rows_check(module: Any, dtype: torch.dtype) -> str:
     g = x.double() @ gate.double().T
     swiglu_ref = (g * torch.sigmoid(g)).bfloat16().double() * (x.double() @ up.double().T)
     rtol = _ROWS_RTOL[dtype]
-    for rows in range(1, 5):
+    for rows in counts:
         out = module.products(x[:rows], weights, biases)
         if not torch.allclose(out.double(), ref[:rows], rtol=rtol, atol=1e-3 if dtype == torch.bfloat16 else 1e-5):
             return f"its products differ from float64's beyond {dtype}'s rounding ({rows} rows)"
@@ -361,7 +363,7 @@ def rows_status(dtype: torch.dtype = torch.bfloat16) -> KernelStatus:
 def row_products(dtype: torch.dtype = torch.bfloat16) -> Any | None:
     """The few-row products for ``dtype`` (``rows.cpp``: ``products(x, weights, biases)`` in
     float32 and bfloat16; ``swiglu(x, gate_w, gate_b, up_w, up_b)`` and the norms in bfloat16;
-    1 to ``max_rows`` input rows), loaded and checked, or ``None`` (:func:`rows_status` says why)."""
+    1 to ``max_rows`` input rows, to ``max_float_rows`` in float32), loaded and checked, or ``None`` (:func:`rows_status` says why)."""
     status = rows_status(dtype)
     return _load(status.variant, "rows")[0] if status.available and status.variant else None
 

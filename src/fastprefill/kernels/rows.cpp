@@ -9,11 +9,14 @@
 // plus the bias:
 //   bfloat16: two AVX512-BF16 accumulators (vdpbf16ps) over K, added, reduced, rounded once to
 //   bfloat16 (nearest even, as torch rounds);
-//   float32: two accumulators of fused multiply-adds over K (ATen's vectors: AVX-512 or AVX2, as
-//   the build), added, reduced.
+//   float32: one accumulator of fused multiply-adds over K per output (ATen's vectors: AVX-512 or
+//   AVX2, as the build), reduced; tiles of four input rows by three weight rows, so a product of
+//   more rows (a short prompt's, a hit's suffix, a larger decode batch: up to kMaxFloatRows) reads
+//   each weight row once per four input rows and keeps the FMA units busy.
 //
 // Each output row is computed by the same instructions in the same order whatever the other input
-// rows are: a row's result does not depend on how many rows the call has (1 to kMaxRows).
+// rows are: a row's result does not depend on how many rows the call has (1 to kMaxRows in
+// bfloat16, 1 to kMaxFloatRows in float32).
 //
 //   products(x (R, K), [w_i (N_i, K)], [b_i (N_i) or None]) -> (R, sum N_i): the layers' outputs
 //       side by side (merged q, k and v projections read one input once, as one call); bfloat16
@@ -46,7 +49,8 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;
+constexpr int64_t kMaxRows = 4;        // bfloat16
+constexpr int64_t kMaxFloatRows = 64;  // float32
 
 inline float from_bf16(uint16_t v) {
   uint32_t u = uint32_t(v) << 16;
@@ -88,37 +92,54 @@ inline void dots(const uint16_t* x, const uint16_t* w, int64_t K, float* out) {
 }
 #endif
 
-// out[m] = sum_k x[m, k] w[k] for the R rows of x (row stride K), float32: two accumulators of
-// fused multiply-adds a vector pair apart, the last partial vector zero-filled, added, reduced.
-template <int R>
-inline void dots(const float* x, const float* w, int64_t K, float* out) {
+// y[m * ldy + j] = sum_k x[m, k] w_j[k] for a tile of MR rows of x (row stride K) by NR weight
+// rows w_j, float32: one accumulator of fused multiply-adds per output, over K's vectors in order,
+// the last partial vector zero-filled, then reduced. Every output is computed by the same
+// instructions in the same order whatever the tile's size or place, so a row's result does not
+// depend on the other rows. 4 x 3 accumulators, three weight vectors and one input vector fill
+// AVX2's sixteen registers.
+template <int MR, int NR>
+inline void tile(const float* x, int64_t K, const float* const* w, float* y, int64_t ldy) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
-  Vec a0[R], a1[R];
-  for (int m = 0; m < R; ++m) a0[m] = a1[m] = Vec(0.f);
+  Vec acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) acc[m][j] = Vec(0.f);
   int64_t k = 0;
-  for (; k + 2 * V <= K; k += 2 * V) {
-    const Vec w0 = Vec::loadu(w + k), w1 = Vec::loadu(w + k + V);
-    for (int m = 0; m < R; ++m) {
-      a0[m] = at::vec::fmadd(Vec::loadu(x + m * K + k), w0, a0[m]);
-      a1[m] = at::vec::fmadd(Vec::loadu(x + m * K + k + V), w1, a1[m]);
+  for (; k + V <= K; k += V) {
+    Vec wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = Vec::loadu(w[j] + k);
+    for (int m = 0; m < MR; ++m) {
+      const Vec xv = Vec::loadu(x + m * K + k);
+      for (int j = 0; j < NR; ++j) acc[m][j] = at::vec::fmadd(xv, wv[j], acc[m][j]);
     }
   }
-  for (; k < K; k += V) {  // a vector step, the last one partial (zeros past K)
-    const int64_t count = std::min<int64_t>(V, K - k);
-    const Vec wv = Vec::loadu(w + k, count);
-    for (int m = 0; m < R; ++m) a0[m] = at::vec::fmadd(Vec::loadu(x + m * K + k, count), wv, a0[m]);
+  if (k < K) {
+    const int64_t count = K - k;
+    Vec wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = Vec::loadu(w[j] + k, count);
+    for (int m = 0; m < MR; ++m) {
+      const Vec xv = Vec::loadu(x + m * K + k, count);
+      for (int j = 0; j < NR; ++j) acc[m][j] = at::vec::fmadd(xv, wv[j], acc[m][j]);
+    }
   }
-  for (int m = 0; m < R; ++m)
-    out[m] = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, a0[m] + a1[m]);
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j)
+      y[m * ldy + j] = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc[m][j]);
 }
 
-// An element of T as float, and a float rounded to T (bfloat16 as uint16_t: nearest even).
-inline float to_float(uint16_t v) { return from_bf16(v); }
-inline float to_float(float v) { return v; }
-template <typename T> inline T from_float(float v);
-template <> inline uint16_t from_float<uint16_t>(float v) { return to_bf16(v); }
-template <> inline float from_float<float>(float v) { return v; }
+// tile<MR, NR> over all R rows of x: blocks of four rows, then the rest.
+template <int NR>
+inline void tile_rows(const float* x, int64_t R, int64_t K, const float* const* w, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 4 <= R; m += 4) tile<4, NR>(x + m * K, K, w, y + m * ldy, ldy);
+  switch (R - m) {
+    case 3: tile<3, NR>(x + m * K, K, w, y + m * ldy, ldy); break;
+    case 2: tile<2, NR>(x + m * K, K, w, y + m * ldy, ldy); break;
+    case 1: tile<1, NR>(x + m * K, K, w, y + m * ldy, ldy); break;
+    default: break;
+  }
+}
 
 // One layer's weight and bias: rows [start, start + n) of the merged output.
 template <typename T>
@@ -128,21 +149,48 @@ struct Part {
   int64_t start, n;
 };
 
-template <int R, typename T>
-void products_span(const T* x, const std::vector<Part<T>>& parts, T* y, int64_t K, int64_t N,
+// The float32 products of output columns [n0, n1): blocks of three weight rows (a block may take
+// rows of two layers), each against all R rows of x, the layer's bias added after.
+void float_products_span(const float* x, int64_t R, const std::vector<Part<float>>& parts, float* y, int64_t K,
+                         int64_t N, int64_t n0, int64_t n1) {
+  size_t p = 0;
+  while (n0 >= parts[p].start + parts[p].n) ++p;
+  const float* w[3];
+  float bias[3];
+  for (int64_t n = n0; n < n1;) {
+    const int nr = n + 3 <= n1 ? 3 : 1;
+    for (int j = 0; j < nr; ++j) {
+      while (n + j >= parts[p].start + parts[p].n) ++p;
+      const int64_t row = n + j - parts[p].start;
+      w[j] = parts[p].w + row * K;
+      bias[j] = parts[p].b ? parts[p].b[row] : 0.f;
+    }
+    if (nr == 3) tile_rows<3>(x, R, K, w, y + n, N);
+    else tile_rows<1>(x, R, K, w, y + n, N);
+    for (int64_t m = 0; m < R; ++m)
+      for (int j = 0; j < nr; ++j) y[m * N + n + j] += bias[j];
+    n += nr;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The bfloat16 products of output columns [n0, n1) for R rows of x, one column at a time.
+template <int R>
+void products_span(const uint16_t* x, const std::vector<Part<uint16_t>>& parts, uint16_t* y, int64_t K, int64_t N,
                    int64_t n0, int64_t n1) {
   size_t p = 0;
   while (n0 >= parts[p].start + parts[p].n) ++p;
   float v[R];
   for (int64_t n = n0; n < n1; ++n) {
     if (n >= parts[p].start + parts[p].n) ++p;
-    const Part<T>& part = parts[p];
+    const Part<uint16_t>& part = parts[p];
     const int64_t row = n - part.start;
     dots<R>(x, part.w + row * K, K, v);
-    const float bias = part.b ? to_float(part.b[row]) : 0.f;
-    for (int m = 0; m < R; ++m) y[m * N + n] = from_float<T>(v[m] + bias);
+    const float bias = part.b ? from_bf16(part.b[row]) : 0.f;
+    for (int m = 0; m < R; ++m) y[m * N + n] = to_bf16(v[m] + bias);
   }
 }
+#endif
 
 // Calls fn.template operator()<R>() for the runtime row count R in 1..kMaxRows.
 template <typename F>
@@ -185,10 +233,12 @@ void check_dtype(const torch::Tensor& x) {
 #endif
 }
 
-torch::Tensor check_input(const torch::Tensor& x, int64_t K) {
+// x as (rows, K), contiguous: 1 to max_rows rows of K.
+torch::Tensor check_input(const torch::Tensor& x, int64_t K, int64_t max_rows = kMaxRows) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "x's last dimension (", x.size(-1), ") must be the weights' K (", K, ")");
   const int64_t rows = K ? x.numel() / K : 0;
-  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "few-row products take 1 to ", kMaxRows, " input rows, got ", rows);
+  TORCH_CHECK(rows >= 1 && rows <= max_rows, "few-row ", x.scalar_type() == at::kFloat ? "float32" : "bfloat16",
+              " products take 1 to ", max_rows, " input rows, got ", rows);
   return x.contiguous().view({rows, K});
 }
 
@@ -208,32 +258,57 @@ Part<T> check_part(const torch::Tensor& w, const std::optional<torch::Tensor>& b
 }
 
 template <typename T>
-torch::Tensor products_of(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                          const std::vector<std::optional<torch::Tensor>>& biases) {
-  const int64_t K = weights[0].size(-1);
-  const torch::Tensor rows = check_input(x, K);
+std::vector<Part<T>> parts_of(const std::vector<torch::Tensor>& weights,
+                              const std::vector<std::optional<torch::Tensor>>& biases, at::ScalarType dtype, int64_t K,
+                              int64_t& N) {
   std::vector<Part<T>> parts;
-  int64_t N = 0;
+  N = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
-    parts.push_back(check_part<T>(weights[i], biases[i], x.scalar_type(), K, N));
+    parts.push_back(check_part<T>(weights[i], biases[i], dtype, K, N));
     N += weights[i].size(0);
   }
+  return parts;
+}
+
+torch::Tensor float_products(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                             const std::vector<std::optional<torch::Tensor>>& biases) {
+  const int64_t K = weights[0].size(-1);
+  const torch::Tensor rows = check_input(x, K, kMaxFloatRows);
+  int64_t N = 0;
+  const auto parts = parts_of<float>(weights, biases, at::kFloat, K, N);
   torch::Tensor y = torch::empty({rows.size(0), N}, x.options());
-  const T* xp = reinterpret_cast<const T*>(rows.data_ptr());
-  T* yp = reinterpret_cast<T*>(y.data_ptr());
-  by_rows(rows.size(0), [&](auto r) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { products_span<decltype(r)::value, T>(xp, parts, yp, K, N, n0, n1); });
+  const float* xp = rows.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float_products_span(xp, rows.size(0), parts, yp, K, N, n0, n1);
   });
   return y;
 }
+
+#if defined(__AVX512BF16__)
+torch::Tensor bf16_products(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                            const std::vector<std::optional<torch::Tensor>>& biases) {
+  const int64_t K = weights[0].size(-1);
+  const torch::Tensor rows = check_input(x, K);
+  int64_t N = 0;
+  const auto parts = parts_of<uint16_t>(weights, biases, at::kBFloat16, K, N);
+  torch::Tensor y = torch::empty({rows.size(0), N}, x.options());
+  const uint16_t* xp = data(rows);
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  by_rows(rows.size(0), [&](auto r) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { products_span<decltype(r)::value>(xp, parts, yp, K, N, n0, n1); });
+  });
+  return y;
+}
+#endif
 
 torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                        const std::vector<std::optional<torch::Tensor>>& biases) {
   check_dtype(x);
   TORCH_CHECK(!weights.empty() && weights.size() == biases.size(), "one bias (or None) per weight");
-  if (x.scalar_type() == at::kFloat) return products_of<float>(x, weights, biases);
+  if (x.scalar_type() == at::kFloat) return float_products(x, weights, biases);
 #if defined(__AVX512BF16__)
-  return products_of<uint16_t>(x, weights, biases);
+  return bf16_products(x, weights, biases);
 #else
   TORCH_CHECK(false, "unreachable: check_dtype refuses bfloat16 in this build");
 #endif
@@ -304,7 +379,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& resid
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("products", &products, "x (R,K) times each weight (N_i,K), plus its bias -> (R, sum N_i), bfloat16 or float32, R <= 4",
+  m.def("products", &products, "x (R,K) times each weight (N_i,K), plus its bias -> (R, sum N_i), bfloat16 (R <= 4) or float32 (R <= 64)",
         py::arg("x"), py::arg("weights"), py::arg("biases"));
   m.def("swiglu", &swiglu, "silu(x w_gate^T + b_gate) * (x w_up^T + b_up) -> (R, I), bfloat16, R <= 4",
         py::arg("x"), py::arg("gate_w"), py::arg("gate_b"), py::arg("up_w"), py::arg("up_b"));
@@ -313,4 +388,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(residual + x, RMSNorm(residual + x)), each (R,D), bfloat16, R <= 4",
         py::arg("residual"), py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.attr("max_rows") = kMaxRows;
+  m.attr("max_float_rows") = kMaxFloatRows;
 }

@@ -21,7 +21,7 @@ padding, nothing copied between steps), and a stream's rows see exactly the keys
 it decodes alone; only the shared matrix products run over more rows. Where every group is one
 row (each stream's decode position), the layer call and the head run inside
 :func:`fastprefill.models.packed.streams_as_rows`, so up to
-:data:`~fastprefill.models.packed.FEW_ROWS` such rows (two in bfloat16, four in float32) take the
+:data:`~fastprefill.models.packed.FEW_ROWS` such rows (two in bfloat16, forty in float32) take the
 few-row kernel, which computes each row alone: a stream's row then gets the bits it gets decoding alone.
 
 Shapes: hidden ``(1, R, D)``; positions ``(R,)`` int64; rotary ``(cos, sin)`` each ``(1, R, d)``;

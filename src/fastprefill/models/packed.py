@@ -30,12 +30,14 @@ padded with zero rows, set by :mod:`fastprefill.models.row_floor`.
 A decode step's product, at most :data:`FEW_ROWS` rows of one position each (one stream, or a
 small batch: :func:`decode_rows`), runs on fastprefill's few-row products instead
 (:func:`fastprefill.kernels.row_products`), where they are built: in bfloat16 where the CPU has
-AVX512-BF16, in float32 on any CPU with AVX2. oneDNN's few-row products read the weights at about
-half (bfloat16) or two thirds (float32, as MKL's) of the rate the cores can stream them; these
-read the plain weight in order (``docs/results/attention.md`` and ``docs/results/native-precision.md``
-have the measurements). They compute each row alone, so its result
-is the same for one row or two, though not the same bits as the row inside a prompt-sized
-product. A model given a row floor (:func:`fastprefill.models.row_floor.set_row_floor`, any but 1) keeps oneDNN for every
+AVX512-BF16, in float32 on any CPU with AVX2. In float32 (:data:`PROMPT_ROWS`) so does a
+prompt's product of at most that many positions (a prefix-cache hit's suffix, a short prompt).
+oneDNN's few-row products read the weights at about half (bfloat16) or two thirds (float32, as
+MKL's) of the rate the cores can stream them, and its float32 products of a few dozen rows ran
+below the kernel's tiles; these read the plain weight in order (``docs/results/attention.md`` and
+``docs/results/native-precision.md`` have the measurements). They compute each row alone, so its
+result is the same for any number of rows up to the limit, though not the same bits as the row
+inside a prompt-sized product. A model given a row floor (:func:`fastprefill.models.row_floor.set_row_floor`, any but 1) keeps oneDNN for every
 product, so the floor's promise holds; :func:`set_few_rows` turns them off (or on) for a model.
 """
 
@@ -52,15 +54,21 @@ import torch
 
 from fastprefill.kernels import row_products, rows_status
 
-__all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "WIDE_ROWS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack",
-           "decode_rows", "few_row_kernel", "few_rows_used", "fits_in_memory", "linear_bytes", "linears_packed",
+__all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "PROMPT_ROWS", "WIDE_ROWS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack",
+           "decode_rows", "few_row_kernel", "few_rows_used", "fits_in_memory", "kernel_rows", "linear_bytes",
+           "linears_packed",
            "onednn_bf16", "pack_linears", "packable", "set_few_rows", "streams_as_rows"]
 
 #: Products of at most this many input rows, by dtype, run on the few-row kernel where it applies
 #: (more run on oneDNN): in bfloat16, from three or four rows on, oneDNN's products were as fast or
-#: faster on the AVX512-BF16 machine measured; in float32 the kernel was the faster one up to its
-#: limit of four rows on the AVX2 EPYC measured.
-FEW_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 2, torch.float32: 4}
+#: faster on the AVX512-BF16 machine measured; in float32 the kernel's tiles were the faster ones
+#: up to about 40 rows on the AVX2 EPYC measured (``docs/decisions.md``).
+FEW_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 2, torch.float32: 40}
+#: The dtypes whose few-row products take a prompt's positions too (a hit's suffix, a short prompt
+#: or chunk), not only a decode step's rows: float32, where a prompt's rows already get other bits
+#: inside a longer prompt (more than :data:`WIDE_ROWS` rows run on MKL). In bfloat16 a prompt's
+#: positions stay on oneDNN, whose products give them the bits they get inside a longer prompt.
+PROMPT_ROWS: frozenset[torch.dtype] = frozenset({torch.float32})
 #: float32 products of more input rows than this run on the plain weight (``F.linear``: MKL's
 #: sgemm in torch's CPU wheels), fewer on the packed copy: on the AVX2 EPYC, timed by shape and
 #: row count, oneDNN's packed products of up to 64 rows were the faster ones and MKL's of 512
@@ -315,11 +323,19 @@ def decode_rows(x: torch.Tensor) -> bool:
     return 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS.get(x.dtype, 0)
 
 
+def kernel_rows(x: torch.Tensor) -> bool:
+    """Whether the few-row kernel takes ``x``'s rows: :func:`decode_rows`, or in a dtype of
+    :data:`PROMPT_ROWS` any ``(..., D)`` input of at most :data:`FEW_ROWS` rows (a prompt's positions too)."""
+    if x.dtype in PROMPT_ROWS and x.dim() >= 1:
+        return 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS.get(x.dtype, 0)
+    return decode_rows(x)
+
+
 def few_row_kernel(x: torch.Tensor, layers: list[PackedLinear]) -> Any | None:
     """The few-row kernel if it computes ``layers``' products of ``x`` (the caller checked that the
-    packed product applies): bfloat16 or float32 :func:`decode_rows`, every layer with ``few_rows`` on, no
-    row floor and a contiguous weight, and the kernel built and checked here."""
-    if not decode_rows(x):  # a dtype without a FEW_ROWS entry never is
+    packed product applies): :func:`kernel_rows`, every layer with ``few_rows`` on, no row floor
+    and a contiguous weight, and the kernel built and checked here."""
+    if not kernel_rows(x):  # a dtype without a FEW_ROWS entry never is
         return None
     if not all(m.few_rows and m.row_floor == 1 and m.weight.is_contiguous() for m in layers):
         return None
