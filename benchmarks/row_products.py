@@ -1,8 +1,8 @@
 """The few-row products (``kernels/rows.cpp``) against oneDNN's, on a real model in one process,
 timed interleaved: the same packed modules with :func:`fastprefill.models.packed.set_few_rows`
-switched on (``kernel``) and off (``onednn``). The decoder layers' norms follow the switch
-(:class:`fastprefill.models.fused.FusedDecoderLayer`), so ``onednn`` is the decode step as it ran
-before the kernel: oneDNN's products and the norms' compiled graphs.
+switched on (``kernel``) and off (``onednn``). A bfloat16 decode step's norms follow the switch
+(:class:`fastprefill.models.fused.FusedDecoderLayer`: the kernel's, or eager's with it off), so
+``onednn`` is the decode step with oneDNN's products and nothing else changed.
 
 - **products alone**: each product form of a decoder layer (the merged q/k/v projections, the
   output projection, the SwiGLU MLP: gate and up with the activation, then down) and the LM head,

@@ -204,6 +204,7 @@ class FusedDecoderLayer(torch.nn.Module):
             return None
         return few_row_kernel(hidden, [o_proj])
 
+
 @functools.cache
 def _layer_class(cls: type) -> type:
     """``cls`` (a family's decoder layer class) with :class:`FusedDecoderLayer`'s forward."""

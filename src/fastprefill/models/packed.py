@@ -54,10 +54,10 @@ import torch
 
 from fastprefill.kernels import row_products, rows_status
 
-__all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "PROMPT_ROWS", "WIDE_ROWS", "MergedProduct", "PackedLinear", "PackedSwiGLU", "can_pack",
-           "decode_rows", "few_row_kernel", "few_rows_used", "fits_in_memory", "kernel_rows", "linear_bytes",
-           "linears_packed",
-           "onednn_bf16", "pack_linears", "packable", "set_few_rows", "streams_as_rows"]
+__all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "PROMPT_ROWS", "WIDE_ROWS", "MergedProduct", "PackedLinear",
+           "PackedSwiGLU", "can_pack", "decode_rows", "few_row_kernel", "few_rows_used", "fits_in_memory",
+           "kernel_rows", "linear_bytes", "linears_packed", "onednn_bf16", "pack_linears", "packable", "set_few_rows",
+           "streams_as_rows"]
 
 #: Products of at most this many input rows, by dtype, run on the few-row kernel where it applies
 #: (more run on oneDNN): in bfloat16, from three or four rows on, oneDNN's products were as fast or
