@@ -320,15 +320,20 @@ def decode_rows(x: torch.Tensor) -> bool:
     streams = _STREAM_ROWS.get() and x.dim() == 3 and x.shape[0] == 1
     if x.dim() == 0 or (x.dim() >= 3 and x.shape[-2] != 1 and not streams):
         return False
-    return 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS.get(x.dtype, 0)
+    return _few_rows(x)
 
 
 def kernel_rows(x: torch.Tensor) -> bool:
     """Whether the few-row kernel takes ``x``'s rows: :func:`decode_rows`, or in a dtype of
     :data:`PROMPT_ROWS` any ``(..., D)`` input of at most :data:`FEW_ROWS` rows (a prompt's positions too)."""
     if x.dtype in PROMPT_ROWS and x.dim() >= 1:
-        return 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS.get(x.dtype, 0)
+        return _few_rows(x)
     return decode_rows(x)
+
+
+def _few_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` ``(..., D)`` holds 1 to :data:`FEW_ROWS` (of its dtype; none without an entry) rows of ``D``."""
+    return 1 <= x.numel() // max(x.shape[-1], 1) <= FEW_ROWS.get(x.dtype, 0)
 
 
 def few_row_kernel(x: torch.Tensor, layers: list[PackedLinear]) -> Any | None:
