@@ -12,16 +12,21 @@ Each setting runs once as a warm-up, then ``--repeats`` times, packed and unpack
 Reported: medians, ``unpacked / packed`` per setting, and whether the greedy next token agrees.
 With ``--against unfused`` the baseline is the same model packed with its MLPs left unfused
 (``pack_linears`` without ``fuse_mlps``, its MLPs compiled as before), so the comparison is what
-fusing the SwiGLU into the products adds: ``fused`` against ``unfused``. With ``--against
+fusing the SwiGLU into the products adds: ``fused`` against ``unfused`` (a float32 model, which
+loads unfused, is fused for it). With ``--against
 own-attention`` the baseline is the same model with its attention modules' own forward
 (``fuse_attention(model, fused=False)``: transformers' rotary passes, three q/k/v products), so the comparison is
-what fastprefill's attention forward adds (``fuse_attention``); its rows also give the median of
-the per-round paired ratios with their range.
+what fastprefill's attention forward adds (``fuse_attention``). With ``--against mkl-wide`` (float32)
+the baseline is the same packed model with its products of more than ``--wide-rows`` rows on the
+plain weight (``set_wide_rows``: MKL's sgemm), so the comparison is oneDNN's packed products
+against MKL's for prompt-sized inputs. These last two give the median of the per-round paired
+ratios with their range.
 
     python benchmarks/packed_bench.py --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b --lengths 2048 4096
     python benchmarks/packed_bench.py --against unfused
     python benchmarks/packed_bench.py --against own-attention --model qwen2.5-coder-0.5b
     python benchmarks/packed_bench.py --model qwen2.5-coder-0.5b --lengths 2048 --dtype float32 --pack
+    python benchmarks/packed_bench.py --against mkl-wide --model qwen2.5-coder-0.5b --dtype float32
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ import torch
 from fastprefill.bench.records import environment, result_name
 from fastprefill.host import DTYPES, keep_freed_memory, set_threads
 from fastprefill.models import load as load_model
+from fastprefill.models.adapters import fuse_mlps
 from fastprefill.models.fused import fuse_attention
-from fastprefill.models.packed import linears_packed, pack_linears
+from fastprefill.models.packed import linears_packed, pack_linears, set_wide_rows
 from reporting import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -70,24 +76,29 @@ def _runs(model: Any, ids: torch.Tensor, suffix: int) -> dict[str, tuple[float, 
 
 
 def _labels(against: str) -> tuple[str, str]:
-    """What the default load and its baseline are called: packed / unpacked, fused / unfused, or
-    fused attention / own attention."""
+    """What the default load and its baseline are called: packed / unpacked, fused / unfused,
+    fused attention / own attention, or oneDNN / MKL wide."""
     return {"unpacked": ("packed", "unpacked"), "unfused": ("fused", "unfused"),
-            "own-attention": ("fused attention", "own attention")}[against]
+            "own-attention": ("fused attention", "own attention"), "mkl-wide": ("oneDNN", "MKL wide")}[against]
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     new, base = _labels(args.against)
     packed, _ = load_model(name, dtype=args.dtype, pack=args.pack or None, progress=False)
-    base_pack = (args.pack or None) if args.against == "own-attention" else False  # own attention: packed as new
+    base_pack = (args.pack or None) if args.against in ("own-attention", "mkl-wide") else False  # packed as new
     baseline, _ = load_model(name, dtype=args.dtype, pack=base_pack, progress=False)
     if not linears_packed(packed):
         raise SystemExit(f"{name} in {args.dtype} is not packed on this machine (--pack packs it anyway): "
                          "nothing to compare")
     if args.against == "unfused":
+        fuse_mlps(packed)  # a float32 model loads unfused
         pack_linears(baseline)  # packed, MLPs as the model has them (compiled)
     if args.against == "own-attention":
         fuse_attention(baseline, fused=False)  # everything else as loaded
+    if args.against == "mkl-wide":
+        if packed.dtype != torch.float32:
+            raise SystemExit(f"--against mkl-wide compares float32 products; {name} loaded in {packed.dtype}")
+        set_wide_rows(baseline, args.wide_rows)
     models = {new: packed, base: baseline}
     rows = []
     for length in args.lengths:
@@ -112,8 +123,9 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         rows.append(row)
         print(f"{name} {length}: " + ", ".join(
             f"{s} {med[new][s] * 1000:.1f} ms {new} / {med[base][s] * 1000:.1f} {base}" for s in SETTINGS), flush=True)
+    extra = {"wide_rows": args.wide_rows} if args.against == "mkl-wide" else {}
     return {"model": name, "against": args.against, "suffix": args.suffix, "repeats": args.repeats, "rows": rows,
-            "environment": environment(args.threads, packed)}
+            **extra, "environment": environment(args.threads, packed)}
 
 
 def machine(env: dict[str, Any]) -> str:
@@ -128,7 +140,9 @@ def markdown(result: dict[str, Any]) -> str:
     title = {"unpacked": "Packed against unpacked linear weights",
              "unfused": "SwiGLU fused into the packed products against packed unfused MLPs",
              "own attention": ("fastprefill's attention forward (one-pass rotary, one q/k/v product) "
-                               "against the model's own")}[base]
+                               "against the model's own"),
+             "MKL wide": (f"Products of more than {result.get('wide_rows')} rows on oneDNN's packed weights "
+                          "against MKL's plain ones")}[base]
     lines = [f"# {title}: {result['model']}, {env['dtype']}", "",
              (f"{machine(env)}. Medians of {result['repeats']} runs each, {new} and {base} "
               f"alternating; hit: the last {result['suffix']} tokens over the cached rest."), "",
@@ -179,16 +193,22 @@ def run_all(args: argparse.Namespace, prefix: str, run: Any, render: Any, stem: 
 
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__, repeats=5)
-    p.add_argument("--against", choices=("unpacked", "unfused", "own-attention"), default="unpacked",
-                   help="the baseline: the model unpacked, packed with its MLPs unfused, or with its attention "
-                        "modules' own forward")
+    p.add_argument("--against", choices=("unpacked", "unfused", "own-attention", "mkl-wide"), default="unpacked",
+                   help="the baseline: the model unpacked, packed with its MLPs unfused, with its attention "
+                        "modules' own forward, or (float32) with its products of more than --wide-rows rows on MKL")
+    p.add_argument("--wide-rows", type=int, default=128,
+                   help="with --against mkl-wide: the baseline's products of more rows than this run on MKL")
     p.add_argument("--pack", action="store_true",
                    help="pack where the default does not (a float32 model); results named <prefix>_<model>_<dtype>")
     args = p.parse_args(argv)
     if min(args.lengths) <= args.suffix or args.suffix < 1 or args.repeats < 1:
         p.error("every length must exceed --suffix >= 1, and --repeats >= 1")
-    prefix = {"unpacked": "packed", "unfused": "fused", "own-attention": "fused_attention"}[args.against]
-    stem = (lambda name, result: f"{prefix}_{name}_{result['environment']['dtype']}") if args.pack else None
+    if args.wide_rows < 0:
+        p.error("--wide-rows takes a non-negative number of rows")
+    prefix = {"unpacked": "packed", "unfused": "fused", "own-attention": "fused_attention",
+              "mkl-wide": "wide_rows"}[args.against]
+    dtyped = args.pack or args.dtype != "auto" or args.against == "mkl-wide"
+    stem = (lambda name, result: f"{prefix}_{name}_{result['environment']['dtype']}") if dtyped else None
     run_all(args, prefix, run_model, markdown, stem=stem)
 
 

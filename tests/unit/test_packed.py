@@ -22,7 +22,6 @@ from fastprefill.models import row_floor
 from fastprefill.models.adapters import blocks_compiled, fuse_mlps, swiglu_mlps
 from fastprefill.models.packed import (
     FEW_ROWS,
-    WIDE_ROWS,
     MergedProduct,
     PackedLinear,
     PackedSwiGLU,
@@ -31,6 +30,7 @@ from fastprefill.models.packed import (
     onednn_bf16,
     pack_linears,
     packable,
+    set_wide_rows,
 )
 from fastprefill.models.row_floor import ROW_FLOORS, chunked, row_floor_for, set_row_floor
 
@@ -166,11 +166,11 @@ def test_float32_packs_by_default_where_the_copy_fits_in_memory(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-def test_a_float32_product_runs_packed_up_to_wide_rows_and_plain_above(monkeypatch):
+def test_a_float32_product_runs_on_the_kernel_then_packed_and_plain_only_above_wide_rows(monkeypatch):
     """Up to FEW_ROWS rows (a decode step's, a prompt's few positions) on the few-row kernel where it
-    runs here, more on oneDNN's packed copy, more than WIDE_ROWS on the plain weight (MKL), counted
-    by the oneDNN calls each makes; all equal the plain product to float32 rounding. A row floor
-    keeps every product packed."""
+    runs here, more on oneDNN's packed copy at any row count by default; with ``set_wide_rows(n)``
+    more than n on the plain weight (MKL). Counted by the oneDNN calls each makes; all equal the
+    plain product to float32 rounding. A row floor keeps every product packed."""
     layer = torch.nn.Linear(64, 48).float()
     plain = copy.deepcopy(layer)
     pack_linears(layer)
@@ -185,21 +185,37 @@ def test_a_float32_product_runs_packed_up_to_wide_rows_and_plain_above(monkeypat
         def __getattr__(self, name):
             return getattr(real, name)
 
+    def packed_calls(shape: tuple[int, ...]) -> int:
+        calls["packed"] = 0
+        x = torch.randn(*shape)
+        torch.testing.assert_close(layer(x), plain(x), rtol=1e-5, atol=1e-5)
+        return calls["packed"]
+
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Counting())
     with torch.inference_mode():
         few = 0 if kernels.row_products(torch.float32) is not None else 1
         limit = FEW_ROWS[torch.float32]
-        assert limit < WIDE_ROWS
-        for shape, packed_calls in (((1, 1, 64), few), ((1, 2, 64), few), ((1, limit, 64), few), ((1, limit + 1, 64), 1),
-                                    ((1, WIDE_ROWS, 64), 1), ((1, WIDE_ROWS + 1, 64), 0)):
-            calls["packed"] = 0
-            x = torch.randn(*shape)
-            torch.testing.assert_close(layer(x), plain(x), rtol=1e-5, atol=1e-5)
-            assert calls["packed"] == packed_calls, shape
+        assert layer.wide_rows is None
+        for shape, expected in (((1, 1, 64), few), ((1, 2, 64), few), ((1, limit, 64), few), ((1, limit + 1, 64), 1),
+                                ((1, 129, 64), 1), ((2, 700, 64), 1)):
+            assert packed_calls(shape) == expected, shape
+        assert set_wide_rows(layer, 128) == 1
+        for shape, expected in (((1, limit, 64), few), ((1, 128, 64), 1), ((1, 129, 64), 0), ((2, 700, 64), 0)):
+            assert packed_calls(shape) == expected, shape
         set_row_floor(layer, 2)
-        calls["packed"] = 0
-        layer(torch.randn(1, WIDE_ROWS + 1, 64))
-        assert calls["packed"] == 1
+        assert packed_calls((1, 129, 64)) == 1
+        set_row_floor(layer, 1)
+        set_wide_rows(layer, None)
+        assert packed_calls((1, 129, 64)) == 1
+
+
+@pytest.mark.parametrize("rows", [-1, 1.5, "128", True])
+def test_set_wide_rows_refuses_what_is_not_a_row_count(rows):
+    layer = torch.nn.Linear(8, 8)
+    pack_linears(layer)
+    with pytest.raises(ValueError, match="non-negative number of rows"):
+        set_wide_rows(layer, rows)
+    assert layer.wide_rows is None
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -260,9 +276,44 @@ def test_a_fused_mlp_computes_the_swiglu_inside_the_products(make_ids):
         assert isinstance(thawed, PackedSwiGLU) and torch.equal(thawed(x), got)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_a_float32_fused_mlp_gives_a_few_rows_their_unfused_bits_and_a_prompt_the_formula(monkeypatch):
+    """A float32 model keeps its MLPs unfused; fused on request (``fuse_mlps``), up to FEW_ROWS
+    rows take the few-row kernel (gate and up in one call) and get the bits of the unfused formula
+    over the same layers, each row whatever the row count; more rows take oneDNN's post-ops, the
+    formula to float32 rounding; with ``wide_rows`` set, a product above it is the formula on the
+    plain weights exactly."""
+    model, _ = models.load("random:llama", dtype="float32", pack=True)
+    assert not isinstance(model.model.layers[0].mlp, PackedSwiGLU)
+    assert fuse_mlps(model) == len(model.model.layers)
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, PackedSwiGLU)
+
+    def formula(x: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    limit = FEW_ROWS[torch.float32]
+    x = torch.randn(1, limit + 60, model.config.hidden_size)
+    on_kernel = kernels.row_products(torch.float32) is not None
+    with torch.inference_mode():
+        for rows in (1, 3, limit):
+            got = mlp(x[:, :rows])
+            if on_kernel:
+                assert torch.equal(got, formula(x[:, :rows])), rows
+                assert torch.equal(got[:, :1], mlp(x[:, :1])), rows  # a row's bits do not depend on the count
+            else:  # oneDNN's post-ops round once
+                torch.testing.assert_close(got, formula(x[:, :rows]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mlp(x), formula(x), rtol=1e-5, atol=1e-5)
+        set_wide_rows(mlp, limit)
+        plain = torch.nn.functional.linear
+        want = mlp.down_proj(mlp.act_fn(plain(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
+                             * plain(x, mlp.up_proj.weight, mlp.up_proj.bias))
+        assert torch.equal(mlp(x), want)
+
+
 @needs_onednn_bf16
 def test_only_packed_swiglu_mlps_are_fused():
-    """Unpacked layers, a float32 model and a family outside the layer-loop ones keep their MLPs."""
+    """Unpacked layers, an unpacked float32 model and a family outside the layer-loop ones keep their MLPs."""
     unpacked, _ = models.load("random:qwen2", dtype="bfloat16")
     assert fuse_mlps(unpacked) == 0 and not isinstance(unpacked.model.layers[0].mlp, PackedSwiGLU)
     gpt2, _ = models.load("random:gpt2", dtype="bfloat16", pack=True)

@@ -7,10 +7,11 @@ reads in that layout; a weight reordered once into oneDNN's blocked layout
 IPEX apply) multiplies faster on CPUs with AMX or AVX512-BF16 units, for prompt-sized and
 one-row inputs alike (measured in ``docs/results/native-precision.md``). oneDNN may pick another
 kernel for a packed weight than for a plain one, so a result can differ in its last bits.
-In float32 (on the AVX2 EPYC measured) oneDNN's packed products of a few rows (a decode step, a
-hit's suffix, the LM head's row) ran faster than MKL's plain ones, while MKL's were faster for
-prompt-sized inputs: a float32 product of more than :data:`WIDE_ROWS` rows runs on the plain
-weight, and a float32 model keeps its compiled MLPs (no :class:`PackedSwiGLU`).
+In float32 (on the AVX2 EPYC measured) oneDNN's packed products ran faster than MKL's plain
+ones (``F.linear``) for a few rows (a decode step, a hit's suffix, the LM head's row) and for
+prompt-sized inputs alike; :func:`set_wide_rows` sends a float32 layer's products of more than a
+given number of rows to the plain weight instead, for a machine where MKL's are the faster ones.
+A float32 model keeps its compiled MLPs (no :class:`PackedSwiGLU`).
 
 :func:`pack_linears` turns every ``torch.nn.Linear`` of a model into a :class:`PackedLinear`
 in place: the same module (its ``weight`` and ``bias`` parameters stay, so fingerprints,
@@ -54,10 +55,10 @@ import torch
 
 from fastprefill.kernels import row_products, rows_status
 
-__all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "PROMPT_ROWS", "WIDE_ROWS", "MergedProduct", "PackedLinear",
-           "PackedSwiGLU", "can_pack", "decode_rows", "few_row_kernel", "few_rows_used", "fits_in_memory",
-           "kernel_rows", "linear_bytes", "linears_packed", "onednn_bf16", "pack_linears", "packable", "set_few_rows",
-           "streams_as_rows"]
+__all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "PROMPT_ROWS", "MergedProduct", "PackedLinear", "PackedSwiGLU",
+           "can_pack", "decode_rows", "few_row_kernel", "few_rows_used", "fits_in_memory", "kernel_rows",
+           "linear_bytes", "linears_packed", "onednn_bf16", "pack_linears", "packable", "set_few_rows",
+           "set_wide_rows", "streams_as_rows"]
 
 #: Products of at most this many input rows, by dtype, run on the few-row kernel where it applies
 #: (more run on oneDNN): in bfloat16, from three or four rows on, oneDNN's products were as fast or
@@ -66,14 +67,9 @@ __all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "PROMPT_ROWS", "WIDE_ROWS", "Merged
 FEW_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 2, torch.float32: 40}
 #: The dtypes whose few-row products take a prompt's positions too (a hit's suffix, a short prompt
 #: or chunk), not only a decode step's rows: float32, where a prompt's rows already get other bits
-#: inside a longer prompt (more than :data:`WIDE_ROWS` rows run on MKL). In bfloat16 a prompt's
+#: inside a longer prompt (more than :data:`FEW_ROWS` rows run on oneDNN). In bfloat16 a prompt's
 #: positions stay on oneDNN, whose products give them the bits they get inside a longer prompt.
 PROMPT_ROWS: frozenset[torch.dtype] = frozenset({torch.float32})
-#: float32 products of more input rows than this run on the plain weight (``F.linear``: MKL's
-#: sgemm in torch's CPU wheels), fewer on the packed copy: on the AVX2 EPYC, timed by shape and
-#: row count, oneDNN's packed products of up to 64 rows were the faster ones and MKL's of 512
-#: rows and more for most shapes, the two about even at 128 (``docs/decisions.md``).
-WIDE_ROWS = 128
 
 
 def onednn_bf16() -> bool:
@@ -138,9 +134,11 @@ class PackedLinear(torch.nn.Linear):
     #: fewer input rows are padded with zero rows up to this many
     #: (:func:`fastprefill.models.row_floor.set_row_floor`; 1: never)
     row_floor: int = 1
-    #: products of up to :data:`FEW_ROWS` rows may run on the few-row kernel, and float32 products
-    #: of more than :data:`WIDE_ROWS` rows on the plain weight (:func:`set_few_rows`)
+    #: products of up to :data:`FEW_ROWS` rows may run on the few-row kernel (:func:`set_few_rows`)
     few_rows: bool = True
+    #: float32 products of more input rows than this run on the plain weight (``F.linear``: MKL's
+    #: sgemm in torch's CPU wheels) instead of the packed copy; ``None``: none do (:func:`set_wide_rows`)
+    wide_rows: int | None = None
 
     def repack(self, rows: int = 2048) -> None:
         """(Re)make the packed copy of ``weight`` (oneDNN picks its layout for ``rows`` input rows;
@@ -157,10 +155,10 @@ class PackedLinear(torch.nn.Linear):
                 and not (torch.is_grad_enabled() and weight.requires_grad))
 
     def plain(self, x: torch.Tensor) -> bool:
-        """Whether a float32 product of ``x`` has more than :data:`WIDE_ROWS` rows and ``few_rows``
-        is on (no row floor): it runs on the plain weight, where MKL is the faster library."""
-        return (self.few_rows and x.dtype == torch.float32 and self.row_floor == 1
-                and x.numel() > WIDE_ROWS * x.shape[-1])
+        """Whether a float32 product of ``x`` has more than ``wide_rows`` rows (no row floor): it
+        runs on the plain weight (MKL's sgemm) instead of the packed copy."""
+        return (self.wide_rows is not None and x.dtype == torch.float32 and self.row_floor == 1
+                and x.numel() > self.wide_rows * x.shape[-1])
 
     def packed_weight(self) -> torch.Tensor:
         """The packed copy of ``weight``, re-made first if the weight changed since."""
@@ -202,9 +200,12 @@ class PackedSwiGLU(torch.nn.Module):
     products apply, the gate's product applies SiLU to its float32 accumulator before rounding
     (oneDNN's ``swish`` post-op) and the up product multiplies its accumulator by that (the
     ``mul`` binary post-op), so the two ``(B, T, I)`` element-wise passes the MLP would make over
-    memory are not made; otherwise (another device, dtype or autograd) it computes the formula
-    with the layers' own calls. Rounding once instead of three times, it can differ from the
-    unfused MLP in the last bits. Made by :func:`fastprefill.models.adapters.fuse_mlps`.
+    memory are not made; otherwise (another device, dtype or autograd, or a float32 product its
+    layers' ``wide_rows`` sends to the plain weight) it computes the formula with the layers' own
+    calls. Rounding once instead of three times, it can differ from the unfused MLP in the last
+    bits. Rows for the few-row kernel take it: in bfloat16 its own SwiGLU, in float32 the gate's
+    and the up products in one call and the activation after. Made by
+    :func:`fastprefill.models.adapters.fuse_mlps`.
 
     Shapes: ``(..., D)`` -> ``(..., D)``, through ``(..., I)``.
     """
@@ -217,12 +218,16 @@ class PackedSwiGLU(torch.nn.Module):
     @torch.compiler.disable  # opaque oneDNN tensors, as PackedLinear
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj, self.up_proj
-        if not (gate.applies(x) and up.applies(x)):
+        if not (gate.applies(x) and up.applies(x)) or gate.plain(x) or up.plain(x):
             return self.down_proj(self.act_fn(gate(x)) * up(x))
         kernel = few_row_kernel(x, [gate, up])
-        if kernel is not None:
+        if kernel is not None and x.dtype == torch.bfloat16:
             act = kernel.swiglu(x, gate.weight, gate.bias, up.weight, up.bias)  # (R, I)
             return self.down_proj(act.view(*x.shape[:-1], gate.out_features))
+        if kernel is not None:  # float32: both products in one call, each output as in its own layer's
+            both = kernel.products(x, [gate.weight, up.weight], [gate.bias, up.bias])  # (R, 2 I)
+            g, u = both.view(*x.shape[:-1], 2 * gate.out_features).split(gate.out_features, dim=-1)
+            return self.down_proj(self.act_fn(g) * u)
         linear = torch.ops.mkldnn._linear_pointwise
 
         def product(t: torch.Tensor) -> torch.Tensor:
@@ -349,12 +354,29 @@ def few_row_kernel(x: torch.Tensor, layers: list[PackedLinear]) -> Any | None:
 
 def set_few_rows(model: torch.nn.Module, enabled: bool = True) -> int:
     """Let every :class:`PackedLinear` of ``model`` run its products of up to :data:`FEW_ROWS`
-    rows on the few-row kernel and its float32 products of more than :data:`WIDE_ROWS` rows on
-    the plain weight (the default), or keep them all on oneDNN's packed product
+    rows on the few-row kernel (the default), or keep them on oneDNN's packed product
     (``enabled=False``). Returns the number of layers set."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     for layer in layers:
         layer.few_rows = bool(enabled)
+    return len(layers)
+
+
+def set_wide_rows(model: torch.nn.Module, rows: int | None) -> int:
+    """Run every :class:`PackedLinear` of ``model``'s float32 products of more than ``rows`` input
+    rows on the plain weight (``F.linear``: MKL's sgemm in torch's CPU wheels) instead of oneDNN's
+    packed copy, for a CPU where MKL's prompt-sized products are the faster ones; ``None`` (the
+    default): every product on the packed copy (or the few-row kernel). A row floor keeps every
+    product packed. Returns the number of layers set.
+
+    Raises:
+        ValueError: ``rows`` is not ``None`` or a non-negative int.
+    """
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+        raise ValueError(f"wide rows {rows!r}: give a non-negative number of rows, or None to keep every product packed")
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    for layer in layers:
+        layer.wide_rows = rows
     return len(layers)
 
 
