@@ -29,6 +29,7 @@ from fastprefill.models import fused
 from fastprefill.models import load as load_model
 from fastprefill.models.adapters import DecoderAdapter, blocks_compiled
 from packed_bench import RESULTS, machine, run_all
+from reporting import paired_ratios
 
 MODES = ("eager", "compiled")
 
@@ -80,9 +81,8 @@ def cell(rows: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """Both modes' median ms and the paired ratio ``compiled / eager`` (median, min, max) at ``n`` rows."""
     pick = sorted((r for r in rows if r["rows"] == n), key=lambda r: r["round"])
     series = {m: [r["seconds"] for r in pick if r["mode"] == m] for m in MODES}
-    ratios = [c / e for c, e in zip(series["compiled"], series["eager"], strict=True)]
     return {**{f"{m}_ms": statistics.median(v) * 1e3 for m, v in series.items()},
-            "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+            **paired_ratios(series["compiled"], series["eager"])}
 
 
 def markdown(result: dict[str, Any]) -> str:

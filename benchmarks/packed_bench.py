@@ -45,7 +45,7 @@ from fastprefill.models import load as load_model
 from fastprefill.models.adapters import fuse_mlps
 from fastprefill.models.fused import fuse_attention
 from fastprefill.models.packed import linears_packed, pack_linears, set_wide_rows
-from reporting import write_json
+from reporting import paired_ratios, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SETTINGS = ("cold", "hit", "decode")
@@ -114,11 +114,11 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                     times[key][setting].append(seconds)
                     tokens.setdefault(key, {})[setting] = token
         med = {k: {s: statistics.median(v) for s, v in d.items()} for k, d in times.items()}
-        paired = {s: [b / n for b, n in zip(times[base][s], times[new][s], strict=True)] for s in SETTINGS}
+        paired = {s: paired_ratios(times[base][s], times[new][s]) for s in SETTINGS}
         row = {"length": length, "times": times, "medians": med,
                f"{base}_over_{new}": {s: med[base][s] / med[new][s] for s in SETTINGS},
-               "paired": {s: statistics.median(v) for s, v in paired.items()},
-               "paired_range": {s: [min(v), max(v)] for s, v in paired.items()},
+               "paired": {s: p["ratio"] for s, p in paired.items()},
+               "paired_range": {s: [p["min"], p["max"]] for s, p in paired.items()},
                "same_token": {s: tokens[new][s] == tokens[base][s] for s in SETTINGS}}
         rows.append(row)
         print(f"{name} {length}: " + ", ".join(

@@ -15,6 +15,8 @@ the ones ``fastprefill bench`` writes (those are :mod:`fastprefill.bench.report`
   Prediction run's per-layer errors as means.
 - :func:`write_json`, :func:`write_rows`: one JSON document, or rows under a header (a
   ``.summary.jsonl``, of :func:`paired_row` s for a task run), written atomically.
+- :func:`paired_ratios`: two settings timed in the same rounds, as the median of their per-round
+  ratios with its range and count.
 """
 
 from __future__ import annotations
@@ -51,6 +53,19 @@ def write_rows(path: str | Path, header: Mapping[str, Any], rows: Sequence[Mappi
     :func:`fastprefill.bench.records.read_rows` reads), atomically."""
     lines = [json.dumps({"header": dict(header)}), *(json.dumps(dict(r)) for r in rows)]
     return _atomic_write(Path(path), "".join(line + "\n" for line in lines))
+
+
+def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> dict[str, Any]:
+    """The per-round ratios ``numerators[i] / denominators[i]`` of two settings timed in the same
+    rounds (aligned by round): ``ratio`` (their median), ``min``, ``max`` and ``n``.
+
+    Raises:
+        ValueError: the two series differ in length, or are empty.
+    """
+    ratios = [a / b for a, b in zip(numerators, denominators, strict=True)]
+    if not ratios:
+        raise ValueError("paired_ratios: no rounds to pair")
+    return {"ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
 
 
 def paired_row(s: Summary) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from fastprefill.models import packed
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.packed import few_rows_used, set_few_rows
 from packed_bench import RESULTS, machine, run_all
+from reporting import paired_ratios
 
 BACKENDS = ("kernel", "onednn")
 PRODUCTS = ("qkv", "o", "mlp", "lm_head")
@@ -185,12 +186,11 @@ def _ratio(rows: list[dict[str, Any]], part: str, form: str, n: int, length: int
     pick = sorted((r for r in rows if r["part"] == part and r["form"] == form and r["rows"] == n
                    and r.get("length") == length), key=lambda r: r["round"])
     series = {b: [r["seconds"] for r in pick if r["backend"] == b] for b in BACKENDS}
-    ratios = [o / k for o, k in zip(series["onednn"], series["kernel"], strict=True)]
     size = pick[0].get("bytes")
     med = {b: statistics.median(v) for b, v in series.items()}
     return {**{f"{b}_ms": med[b] * 1e3 for b in BACKENDS},
             **({f"{b}_gbs": size / med[b] / 1e9 for b in BACKENDS} if size else {}),
-            "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+            **paired_ratios(series["onednn"], series["kernel"])}
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -35,6 +35,7 @@ from fastprefill.methods import layer_steps
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models import load as load_model
 from packed_bench import RESULTS, machine, run_all
+from reporting import paired_ratios
 
 MODES = ("kernel", "oneDNN")
 STREAMS = (1, 2, 4)
@@ -99,9 +100,8 @@ def paired(rows: list[dict[str, Any]], streams: int, modes: tuple[str, str]) -> 
     base, other = modes
     by = {m: sorted((r for r in rows if r["mode"] == m and r.get("streams") == streams), key=lambda r: r["round"])
           for m in modes}
-    ratios = [o["step_s"] / b["step_s"] for b, o in zip(by[base], by[other], strict=True)]
     return {"ms": {m: 1e3 * statistics.median(r["step_s"] for r in by[m]) for m in modes},
-            "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios),
+            **paired_ratios([r["step_s"] for r in by[other]], [r["step_s"] for r in by[base]]),
             "same": all(r["tokens"] == by[base][0]["tokens"] for m in modes for r in by[m])}
 
 

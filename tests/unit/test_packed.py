@@ -219,6 +219,26 @@ def test_set_wide_rows_refuses_what_is_not_a_row_count(rows):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_load_sets_wide_rows_on_every_packed_layer_and_refuses_what_cannot_apply(make_ids):
+    """``load(..., wide_rows=n)``: every packed layer of a float32 model routes above n rows to the
+    plain weight, and the model's logits are the default's to float32 rounding; a bad count or
+    another dtype is a ConfigError before anything loads."""
+    model, _ = models.load("random:qwen2", dtype="float32", pack=True, wide_rows=16)
+    default, _ = models.load("random:qwen2", dtype="float32", pack=True)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.wide_rows == 16 for m in layers)
+    assert all(m.wide_rows is None for m in default.modules() if isinstance(m, PackedLinear))
+    ids = make_ids(40, 1)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, default(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    for bad in (-1, 2.0, "64", True):
+        with pytest.raises(ConfigError, match="non-negative number of rows"):
+            models.load("random:qwen2", dtype="float32", wide_rows=bad)
+    with pytest.raises(ConfigError, match="wide_rows applies to float32"):
+        models.load("random:qwen2", dtype="bfloat16", wide_rows=64)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_a_float32_model_packs_when_asked_and_stays_exact_within_itself(make_ids, loop_matches_forward):
     """``pack=True`` on a float32 model: packed (its MLPs unfused), the layer loop equal to its own
     forward, and the logits the plain model's to float32 rounding."""

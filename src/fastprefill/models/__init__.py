@@ -30,6 +30,7 @@ from fastprefill.models.packed import (
     onednn_bf16,
     pack_linears,
     packable,
+    set_wide_rows,
 )
 from fastprefill.models.pretrained import load_pretrained
 from fastprefill.models.zoo import (
@@ -76,6 +77,7 @@ def load(
     pack: bool | None = None,
     processes: int = 1,
     attention: str = "auto",
+    wide_rows: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
 ) -> tuple[Any, Any]:
@@ -103,6 +105,11 @@ def load(
         attention: where unmasked causal attention runs (:func:`~fastprefill.models.attention.set_attention_backend`):
             ``"auto"`` (fastprefill's C++ kernel where it runs, else SDPA and a warning saying
             why), ``"kernel"`` (refused where the kernel cannot run) or ``"sdpa"``.
+        wide_rows: a packed float32 model's products of more than this many input rows run on the
+            plain weight (MKL's sgemm in torch's CPU wheels) instead of oneDNN's packed copy
+            (:func:`~fastprefill.models.packed.set_wide_rows`), for a CPU where MKL's
+            prompt-sized products are the faster ones (``benchmarks/packed_bench.py --against
+            mkl-wide`` measures it). ``None`` (the default): every product on the packed copy.
         cache_dir, progress: for zoo models (see :func:`~fastprefill.models.pretrained.load_pretrained`).
 
     On the CPU, a Llama or Qwen2 model's attention modules and decoder layers run fastprefill's
@@ -110,7 +117,8 @@ def load(
     and v as one product, a decode step's norms on the few-row kernel).
 
     Raises:
-        ConfigError: an unknown ``dtype`` or ``attention`` (before loading); ``"kernel"`` where it
+        ConfigError: an unknown ``dtype`` or ``attention``, or ``wide_rows`` not a non-negative
+            int or given for another dtype than float32 (before loading); ``"kernel"`` where it
             cannot run; ``pack=True`` off the CPU, for a model neither bfloat16 nor float32, or in
             bfloat16 where oneDNN has no bfloat16 path on this CPU.
         ModelNotFoundError, UnsupportedModelError, MissingPackageError, ChecksumError: see
@@ -119,6 +127,7 @@ def load(
     if attention not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
     torch_dtype = resolve_dtype(dtype, device)
+    _check_wide_rows(wide_rows, torch_dtype)
     if random_models.is_random_spec(spec):
         model, tokenizer = random_models.load(str(spec), device=device, dtype=torch_dtype)
         compile, pack = bool(compile), bool(pack)
@@ -126,15 +135,7 @@ def load(
         _warn_if_emulated(torch_dtype, device)
         model, tokenizer = load_pretrained(spec, device=device, dtype=torch_dtype, cache_dir=cache_dir,
                                            progress=progress)
-    if pack is None:
-        pack = _default_pack(model, device, processes, warn=not random_models.is_random_spec(spec))
-    elif pack and not packable(device, model.dtype):
-        cpu = ("; this CPU has no oneDNN bfloat16 path (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)"
-               if model.dtype == torch.bfloat16 and not onednn_bf16() else "")
-        raise ConfigError(f"pack=True needs a bfloat16 or float32 model on the CPU with oneDNN (got {model.dtype} "
-                          f"on {device}{cpu}); pass pack=None (auto) or False")
-    if pack and pack_linears(model) and model.dtype == torch.bfloat16:  # float32: MLPs stay compiled
-        fuse_mlps(model)
+    _pack(model, device, processes, pack, wide_rows, warn=not random_models.is_random_spec(spec))
     if torch.device(device).type == "cpu":
         fuse_attention(model)
         fuse_layers(model)
@@ -147,6 +148,36 @@ def load(
     if not random_models.is_random_spec(spec):
         _warn_if_no_kernel(model)
     return model, tokenizer
+
+
+def _check_wide_rows(wide_rows: int | None, dtype: torch.dtype) -> None:
+    """Refuse a ``wide_rows`` that is not ``None`` or a non-negative int, or given for a model
+    that does not load in float32 (ConfigError)."""
+    if wide_rows is None:
+        return
+    if isinstance(wide_rows, bool) or not isinstance(wide_rows, int) or wide_rows < 0:
+        raise ConfigError(f"wide_rows={wide_rows!r}: give a non-negative number of rows, or None to keep "
+                          "every product on the packed weights")
+    if dtype != torch.float32:
+        raise ConfigError(f"wide_rows applies to float32 products; this model loads in {dtype} "
+                          "(pass dtype='float32', or drop wide_rows)")
+
+
+def _pack(model: Any, device: str | torch.device, processes: int, pack: bool | None, wide_rows: int | None,
+          warn: bool) -> None:
+    """Pack ``model``'s linear layers as :func:`load` was asked (``pack``: ``None`` decides by
+    :func:`_default_pack`), fuse a packed bfloat16 model's SwiGLUs, and set ``wide_rows``."""
+    if pack is None:
+        pack = _default_pack(model, device, processes, warn=warn)
+    elif pack and not packable(device, model.dtype):
+        cpu = ("; this CPU has no oneDNN bfloat16 path (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)"
+               if model.dtype == torch.bfloat16 and not onednn_bf16() else "")
+        raise ConfigError(f"pack=True needs a bfloat16 or float32 model on the CPU with oneDNN (got {model.dtype} "
+                          f"on {device}{cpu}); pass pack=None (auto) or False")
+    if pack and pack_linears(model) and model.dtype == torch.bfloat16:  # float32: MLPs stay compiled
+        fuse_mlps(model)
+    if wide_rows is not None:
+        set_wide_rows(model, wide_rows)
 
 
 def _warn_if_no_kernel(model: Any) -> None:
