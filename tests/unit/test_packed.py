@@ -297,7 +297,7 @@ def test_a_fused_mlp_computes_the_swiglu_inside_the_products(make_ids):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-def test_a_float32_fused_mlp_gives_a_few_rows_their_unfused_bits_and_a_prompt_the_formula(monkeypatch):
+def test_a_float32_fused_mlp_gives_a_few_rows_their_unfused_bits_and_a_prompt_the_formula():
     """A float32 model keeps its MLPs unfused; fused on request (``fuse_mlps``), up to FEW_ROWS
     rows take the few-row kernel (gate and up in one call) and get the bits of the unfused formula
     over the same layers, each row whatever the row count; more rows take oneDNN's post-ops, the

@@ -24,6 +24,7 @@ from fastprefill.models.attention import ATTENTION_BACKENDS, attention_backend, 
 from fastprefill.models.fused import fuse_attention, fuse_layers
 from fastprefill.models.packed import (
     can_pack,
+    check_wide_rows,
     few_rows_used,
     linear_bytes,
     linears_packed,
@@ -153,12 +154,8 @@ def load(
 def _check_wide_rows(wide_rows: int | None, dtype: torch.dtype) -> None:
     """Refuse a ``wide_rows`` that is not ``None`` or a non-negative int, or given for a model
     that does not load in float32 (ConfigError)."""
-    if wide_rows is None:
-        return
-    if isinstance(wide_rows, bool) or not isinstance(wide_rows, int) or wide_rows < 0:
-        raise ConfigError(f"wide_rows={wide_rows!r}: give a non-negative number of rows, or None to keep "
-                          "every product on the packed weights")
-    if dtype != torch.float32:
+    check_wide_rows(wide_rows)
+    if wide_rows is not None and dtype != torch.float32:
         raise ConfigError(f"wide_rows applies to float32 products; this model loads in {dtype} "
                           "(pass dtype='float32', or drop wide_rows)")
 

@@ -53,10 +53,11 @@ from typing import Any
 
 import torch
 
+from fastprefill.errors import ConfigError
 from fastprefill.kernels import row_products, rows_status
 
 __all__ = ["FEW_ROWS", "FLOAT32_PACK_SHARE", "PROMPT_ROWS", "MergedProduct", "PackedLinear", "PackedSwiGLU",
-           "can_pack", "decode_rows", "few_row_kernel", "few_rows_used", "fits_in_memory", "kernel_rows",
+           "can_pack", "check_wide_rows", "decode_rows", "few_row_kernel", "few_rows_used", "fits_in_memory", "kernel_rows",
            "linear_bytes", "linears_packed", "onednn_bf16", "pack_linears", "packable", "set_few_rows",
            "set_wide_rows", "streams_as_rows"]
 
@@ -362,6 +363,13 @@ def set_few_rows(model: torch.nn.Module, enabled: bool = True) -> int:
     return len(layers)
 
 
+def check_wide_rows(rows: int | None) -> None:
+    """Refuse a ``wide_rows`` that is neither ``None`` nor a non-negative int (ConfigError, a ValueError)."""
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+        raise ConfigError(f"wide_rows={rows!r}: give a non-negative number of rows, or None to keep every "
+                          "product on the packed weights")
+
+
 def set_wide_rows(model: torch.nn.Module, rows: int | None) -> int:
     """Run every :class:`PackedLinear` of ``model``'s float32 products of more than ``rows`` input
     rows on the plain weight (``F.linear``: MKL's sgemm in torch's CPU wheels) instead of oneDNN's
@@ -370,10 +378,9 @@ def set_wide_rows(model: torch.nn.Module, rows: int | None) -> int:
     product packed. Returns the number of layers set.
 
     Raises:
-        ValueError: ``rows`` is not ``None`` or a non-negative int.
+        ConfigError: ``rows`` is not ``None`` or a non-negative int (:func:`check_wide_rows`).
     """
-    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
-        raise ValueError(f"wide rows {rows!r}: give a non-negative number of rows, or None to keep every product packed")
+    check_wide_rows(rows)
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     for layer in layers:
         layer.wide_rows = rows
