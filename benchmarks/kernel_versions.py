@@ -1,24 +1,30 @@
-"""Two versions of the C++ attention kernel in one process: the source at a git revision
-(``--base``) against this checkout's build, timed interleaved on the same inputs.
+"""Two versions of one C++ kernel in one process: the source at a git revision (``--base``)
+against this checkout's build, timed interleaved on the same inputs.
 
-``src/fastprefill/kernels/attention.cpp`` as it was at ``--base`` is compiled under another module
+``--kernel attention`` (``src/fastprefill/kernels/attention.cpp``) or ``--kernel rows``
+(``rows.cpp``, the few-row products) as it was at ``--base`` is compiled under another module
 name with the flags of this CPU's variant (:func:`fastprefill.kernels.compile_source`, a
-temporary directory), beside the checkout's own build (:func:`fastprefill.kernels.attention_kernel`).
-First both run every measured attention shape, plain and with a random mask, and the record says
-whether they give the same bits. Then, for each model and prompt length ``T``, in ``--rounds``
-rounds, the two versions alternating in order:
+temporary directory), beside the checkout's own build (:func:`fastprefill.kernels.attention_kernel`
+or :func:`fastprefill.kernels.row_products`). First both run every measured shape (attention:
+plain and with a random mask; rows: one layer's gate and up weights on 1 to ``--suffix`` rows),
+and the record says whether they give the same bits. Then, for each model and prompt length
+``T``, in ``--rounds`` rounds, the two versions alternating in order:
 
-- **attention alone** on the model's layer shape: a ``--suffix``-row hit over ``T`` keys and a
-  decode step (one row over ``T`` keys), the median of ``--calls`` calls;
-- **the model**, its attention function's kernel switched between the versions: the hit (the
-  last ``--suffix`` tokens of a random ``T``-token prompt over the cached rest, the cache cropped
-  back after each run) and a decode step over that cache (the median of ``--steps`` steps), as
-  the engine decodes (a cache with room, appended in place; the kernel on every layer).
+- **the kernel alone** on the model's layer shape, the median of ``--calls`` calls: attention of
+  a ``--suffix``-row hit over ``T`` keys and of a decode step (one row over ``T`` keys); or the
+  products of one layer's gate and up weights on ``--suffix`` rows and on one row;
+- **the model**, the kernel switched between the versions: the hit (the last ``--suffix`` tokens
+  of a random ``T``-token prompt over the cached rest, the cache cropped back after each run) and
+  a decode step over that cache (the median of ``--steps`` steps), as the engine decodes (a cache
+  with room, appended in place; the kernel on every layer).
 
 Per setting: each version's median, and the median of the per-round paired ratios ``base / new``
 with their range. The cold prefill is not timed: at these lengths both versions spend the same.
 
     python benchmarks/kernel_versions.py --base HEAD --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b --lengths 2048 4096
+    python benchmarks/kernel_versions.py --kernel rows --base HEAD --model qwen2.5-coder-0.5b --lengths 2048 4096
+
+Results: ``kernel_versions_<model>`` (attention) or ``kernel_versions_rows_<model>``, ``.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -36,38 +42,41 @@ from typing import Any
 import torch
 
 import fastprefill.models.attention as attention_module
+import fastprefill.models.packed as packed_module
 from fastprefill.bench.records import environment
 from fastprefill.cache import make_roomy
 from fastprefill.host import DTYPES
-from fastprefill.kernels import attention_kernel, compile_source, kernel_status
+from fastprefill.kernels import attention_kernel, compile_source, kernel_status, row_products, rows_status
 from fastprefill.models import load as load_model
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.shape import ModelShape
 from packed_bench import RESULTS, machine, run_all
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_SOURCE = "src/fastprefill/kernels/attention.cpp"
+KERNELS = ("attention", "rows")
 VERSIONS = ("base", "new")
-SETTINGS = ("attention hit", "attention decode", "hit", "decode step")
+#: The settings timed, by kernel: the kernel alone (two), then the model's hit and decode step.
+SETTINGS = {"attention": ("attention hit", "attention decode", "hit", "decode step"),
+            "rows": ("products hit", "products decode", "hit", "decode step")}
 
 
-def build_base(rev: str, dtype: torch.dtype) -> tuple[Any, str]:
-    """The kernel source at git revision ``rev`` compiled for this CPU's variant and imported:
+def build_base(rev: str, dtype: torch.dtype, kernel: str = "attention") -> tuple[Any, str]:
+    """The ``kernel``'s source at git revision ``rev`` compiled for this CPU's variant and imported:
     ``(module, full commit hash)``."""
-    status = kernel_status(dtype)
+    status = (kernel_status if kernel == "attention" else rows_status)(dtype)
     if not status.available:
-        raise SystemExit(f"the checkout's attention kernel does not run {dtype} here: {status.reason}")
+        raise SystemExit(f"the checkout's {kernel} kernel does not run {dtype} here: {status.reason}")
     try:
         sha = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, check=True, capture_output=True,
                              text=True).stdout.strip()
-        source = subprocess.run(["git", "show", f"{sha}:{KERNEL_SOURCE}"], cwd=ROOT, check=True,
+        source = subprocess.run(["git", "show", f"{sha}:src/fastprefill/kernels/{kernel}.cpp"], cwd=ROOT, check=True,
                                 capture_output=True, text=True).stdout
     except subprocess.CalledProcessError as exc:
         raise SystemExit(f"--base {rev}: {exc.stderr.strip() or exc}") from exc
     out = Path(tempfile.mkdtemp(prefix="fastprefill-kernel-base-"))
-    path = out / "attention.cpp"
+    path = out / f"{kernel}.cpp"
     path.write_text(source)
-    return compile_source(path, f"fastprefill_attention_base_{sha[:12]}", out, status.variant), sha
+    return compile_source(path, f"fastprefill_{kernel}_base_{sha[:12]}", out, status.variant), sha
 
 
 def _shapes(shape: Any, length: int, suffix: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -75,6 +84,17 @@ def _shapes(shape: Any, length: int, suffix: int) -> dict[str, tuple[tuple[int, 
     hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     return {"attention hit": ((1, hq, suffix, d), (1, hkv, length, d)),
             "attention decode": ((1, hq, 1, d), (1, hkv, length, d))}
+
+
+def same_row_bits(kernels: dict[str, Any], weights: list[torch.Tensor], rows: int) -> bool:
+    """Whether the versions' products of ``weights`` give the same bits on random inputs of 1 to ``rows`` rows."""
+    gen = torch.Generator().manual_seed(0)
+    for r in range(1, rows + 1):
+        x = torch.randn(r, weights[0].shape[1], generator=gen).to(weights[0].dtype)
+        outs = [kernels[ver].products(x, weights, [None] * len(weights)) for ver in VERSIONS]
+        if not torch.equal(outs[0], outs[1]):
+            return False
+    return True
 
 
 def same_bits(kernels: dict[str, Callable], shapes: list[tuple[tuple[int, ...], tuple[int, ...]]],
@@ -105,14 +125,44 @@ def _median_call(fn: Callable[[], Any], calls: int) -> float:
 
 
 @contextlib.contextmanager
-def kernel_version(kernel: Callable) -> Iterator[None]:
-    """The attention function calls ``kernel`` for every kernel call inside (the versions share the checkout's Python)."""
-    previous = attention_module.attention_kernel
-    attention_module.attention_kernel = lambda dtype: kernel
+def kernel_version(kernel: Any, kind: str = "attention") -> Iterator[None]:
+    """Inside, the attention function calls ``kernel`` for every kernel call (``kind`` attention), or
+    the packed layers take their few-row products from the module ``kernel`` (rows); the versions
+    share the checkout's Python."""
+    module, name = (attention_module, "attention_kernel") if kind == "attention" else (packed_module, "row_products")
+    previous = getattr(module, name)
+    setattr(module, name, lambda dtype: kernel)
     try:
         yield
     finally:
-        attention_module.attention_kernel = previous
+        setattr(module, name, previous)
+
+
+def _alone(kind: str, kernels: dict[str, Any], model: Any, length: int, suffix: int,
+           gen: torch.Generator) -> dict[str, dict[str, Callable[[], Any]]]:
+    """``{setting: {version: call}}`` of the kernel-alone settings at prompt length ``length``."""
+    if kind == "rows":
+        mlp = model.model.layers[0].mlp
+        weights = [mlp.gate_proj.weight, mlp.up_proj.weight]
+        xs = {f"products {s}": torch.randn(r, weights[0].shape[1], generator=gen).to(model.dtype)
+              for s, r in (("hit", suffix), ("decode", 1))}
+        return {s: {ver: (lambda k=kernels[ver], x=x: k.products(x, weights, [None, None])) for ver in VERSIONS}
+                for s, x in xs.items()}
+    cases = _shapes(ModelShape.from_config(model.config), length, suffix)
+    inputs = {s: [torch.randn(x, generator=gen).to(model.dtype) for x in (qs, ks, ks)] for s, (qs, ks) in cases.items()}
+    return {s: {ver: _call(kernels[ver], *qkv) for ver in VERSIONS} for s, qkv in inputs.items()}
+
+
+def _kernels(kind: str, model: Any, rev: str) -> tuple[dict[str, Any], str]:
+    """Both versions of ``kind`` for ``model``'s dtype (attention: the callables; rows: the modules), and the base's sha."""
+    if kind == "attention" and attention_module.attention_backend(model)[0] != "kernel":
+        raise SystemExit(f"its attention does not run on the C++ kernel here ({model.dtype}); nothing to compare")
+    if kind == "rows" and not packed_module.few_rows_used(model)[0]:
+        raise SystemExit(f"its products do not run on the few-row kernel here ({model.dtype}); nothing to compare")
+    base, sha = build_base(rev, model.dtype, kind)
+    if kind == "attention":
+        return {"base": base.causal_attention, "new": attention_kernel(model.dtype)}, sha
+    return {"base": base, "new": row_products(model.dtype)}, sha
 
 
 def _model_round(model: Any, cache: Any, ids: torch.Tensor, suffix: int, steps: int) -> dict[str, float]:
@@ -139,38 +189,40 @@ def _model_round(model: Any, cache: Any, ids: torch.Tensor, suffix: int, steps: 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     model, _ = load_model(name, dtype=args.dtype, progress=False)
-    if attention_module.attention_backend(model)[0] != "kernel":
-        raise SystemExit(f"{name}: its attention does not run on the C++ kernel here ({model.dtype}); nothing to compare")
-    base, sha = build_base(args.base, model.dtype)
-    kernels = {"base": base.causal_attention, "new": attention_kernel(model.dtype)}
-    shape = ModelShape.from_config(model.config)
+    try:
+        kernels, sha = _kernels(args.kernel, model, args.base)
+    except SystemExit as exc:
+        raise SystemExit(f"{name}: {exc}") from None
+    settings = SETTINGS[args.kernel]
     rows, checked = [], []
     with torch.inference_mode():
         for length in args.lengths:
-            cases = _shapes(shape, length, args.suffix)
-            checked += list(cases.values())
+            checked += list(_shapes(ModelShape.from_config(model.config), length, args.suffix).values())
             gen = torch.Generator().manual_seed(length)
-            inputs = {s: [torch.randn(x, generator=gen).to(model.dtype) for x in (qs, ks, ks)]
-                      for s, (qs, ks) in cases.items()}
+            alone = _alone(args.kernel, kernels, model, length, args.suffix, gen)
             ids = torch.randint(100, 20000, (1, length), generator=gen)
             with DecoderAdapter(model).attention_scope():
                 cache = make_roomy(model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values)
             for ver in VERSIONS:  # warm-up
-                with kernel_version(kernels[ver]):
+                with kernel_version(kernels[ver], args.kernel):
                     _model_round(model, cache, ids, args.suffix, 1)
             for r in range(args.rounds):
                 for ver in VERSIONS if r % 2 == 0 else VERSIONS[::-1]:
                     row = {"length": length, "round": r, "version": ver}
-                    for setting, qkv in inputs.items():
-                        row[setting] = _median_call(_call(kernels[ver], *qkv), args.calls)
-                    with kernel_version(kernels[ver]):
+                    for setting, calls in alone.items():
+                        row[setting] = _median_call(calls[ver], args.calls)
+                    with kernel_version(kernels[ver], args.kernel):
                         row.update(_model_round(model, cache, ids, args.suffix, args.steps))
                     rows.append(row)
-            print(f"{name} {length}: " + ", ".join(f"{s} {_cell(rows, length, s)}" for s in SETTINGS), flush=True)
-    return {"bench": "kernel-versions", "model": name, "base": sha, "base_rev": args.base, "suffix": args.suffix,
-            "rounds": args.rounds, "calls": args.calls, "steps": args.steps,
-            "same_bits": same_bits(kernels, checked, model.dtype), "rows": rows,
-            "environment": environment(args.threads, model)}
+            print(f"{name} {length}: " + ", ".join(f"{s} {_cell(rows, length, s)}" for s in settings), flush=True)
+    if args.kernel == "rows":
+        mlp = model.model.layers[0].mlp
+        bits = same_row_bits(kernels, [mlp.gate_proj.weight, mlp.up_proj.weight], args.suffix)
+    else:
+        bits = same_bits(kernels, checked, model.dtype)
+    return {"bench": "kernel-versions", "kernel": args.kernel, "model": name, "base": sha, "base_rev": args.base,
+            "suffix": args.suffix, "rounds": args.rounds, "calls": args.calls, "steps": args.steps,
+            "same_bits": bits, "rows": rows, "environment": environment(args.threads, model)}
 
 
 def _series(rows: list[dict[str, Any]], length: int, setting: str) -> dict[str, list[float]]:
@@ -197,17 +249,21 @@ def _cell(rows: list[dict[str, Any]], length: int, setting: str) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
-    lines = [f"# Attention kernel: {result['base'][:12]} (base) against this checkout (new), {result['model']}",
+    kind = result.get("kernel", "attention")
+    title = "Attention kernel" if kind == "attention" else "Few-row products kernel"
+    alone = ("attention alone" if kind == "attention"
+             else f"products alone (one layer's gate and up weights, {result['suffix']} rows or one)")
+    lines = [f"# {title}: {result['base'][:12]} (base) against this checkout (new), {result['model']}",
              "",
              (f"{machine(env)}, dtype {env['dtype']}. {result['rounds']} rounds, the versions alternating; "
-              f"attention alone: median of {result['calls']} calls; decode step: median of {result['steps']} steps; "
+              f"{alone}: median of {result['calls']} calls; decode step: median of {result['steps']} steps; "
               f"hit: {result['suffix']} tokens over the rest. Same bits on every measured shape: "
               f"{'yes' if result['same_bits'] else 'no'}."),
              "",
              "| T | setting | base ms | new ms | base / new (paired median) | range | rounds |",
              "|---|---|---|---|---|---|---|"]
     for length in sorted({r["length"] for r in result["rows"]}):
-        for setting in SETTINGS:
+        for setting in SETTINGS[kind]:
             c = summarize(result["rows"], length, setting)
             lines.append(f"| {length} | {setting} | {c['base_ms']:.2f} | {c['new_ms']:.2f} | {c['ratio']:.2f} | "
                          f"[{c['min']:.2f}, {c['max']:.2f}] | {c['n']} |")
@@ -222,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=list(DTYPES))
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--kernel", choices=KERNELS, default="attention", help="which kernel's two versions")
     p.add_argument("--base", default="HEAD", help="the git revision whose kernel source is the baseline (default HEAD)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=20, help="calls per attention-alone timing")
@@ -229,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if min(args.lengths) <= args.suffix or args.suffix < 1 or min(args.rounds, args.calls, args.steps) < 1:
         p.error("every length must exceed --suffix >= 1; --rounds, --calls and --steps >= 1")
-    run_all(args, "kernel_versions", run_model, markdown)
+    run_all(args, "kernel_versions" if args.kernel == "attention" else "kernel_versions_rows", run_model, markdown)
 
 
 if __name__ == "__main__":

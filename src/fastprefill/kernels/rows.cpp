@@ -98,15 +98,24 @@ inline void dots(const uint16_t* x, const uint16_t* w, int64_t K, float* out) {
 // instructions in the same order whatever the tile's size or place, so a row's result does not
 // depend on the other rows. 4 x 3 accumulators, three weight vectors and one input vector fill
 // AVX2's sixteen registers.
+//
+// While it computes, it asks for the next block's weight rows (next[0 .. n_next), each K long) one
+// cache line at a time, so reading them from memory overlaps this block's arithmetic (a product of
+// more than four rows runs several tiles on one block's weights, which the hardware's own
+// prefetchers do not read ahead of). Prefetches change no result.
 template <int MR, int NR>
-inline void tile(const float* x, int64_t K, const float* const* w, float* y, int64_t ldy) {
+inline void tile(const float* x, int64_t K, const float* const* w, float* y, int64_t ldy, const float* const* next,
+                 int n_next) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
+  constexpr int64_t kLine = 64 / sizeof(float);
   Vec acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = Vec(0.f);
   int64_t k = 0;
   for (; k + V <= K; k += V) {
+    if (k % kLine == 0)
+      for (int j = 0; j < n_next; ++j) __builtin_prefetch(next[j] + k, 0, 3);
     Vec wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = Vec::loadu(w[j] + k);
     for (int m = 0; m < MR; ++m) {
@@ -128,15 +137,17 @@ inline void tile(const float* x, int64_t K, const float* const* w, float* y, int
       y[m * ldy + j] = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc[m][j]);
 }
 
-// tile<MR, NR> over all R rows of x: blocks of four rows, then the rest.
+// tile<MR, NR> over all R rows of x: blocks of four rows, then the rest; each tile prefetches the
+// next block's weight rows (next, n_next of them; the later tiles find most lines already there).
 template <int NR>
-inline void tile_rows(const float* x, int64_t R, int64_t K, const float* const* w, float* y, int64_t ldy) {
+inline void tile_rows(const float* x, int64_t R, int64_t K, const float* const* w, float* y, int64_t ldy,
+                      const float* const* next, int n_next) {
   int64_t m = 0;
-  for (; m + 4 <= R; m += 4) tile<4, NR>(x + m * K, K, w, y + m * ldy, ldy);
+  for (; m + 4 <= R; m += 4) tile<4, NR>(x + m * K, K, w, y + m * ldy, ldy, next, n_next);
   switch (R - m) {
-    case 3: tile<3, NR>(x + m * K, K, w, y + m * ldy, ldy); break;
-    case 2: tile<2, NR>(x + m * K, K, w, y + m * ldy, ldy); break;
-    case 1: tile<1, NR>(x + m * K, K, w, y + m * ldy, ldy); break;
+    case 3: tile<3, NR>(x + m * K, K, w, y + m * ldy, ldy, next, n_next); break;
+    case 2: tile<2, NR>(x + m * K, K, w, y + m * ldy, ldy, next, n_next); break;
+    case 1: tile<1, NR>(x + m * K, K, w, y + m * ldy, ldy, next, n_next); break;
     default: break;
   }
 }
@@ -149,24 +160,36 @@ struct Part {
   int64_t start, n;
 };
 
+// The rows of the block of output columns starting at n in [n0, n1): three, or one near n1. Writes
+// their weight rows (and biases, if asked) and returns how many; p walks forward over the parts.
+int block_rows(const std::vector<Part<float>>& parts, size_t& p, int64_t n, int64_t n1, int64_t K, const float** w,
+               float* bias) {
+  const int nr = n + 3 <= n1 ? 3 : (n < n1 ? 1 : 0);
+  for (int j = 0; j < nr; ++j) {
+    while (n + j >= parts[p].start + parts[p].n) ++p;
+    const int64_t row = n + j - parts[p].start;
+    w[j] = parts[p].w + row * K;
+    if (bias) bias[j] = parts[p].b ? parts[p].b[row] : 0.f;
+  }
+  return nr;
+}
+
 // The float32 products of output columns [n0, n1): blocks of three weight rows (a block may take
-// rows of two layers), each against all R rows of x, the layer's bias added after.
+// rows of two layers), each against all R rows of x, the layer's bias added after; the next
+// block's weight rows are prefetched during each block.
 void float_products_span(const float* x, int64_t R, const std::vector<Part<float>>& parts, float* y, int64_t K,
                          int64_t N, int64_t n0, int64_t n1) {
   size_t p = 0;
   while (n0 >= parts[p].start + parts[p].n) ++p;
   const float* w[3];
+  const float* next[3];
   float bias[3];
   for (int64_t n = n0; n < n1;) {
-    const int nr = n + 3 <= n1 ? 3 : 1;
-    for (int j = 0; j < nr; ++j) {
-      while (n + j >= parts[p].start + parts[p].n) ++p;
-      const int64_t row = n + j - parts[p].start;
-      w[j] = parts[p].w + row * K;
-      bias[j] = parts[p].b ? parts[p].b[row] : 0.f;
-    }
-    if (nr == 3) tile_rows<3>(x, R, K, w, y + n, N);
-    else tile_rows<1>(x, R, K, w, y + n, N);
+    const int nr = block_rows(parts, p, n, n1, K, w, bias);
+    size_t q = p;
+    const int n_next = block_rows(parts, q, n + nr, n1, K, next, nullptr);
+    if (nr == 3) tile_rows<3>(x, R, K, w, y + n, N, next, n_next);
+    else tile_rows<1>(x, R, K, w, y + n, N, next, n_next);
     for (int64_t m = 0; m < R; ++m)
       for (int j = 0; j < nr; ++j) y[m * N + n + j] += bias[j];
     n += nr;
