@@ -51,6 +51,7 @@ from fastprefill.models import load as load_model
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.shape import ModelShape
 from packed_bench import RESULTS, machine, run_all
+from reporting import paired_ratios
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("attention", "rows")
@@ -138,12 +139,26 @@ def kernel_version(kernel: Any, kind: str = "attention") -> Iterator[None]:
         setattr(module, name, previous)
 
 
+def _row_weights(model: Any) -> list[torch.Tensor]:
+    """The weights the few-row kernel is timed and checked on alone: layer 0's gate and up ``(I, D)``."""
+    mlp = model.model.layers[0].mlp
+    return [mlp.gate_proj.weight, mlp.up_proj.weight]
+
+
+def _same_bits(kind: str, kernels: dict[str, Any], model: Any, args: argparse.Namespace) -> bool:
+    """Whether the two versions give the same bits: attention on every measured shape (plain and
+    masked), or the row products on 1 to ``--suffix`` rows."""
+    if kind == "rows":
+        return same_row_bits(kernels, _row_weights(model), args.suffix)
+    shape = ModelShape.from_config(model.config)
+    return same_bits(kernels, [c for t in args.lengths for c in _shapes(shape, t, args.suffix).values()], model.dtype)
+
+
 def _alone(kind: str, kernels: dict[str, Any], model: Any, length: int, suffix: int,
            gen: torch.Generator) -> dict[str, dict[str, Callable[[], Any]]]:
     """``{setting: {version: call}}`` of the kernel-alone settings at prompt length ``length``."""
     if kind == "rows":
-        mlp = model.model.layers[0].mlp
-        weights = [mlp.gate_proj.weight, mlp.up_proj.weight]
+        weights = _row_weights(model)
         xs = {f"products {s}": torch.randn(r, weights[0].shape[1], generator=gen).to(model.dtype)
               for s, r in (("hit", suffix), ("decode", 1))}
         return {s: {ver: (lambda k=kernels[ver], x=x: k.products(x, weights, [None, None])) for ver in VERSIONS}
@@ -194,10 +209,9 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     except SystemExit as exc:
         raise SystemExit(f"{name}: {exc}") from None
     settings = SETTINGS[args.kernel]
-    rows, checked = [], []
+    rows = []
     with torch.inference_mode():
         for length in args.lengths:
-            checked += list(_shapes(ModelShape.from_config(model.config), length, args.suffix).values())
             gen = torch.Generator().manual_seed(length)
             alone = _alone(args.kernel, kernels, model, length, args.suffix, gen)
             ids = torch.randint(100, 20000, (1, length), generator=gen)
@@ -215,11 +229,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                         row.update(_model_round(model, cache, ids, args.suffix, args.steps))
                     rows.append(row)
             print(f"{name} {length}: " + ", ".join(f"{s} {_cell(rows, length, s)}" for s in settings), flush=True)
-    if args.kernel == "rows":
-        mlp = model.model.layers[0].mlp
-        bits = same_row_bits(kernels, [mlp.gate_proj.weight, mlp.up_proj.weight], args.suffix)
-    else:
-        bits = same_bits(kernels, checked, model.dtype)
+        bits = _same_bits(args.kernel, kernels, model, args)
     return {"bench": "kernel-versions", "kernel": args.kernel, "model": name, "base": sha, "base_rev": args.base,
             "suffix": args.suffix, "rounds": args.rounds, "calls": args.calls, "steps": args.steps,
             "same_bits": bits, "rows": rows, "environment": environment(args.threads, model)}
@@ -237,9 +247,8 @@ def _series(rows: list[dict[str, Any]], length: int, setting: str) -> dict[str, 
 def summarize(rows: list[dict[str, Any]], length: int, setting: str) -> dict[str, Any]:
     """Medians (ms) of both versions and the paired ratio ``base / new`` (median, min, max) over rounds."""
     s = _series(rows, length, setting)
-    ratios = [b / n for b, n in zip(s["base"], s["new"], strict=True)]
     return {"base_ms": statistics.median(s["base"]) * 1e3, "new_ms": statistics.median(s["new"]) * 1e3,
-            "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+            **paired_ratios(s["base"], s["new"])}
 
 
 def _cell(rows: list[dict[str, Any]], length: int, setting: str) -> str:
