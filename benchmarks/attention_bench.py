@@ -17,7 +17,12 @@ setting: medians, the median of the per-round paired ratios ``sdpa / kernel`` wi
 and whether the greedy next token agrees. ``prefill / (GEMMs + attention)``: the kernel's cold
 prefill against its layers' matrix products plus its attention, each timed alone.
 
+With ``--parts-only`` it times attention alone and the products alone, not the model (minutes
+instead of an hour on a machine where a 4k prefill takes minutes); the result is
+``attention_parts_<model>_<dtype>``.
+
     python benchmarks/attention_bench.py --model qwen2.5-coder-0.5b qwen2.5-coder-1.5b --lengths 2048 4096
+    python benchmarks/attention_bench.py --parts-only --lengths 2048 4096
 """
 
 from __future__ import annotations
@@ -99,6 +104,14 @@ def run_model(name: str, args: Any) -> dict[str, Any]:
         gemm_seconds = sum(g["seconds"] for g in gemms.values())
         gemm_rate = sum(2.0 * length * lin.in_features * lin.out_features
                         for lin in _layer_linears(model)) / gemm_seconds / 1e9
+        parts = {"length": length, "attention_alone": alone, "gemms_alone": gemms,
+                 "gemm_seconds_per_layer": gemm_seconds, "gemm_gflops_per_s": gemm_rate,
+                 "attention_over_gemm_rate": alone["prefill"]["gflops_per_s"]["kernel"] / gemm_rate}
+        if args.parts_only:
+            rows.append(parts)
+            print(f"{name} {length}: kernel attention at {parts['attention_over_gemm_rate']:.2f} of the products' "
+                  f"rate ({gemm_rate:.0f} GFLOP/s)", flush=True)
+            continue
         with fastprefill_attention(model):
             for backend in ("auto", "sdpa"):  # warm-up (compiles on the first call)
                 set_attention_backend(model, backend)
@@ -115,9 +128,7 @@ def run_model(name: str, args: Any) -> dict[str, Any]:
         med = {b: {s: statistics.median(v) for s, v in d.items()} for b, d in times.items()}
         paired = {s: [x / y for x, y in zip(times["sdpa"][s], times["kernel"][s], strict=True)] for s in SETTINGS}
         attn_layer = alone["prefill"]["seconds"]["kernel"]
-        row = {"length": length, "attention_alone": alone, "gemms_alone": gemms,
-               "gemm_seconds_per_layer": gemm_seconds, "gemm_gflops_per_s": gemm_rate,
-               "attention_over_gemm_rate": alone["prefill"]["gflops_per_s"]["kernel"] / gemm_rate,
+        row = {**parts,
                "prefill_over_parts": med["kernel"]["cold"] / (layers * (gemm_seconds + attn_layer)),
                "times": times, "medians": med,
                "sdpa_over_kernel": {s: statistics.median(v) for s, v in paired.items()},
@@ -127,8 +138,8 @@ def run_model(name: str, args: Any) -> dict[str, Any]:
         print(f"{name} {length}: " + ", ".join(
             f"{s} {med['kernel'][s] * 1000:.1f} ms kernel / {med['sdpa'][s] * 1000:.1f} sdpa "
             f"({row['sdpa_over_kernel'][s]:.2f}x)" for s in SETTINGS), flush=True)
-    return {"model": name, "suffix": args.suffix, "repeats": args.repeats, "rows": rows,
-            "environment": environment(args.threads, model)}
+    return {"model": name, "suffix": args.suffix, "repeats": args.repeats, "parts_only": args.parts_only,
+            "rows": rows, "environment": environment(args.threads, model)}
 
 
 def _layer_linears(model: Any) -> list[torch.nn.Linear]:
@@ -138,10 +149,13 @@ def _layer_linears(model: Any) -> list[torch.nn.Linear]:
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     n = result["repeats"]
-    lines = [f"# The C++ attention kernel against SDPA: {result['model']}, {env['dtype']}", "",
-             (f"{machine(env)}. One process, the model's attention backend switched between the kernel and SDPA "
-              f"in {n} alternating rounds; the ratio is the median of the per-round ratios sdpa / kernel "
-              f"(their range in brackets). Hit: the last {result['suffix']} tokens over the cached rest."), "",
+    parts_only = result.get("parts_only", False)
+    about = (f"{machine(env)}. One process, the kernel and SDPA alternating; the parts alone, not the model "
+             f"(`--parts-only`). Hit: {result['suffix']} query rows over the cached rest." if parts_only else
+             f"{machine(env)}. One process, the model's attention backend switched between the kernel and SDPA "
+             f"in {n} alternating rounds; the ratio is the median of the per-round ratios sdpa / kernel "
+             f"(their range in brackets). Hit: the last {result['suffix']} tokens over the cached rest.")
+    lines = [f"# The C++ attention kernel against SDPA: {result['model']}, {env['dtype']}", "", about, "",
              "## Attention alone, one layer", "",
              "| T | case | kernel (ms) | SDPA (ms) | SDPA / kernel | kernel GFLOP/s | SDPA GFLOP/s | runs |",
              "|---|---|---|---|---|---|---|---|"]
@@ -152,6 +166,12 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {r['length']} | {case} ({a['queries']} over {a['keys']}) | {a['seconds']['kernel'] * 1000:.2f} | "
                          f"{a['seconds']['sdpa'] * 1000:.2f} | {a['sdpa_over_kernel']:.2f} [{lo:.2f}, {hi:.2f}] | "
                          f"{a['gflops_per_s']['kernel']:.0f} | {a['gflops_per_s']['sdpa']:.0f} | {a['runs']} |")
+    if parts_only:
+        lines += ["", "## Against the matrix products", "",
+                  "| T | GEMMs GFLOP/s | kernel attention / GEMM rate |", "|---|---|---|"]
+        lines += [f"| {r['length']} | {r['gemm_gflops_per_s']:.0f} | {r['attention_over_gemm_rate']:.2f} |"
+                  for r in result["rows"]]
+        return "\n".join(lines) + "\n"
     lines += ["", "## The model", "",
               "| T | setting | kernel (ms) | SDPA (ms) | SDPA / kernel | same next token |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -171,10 +191,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__, repeats=5)
+    p.add_argument("--parts-only", action="store_true", help="attention alone and the products alone, not the model")
     args = p.parse_args(argv)
     if min(args.lengths) <= args.suffix or args.suffix < 1 or args.repeats < 1:
         p.error("every length must exceed --suffix >= 1, and --repeats >= 1")
-    run_all(args, "attention", run_model, markdown)
+    stem = (lambda name, result: f"attention_parts_{name}_{result['environment']['dtype']}") if args.parts_only else None
+    run_all(args, "attention", run_model, markdown, stem)
 
 
 if __name__ == "__main__":

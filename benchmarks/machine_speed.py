@@ -8,13 +8,21 @@ before a timing session, and beside one: a ratio between two runs is readable on
 flat, and a paired ratio (both sides in the same short window) only where states last longer than
 a pair.
 
+With ``--ceiling``, it also measures the cores' multiply-add ceiling: each of ``--threads``
+threads runs twelve independent chains of vector fused multiply-adds (the widest this CPU has:
+AVX-512 or AVX2), nothing read from memory, compiled for this machine (``-march=native``) by
+torch's ``cpp_extension`` when the benchmark runs. The products' rate over that ceiling is how
+much a faster matrix-product kernel could gain here at most.
+
     python benchmarks/machine_speed.py --samples 60
+    python benchmarks/machine_speed.py --samples 30 --ceiling --tag ceiling
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,27 +31,129 @@ import torch
 
 from fastprefill.bench.records import environment, result_name
 from fastprefill.host import DTYPES, resolve_dtype, set_threads
+from fastprefill.models.packed import pack_linears, packable
 from reporting import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SLOW = 1.5  # a sample this much slower than the fastest counts as the slow state
+CHAINS = 12  # independent multiply-add chains per thread: more than latency x issue width on x86 cores
+
+#: The ceiling probe: per thread, CHAINS accumulators each updated by a fused multiply-add per
+#: iteration; the empty asm statement keeps them in registers and stops the compiler from folding
+#: the chains together (they start from different values), so every iteration issues CHAINS
+#: vector FMAs and nothing else.
+CEILING_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <tuple>
+#include <vector>
+#if defined(__AVX512F__)
+using V = __m512;
+static inline V set1(float x) { return _mm512_set1_ps(x); }
+static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float total(V v) { return _mm512_reduce_add_ps(v); }
+constexpr int64_t kLanes = 16;
+#else
+using V = __m256;
+static inline V set1(float x) { return _mm256_set1_ps(x); }
+static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float total(V v) { alignas(32) float o[8]; _mm256_store_ps(o, v); float s = 0; for (float x : o) s += x; return s; }
+constexpr int64_t kLanes = 8;
+#endif
+
+static float chains(int64_t iters) {
+  V m = set1(0.999f), a = set1(1e-3f);
+  V c0 = set1(0), c1 = set1(1), c2 = set1(2), c3 = set1(3), c4 = set1(4), c5 = set1(5),
+    c6 = set1(6), c7 = set1(7), c8 = set1(8), c9 = set1(9), c10 = set1(10), c11 = set1(11);
+  for (int64_t i = 0; i < iters; ++i) {
+    c0 = fma(c0, m, a); c1 = fma(c1, m, a); c2 = fma(c2, m, a); c3 = fma(c3, m, a);
+    c4 = fma(c4, m, a); c5 = fma(c5, m, a); c6 = fma(c6, m, a); c7 = fma(c7, m, a);
+    c8 = fma(c8, m, a); c9 = fma(c9, m, a); c10 = fma(c10, m, a); c11 = fma(c11, m, a);
+    __asm__ volatile("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4), "+v"(c5),
+                          "+v"(c6), "+v"(c7), "+v"(c8), "+v"(c9), "+v"(c10), "+v"(c11));
+  }
+  return total(c0) + total(c1) + total(c2) + total(c3) + total(c4) + total(c5) +
+         total(c6) + total(c7) + total(c8) + total(c9) + total(c10) + total(c11);
+}
+
+// `threads` tasks of `iters` iterations each on ATen's parallel_for: (seconds, the number of
+// distinct threads that ran them).
+std::tuple<double, int64_t> run(int64_t iters, int64_t threads) {
+  std::vector<float> sink(threads);
+  std::set<std::thread::id> ran;
+  std::mutex lock;
+  auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
+    { std::lock_guard<std::mutex> g(lock); ran.insert(std::this_thread::get_id()); }
+    for (int64_t t = lo; t < hi; ++t) sink[t] = chains(iters);
+  });
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile float keep = 0; for (float x : sink) keep = keep + x;
+  return {s, int64_t(ran.size())};
+}
+int64_t lanes() { return kLanes; }
+"""
 
 
-def measure(rows: int, dim: int, inner: int, dtype: torch.dtype, calls: int, samples: int) -> list[float]:
-    """Seconds of each block of ``calls`` products ``(rows, dim) x (dim, inner)``."""
+def measure(rows: int, dim: int, inner: int, dtype: torch.dtype, calls: int, samples: int,
+            packed: bool = False) -> dict[str, list[float]]:
+    """Seconds of each block of ``calls`` products ``(rows, dim) x (dim, inner)``: ``"plain"``
+    (``F.linear`` on the plain weight) and, with ``packed``, ``"packed"`` (the weight packed for
+    oneDNN as the model loader packs it, :func:`~fastprefill.models.packed.pack_linears`), the two
+    alternating block by block."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, dim, generator=gen).to(dtype)
     w = torch.randn(inner, dim, generator=gen).to(dtype)
+    products = {"plain": lambda: torch.nn.functional.linear(x, w)}
+    if packed:
+        layer = torch.nn.Sequential(torch.nn.Linear(dim, inner, bias=False, dtype=dtype))
+        with torch.no_grad():
+            layer[0].weight.copy_(w)
+        pack_linears(layer, rows)
+        products["packed"] = lambda: layer(x)
+    out: dict[str, list[float]] = {name: [] for name in products}
     with torch.inference_mode():
-        for _ in range(3):
-            torch.nn.functional.linear(x, w)  # warm-up
-        out = []
+        for product in products.values():
+            for _ in range(3):
+                product()  # warm-up
         for _ in range(samples):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                torch.nn.functional.linear(x, w)
-            out.append(time.perf_counter() - t0)
+            for name, product in products.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    product()
+                out[name].append(time.perf_counter() - t0)
     return out
+
+
+def ceiling(threads: int, samples: int, iters: int = 50_000_000) -> dict[str, Any]:
+    """The multiply-add ceiling of ``threads`` threads: ``samples`` runs of the probe, GFLOP/s of the fastest and the median.
+
+    Raises:
+        RuntimeError: the probe does not compile here (no C++ compiler, or one without the CPU's
+            vector flags); the message says which.
+    """
+    from torch.utils.cpp_extension import load_inline
+    try:
+        probe = load_inline("fastprefill_fma_ceiling", cpp_sources=CEILING_SOURCE, functions=["run", "lanes"],
+                            extra_cflags=["-O2", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                            build_directory=tempfile.mkdtemp(), verbose=False)
+    except Exception as exc:
+        raise RuntimeError(f"the multiply-add probe did not compile ({type(exc).__name__}: {exc}); "
+                           "run without --ceiling, or install a C++ compiler") from exc
+    flops = 2.0 * CHAINS * probe.lanes() * iters * threads
+    _, used = probe.run(iters // 10, threads)  # warm-up
+    if used != threads:
+        raise RuntimeError(f"the multiply-add probe ran on {used} threads, not {threads}: ATen's parallel_for "
+                           "was compiled without OpenMP here, so the ceiling would be too low")
+    seconds = [probe.run(iters, threads)[0] for _ in range(samples)]
+    return {"threads": threads, "lanes": probe.lanes(), "chains": CHAINS, "iterations": iters, "seconds": seconds,
+            "fastest_gflops_per_s": flops / min(seconds) / 1e9,
+            "median_gflops_per_s": flops / statistics.median(seconds) / 1e9}
 
 
 def summary(seconds: list[float], flops: float) -> dict[str, Any]:
@@ -65,7 +175,30 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
         (f"| {s['samples']} | {s['median_s']:.3f} | {s['fastest_s']:.3f} | {s['slowest_s']:.3f} | "
          f"{s['slowest_over_fastest']:.2f} | {100 * s['slow_share']:.0f}% | {s['fastest_gflops_per_s']:.0f} | "
-         f"{s['median_gflops_per_s']:.0f} |"), ""])
+         f"{s['median_gflops_per_s']:.0f} |"), "", *ceiling_lines(result)])
+
+
+def ceiling_lines(result: dict[str, Any]) -> list[str]:
+    """The ceiling's table, where the run measured it: the probe's rate and each product's share of it
+    (the plain weight's, and the packed one's where the run timed it)."""
+    c = result.get("ceiling")
+    if c is None:
+        return []
+    bits = 32 * c["lanes"]
+    lines = [(f"Multiply-add ceiling: {c['threads']} threads, {c['chains']} independent chains of {bits}-bit fused "
+              f"multiply-adds each, {len(c['seconds'])} samples; the products alternated block by block "
+              "(plain: `F.linear` on the weight; packed: the weight packed for oneDNN, as the loader packs it)."), "",
+             ("| product | GFLOP/s fastest | GFLOP/s median | ceiling GFLOP/s fastest | ceiling GFLOP/s median | "
+              "product / ceiling (fastest) | product / ceiling (median) |"),
+             "|---|---|---|---|---|---|---|"]
+    for name, key in (("plain", "summary"), ("packed", "packed_summary")):
+        if key in result:
+            s = result[key]
+            lines.append(f"| {name} | {s['fastest_gflops_per_s']:.0f} | {s['median_gflops_per_s']:.0f} | "
+                         f"{c['fastest_gflops_per_s']:.0f} | {c['median_gflops_per_s']:.0f} | "
+                         f"{s['fastest_gflops_per_s'] / c['fastest_gflops_per_s']:.2f} | "
+                         f"{s['median_gflops_per_s'] / c['median_gflops_per_s']:.2f} |")
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,19 +210,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--samples", type=int, default=60)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=list(DTYPES))
+    p.add_argument("--ceiling", action="store_true", help="also measure the cores' multiply-add ceiling")
+    p.add_argument("--tag", default="", help="appended to the result name: machine_speed_<cpu>_<units>_<tag>")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     if min(args.rows, args.dim, args.inner, args.calls, args.samples, args.threads) < 1:
         p.error("--rows, --dim, --inner, --calls, --samples and --threads must be >= 1")
     set_threads(args.threads)
     dtype = resolve_dtype(args.dtype)
-    seconds = measure(args.rows, args.dim, args.inner, dtype, args.calls, args.samples)
+    # the probe first: its build (tens of seconds) must not sit between the products' samples
+    try:
+        top = ceiling(args.threads, args.samples) if args.ceiling else None
+    except RuntimeError as exc:
+        p.error(str(exc))
+    both = measure(args.rows, args.dim, args.inner, dtype, args.calls, args.samples,
+                   packed=args.ceiling and packable("cpu", dtype))
+    seconds = both["plain"]
     flops = 2.0 * args.rows * args.dim * args.inner * args.calls
     env = environment(args.threads, dtype)
     result = {"shape": f"{args.rows}x{args.dim} by {args.dim}x{args.inner}", "calls": args.calls,
               "seconds": seconds, "summary": summary(seconds, flops), "environment": env}
+    if top is not None:
+        result["ceiling"] = top
+    if "packed" in both:
+        result["packed_seconds"] = both["packed"]
+        result["packed_summary"] = summary(both["packed"], flops)
     cpu = "epyc" if "EPYC" in env["cpu"] else "xeon" if "Xeon" in env["cpu"] else "cpu"
-    path = str(Path(args.out) / result_name(args.out, f"machine_speed_{cpu}_{env['bf16_units']}"))
+    path = str(Path(args.out) / result_name(args.out, f"machine_speed_{cpu}_{env['bf16_units']}" + (f"_{args.tag}" if args.tag else "")))
     write_json(path + ".json", result)
     Path(path + ".md").write_text(markdown(result))
     print(markdown(result))

@@ -221,8 +221,9 @@ def test_set_wide_rows_refuses_what_is_not_a_row_count(rows):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_load_sets_wide_rows_on_every_packed_layer_and_refuses_what_cannot_apply(make_ids):
     """``load(..., wide_rows=n)``: every packed layer of a float32 model routes above n rows to the
-    plain weight, and the model's logits are the default's to float32 rounding; a bad count or
-    another dtype is a ConfigError before anything loads."""
+    plain weight, and the model's logits are the default's to float32 rounding; a bad count,
+    another dtype or pack=False is a ConfigError before anything loads, and a model left unpacked
+    one after it loads."""
     model, _ = models.load("random:qwen2", dtype="float32", pack=True, wide_rows=16)
     default, _ = models.load("random:qwen2", dtype="float32", pack=True)
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -236,6 +237,10 @@ def test_load_sets_wide_rows_on_every_packed_layer_and_refuses_what_cannot_apply
             models.load("random:qwen2", dtype="float32", wide_rows=bad)
     with pytest.raises(ConfigError, match="wide_rows applies to float32"):
         models.load("random:qwen2", dtype="bfloat16", wide_rows=64)
+    with pytest.raises(ConfigError, match="pack=False packs none"):
+        models.load("random:qwen2", dtype="float32", pack=False, wide_rows=64)
+    with pytest.raises(ConfigError, match="no linear layer was packed here"):  # random: models pack only when asked
+        models.load("random:qwen2", dtype="float32", wide_rows=64)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

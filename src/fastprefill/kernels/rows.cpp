@@ -160,8 +160,9 @@ struct Part {
   int64_t start, n;
 };
 
-// The rows of the block of output columns starting at n in [n0, n1): three, or one near n1. Writes
-// their weight rows (and biases, if asked) and returns how many; p walks forward over the parts.
+// The rows of the block of output columns starting at n, below the span's end n1: three, or one
+// near n1 (none at or past it). Writes their weight rows (and biases, if asked) and returns how
+// many; p walks forward over the parts.
 int block_rows(const std::vector<Part<float>>& parts, size_t& p, int64_t n, int64_t n1, int64_t K, const float** w,
                float* bias) {
   const int nr = n + 3 <= n1 ? 3 : (n < n1 ? 1 : 0);

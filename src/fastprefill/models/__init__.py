@@ -118,9 +118,9 @@ def load(
     and v as one product, a decode step's norms on the few-row kernel).
 
     Raises:
-        ConfigError: an unknown ``dtype`` or ``attention``, or ``wide_rows`` not a non-negative
-            int or given for another dtype than float32 (before loading); ``"kernel"`` where it
-            cannot run; ``pack=True`` off the CPU, for a model neither bfloat16 nor float32, or in
+        ConfigError: an unknown ``dtype`` or ``attention``; ``wide_rows`` not a non-negative int,
+            not float32 or with ``pack=False`` (before loading), or with no layer packed (after);
+            ``"kernel"`` where it cannot run; ``pack=True`` off the CPU, for a model neither bfloat16 nor float32, or in
             bfloat16 where oneDNN has no bfloat16 path on this CPU.
         ModelNotFoundError, UnsupportedModelError, MissingPackageError, ChecksumError: see
             :func:`~fastprefill.models.pretrained.load_pretrained`.
@@ -128,7 +128,7 @@ def load(
     if attention not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
     torch_dtype = resolve_dtype(dtype, device)
-    _check_wide_rows(wide_rows, torch_dtype)
+    _check_wide_rows(wide_rows, torch_dtype, pack)
     if random_models.is_random_spec(spec):
         model, tokenizer = random_models.load(str(spec), device=device, dtype=torch_dtype)
         compile, pack = bool(compile), bool(pack)
@@ -151,13 +151,16 @@ def load(
     return model, tokenizer
 
 
-def _check_wide_rows(wide_rows: int | None, dtype: torch.dtype) -> None:
+def _check_wide_rows(wide_rows: int | None, dtype: torch.dtype, pack: bool | None) -> None:
     """Refuse a ``wide_rows`` that is not ``None`` or a non-negative int, or given for a model
-    that does not load in float32 (ConfigError)."""
+    that does not load in float32 or is not to be packed (ConfigError)."""
     check_wide_rows(wide_rows)
     if wide_rows is not None and dtype != torch.float32:
         raise ConfigError(f"wide_rows applies to float32 products; this model loads in {dtype} "
                           "(pass dtype='float32', or drop wide_rows)")
+    if wide_rows is not None and pack is False:
+        raise ConfigError("wide_rows chooses between a packed layer's copies, and pack=False packs none "
+                          "(pass pack=None or True, or drop wide_rows)")
 
 
 def _pack(model: Any, device: str | torch.device, processes: int, pack: bool | None, wide_rows: int | None,
@@ -173,8 +176,10 @@ def _pack(model: Any, device: str | torch.device, processes: int, pack: bool | N
                           f"on {device}{cpu}); pass pack=None (auto) or False")
     if pack and pack_linears(model) and model.dtype == torch.bfloat16:  # float32: MLPs stay compiled
         fuse_mlps(model)
-    if wide_rows is not None:
-        set_wide_rows(model, wide_rows)
+    if wide_rows is not None and set_wide_rows(model, wide_rows) == 0:
+        why = "this device or dtype cannot pack" if not packable(device, model.dtype) else "the loader chose not to pack"
+        raise ConfigError(f"wide_rows={wide_rows}: no linear layer was packed here ({why}), so there is no packed "
+                          "copy to route around; drop wide_rows, or pass pack=True")
 
 
 def _warn_if_no_kernel(model: Any) -> None:
