@@ -6,8 +6,10 @@ For each model and prompt length, in one process and with the same threads:
   own modules, packed where the loader packed them, on a ``(T, D_in)`` input in the model's
   dtype; where packed, ``torch.nn.functional.linear`` on the plain weight beside it) timed alone, after the prefill runs, median of twice ``--repeats``; their rate per shape, and their sum over the layers:
   the time the model's matrix products take with nothing else.
-- **attention alone**: SDPA's causal kernel on ``(1, H_q, T, d)`` queries over ``(1, H_kv, T, d)``
-  keys (GQA), times the layers.
+- **attention alone**: causal attention on ``(1, H_q, T, d)`` queries over ``(1, H_kv, T, d)``
+  keys (GQA), times the layers, on what the model's prefill runs: fastprefill's attention kernel
+  where it runs (records since it did: the table says ``(kernel)``), else SDPA (records before:
+  SDPA always, the table says nothing).
 - **prefill**: full prefill as fastprefill loads the model (compiled blocks unless
   ``--no-compile``, linear weights packed where the loader packs them), the same model
   uncompiled and, where packed, unpacked (neither with ``--loaded-only``), and LazyLLM at
@@ -33,8 +35,10 @@ import torch
 from fastprefill.bench.records import environment
 from fastprefill.engine import generate
 from fastprefill.host import DTYPES, dtype_name
+from fastprefill.kernels import attention_kernel
 from fastprefill.methods.lazyllm import LazyLLM
 from fastprefill.models import load as load_model
+from fastprefill.models.attention import attention_backend
 from fastprefill.models.packed import PackedLinear, linears_packed
 from fastprefill.models.shape import ModelShape, causal_pairs
 from packed_bench import run_all
@@ -78,13 +82,17 @@ def gemms_alone(model: Any, length: int, repeats: int) -> dict[str, dict[str, An
     return out
 
 
-def attention_alone(shape: ModelShape, dtype: torch.dtype, length: int, repeats: int) -> float:
-    """Seconds of one layer's causal SDPA at ``length`` tokens."""
+def attention_alone(shape: ModelShape, dtype: torch.dtype, length: int, repeats: int,
+                    kernel: Any = None) -> float:
+    """Seconds of one layer's causal attention at ``length`` tokens: ``kernel`` (fastprefill's
+    attention kernel, :func:`fastprefill.kernels.attention_kernel`) where given, else SDPA."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, shape.num_heads, length, shape.head_dim, generator=gen).to(dtype)
     k = torch.randn(1, shape.num_kv_heads, length, shape.head_dim, generator=gen).to(dtype)
     v = torch.randn(1, shape.num_kv_heads, length, shape.head_dim, generator=gen).to(dtype)
     with torch.inference_mode():
+        if kernel is not None:
+            return _median_time(lambda: kernel(q, k, v, shape.head_dim ** -0.5), repeats)
         return _median_time(lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=shape.num_heads != shape.num_kv_heads), repeats)
 
@@ -112,12 +120,14 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if linears_packed(compiled) and not args.loaded_only:
         models["unpacked"], _ = load_model(name, dtype=args.dtype, compile=not args.no_compile, pack=False)
     shape = ModelShape.from_config(compiled.config)
+    # attention alone as the prefill runs it: the kernel where the model's causal attention takes it
+    kernel = attention_kernel(compiled.dtype) if attention_backend(compiled)[0] == "kernel" else None
     rows = []
     for length in args.lengths:
         runs = prefill_runs(models, tok, length, args.repeats)  # first: it also warms the process up
         gemms = gemms_alone(compiled, length, 2 * args.repeats)
         gemm_s = shape.num_layers * sum(g["seconds"] for g in gemms.values())
-        attn_s = shape.num_layers * attention_alone(shape, compiled.dtype, length, 2 * args.repeats)
+        attn_s = shape.num_layers * attention_alone(shape, compiled.dtype, length, 2 * args.repeats, kernel)
         flops = shape.causal_prefill_flops(length)
         linear_flops = shape.num_layers * shape.linear_flops_per_token() * length
         attention_flops = shape.num_layers * shape.attention_flops(causal_pairs(length))
@@ -125,6 +135,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         full = medians["full:as loaded"]
         row = {
             "length": length, "gemms": gemms, "gemm_s": gemm_s, "attention_s": attn_s,
+            "attention_alone_on": "kernel" if kernel is not None else "sdpa",
             "gemm_tflops_per_s": linear_flops / gemm_s / 1e12, "attention_tflops_per_s": attention_flops / attn_s / 1e12,
             "prefill_flops": flops, "runs": runs, "medians": medians,
             "prefill_tflops_per_s": flops / full / 1e12,
@@ -159,8 +170,9 @@ def markdown(result: dict[str, Any]) -> str:
              head, "|---" * (11 if packed else 10) + "|"]
     for r in result["rows"]:
         lines.append(f"| {r['length']} | {r['medians']['full:as loaded']:.3f} | {r['prefill_tflops_per_s']:.2f} | "
-                     f"{r['gemm_s']:.3f} | {r['gemm_tflops_per_s']:.2f} | {r['attention_s']:.3f} | "
-                     f"{r['prefill_over_gemms']:.2f} | {r['prefill_over_gemms_and_attention']:.2f} | "
+                     f"{r['gemm_s']:.3f} | {r['gemm_tflops_per_s']:.2f} | {r['attention_s']:.3f}"
+                     + (f" ({r['attention_alone_on']})" if "attention_alone_on" in r else "") + " | "
+                     + f"{r['prefill_over_gemms']:.2f} | {r['prefill_over_gemms_and_attention']:.2f} | "
                      + (f"{r['compiled_speedup']:.3f} | " if "compiled_speedup" in r else "- | ")
                      + (f"{r.get('packed_speedup', float('nan')):.3f} | " if packed else "")
                      + f"{r['layer_loop_over_forward']:.3f} |")
