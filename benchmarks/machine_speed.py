@@ -12,7 +12,8 @@ With ``--ceiling``, it also measures the cores' multiply-add ceiling: each of ``
 threads runs twelve independent chains of vector fused multiply-adds (the widest this CPU has:
 AVX-512 or AVX2), nothing read from memory, compiled for this machine (``-march=native``) by
 torch's ``cpp_extension`` when the benchmark runs. The products' rate over that ceiling is how
-much a faster matrix-product kernel could gain here at most.
+much a faster matrix-product kernel could gain here at most, in float32: it is the float32
+vector ceiling, and bfloat16 products on AVX512-BF16 dot products or AMX tiles can pass it.
 
     python benchmarks/machine_speed.py --samples 60
     python benchmarks/machine_speed.py --samples 30 --ceiling --tag ceiling
