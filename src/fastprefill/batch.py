@@ -26,6 +26,9 @@ leaves, every row's K/V is written back into its own cache (:func:`fastprefill.c
 and the batch is stacked again; an answer that finishes writes its row back (before its
 generation's prefix-cache store).
 
+A chunk of a prompt's prefill (full prefill's, a layer at a time) can carry one decode step in
+its layer calls (:meth:`DecodeBatch.mixed`): its rows are one more group over its own cache.
+
 Exactness: a stream's attention is its own computation in either path, and every other
 operation is row by row, so in float32 the tokens equal decoding each stream alone (the tests
 assert it for a batch mixing every method); in bfloat16 a matrix product over more rows may
@@ -41,6 +44,7 @@ from transformers import PreTrainedModel
 
 from fastprefill.cache import pad_caches, unpad_row
 from fastprefill.engine import Branch, Generation, StreamEvent, TimingWindow
+from fastprefill.errors import UnsupportedModelError
 from fastprefill.methods.base import ModelDecoder
 from fastprefill.methods.layer_steps import StepsDecoder, run_layers
 from fastprefill.models.adapters import DecoderAdapter, supports_layer_loop
@@ -107,6 +111,42 @@ class DecodeBatch:
             left = [b for b in self.members if not b.finished]
             self._regroup(left, keep=left)
         return [[events[id(b)] for b in rows if b.gen is g] for g in gens]
+
+    def mixed(self, gens: Sequence[Generation], prefill: Generation,
+              budget: int | None) -> tuple[int, list[list[StreamEvent]]]:
+        """One unit of ``prefill``'s prompt (at most ``budget`` tokens:
+        :meth:`~fastprefill.engine.Generation.prefill_steps`) with one decode step of every live
+        answer of ``gens`` riding in its layer calls (a mixed batch, as vLLM's chunked prefill and
+        Sarathi-Serve run one): each decoder layer is called once on the prompt's rows and every
+        answer's row, attention apart for each over its own cache, so the decode step costs the
+        chunk only its extra rows, not a pass over the weights of its own. Answers that are not
+        :meth:`batchable`, or past :attr:`max_batch`, step alone after it.
+
+        Returns:
+            The prompt tokens the unit computed, and each generation's events in the order of
+            ``gens`` (the step's seconds, the chunk's included, on each).
+
+        Raises:
+            UnsupportedModelError: the model runs no layer loop, or the prefill's method does not
+                prefill a layer at a time (nothing has run).
+        """
+        if self.adapter is None:
+            raise UnsupportedModelError(f"{type(self.model).__name__} runs no layer loop: no mixed batches")
+        rows = [b for g in gens for b in g.live]
+        together = [b for b in rows if self.batchable(b)][: self.max_batch]
+        unit = prefill.prefill_steps(budget)
+        steps = [unit.steps, *(b.decoder.layer_steps(b.last_token) for b in together)]  # type: ignore[attr-defined]
+        with torch.inference_mode(), TimingWindow(self.model.device) as window:
+            logits = run_layers(self.adapter, steps).float()  # (1 + B, V): the prompt's last row, then the answers'
+            self._pick(together, logits[1:])
+        events = {id(b): b.gen.accept(b, window.seconds) for b in together}
+        with torch.inference_mode():
+            ran = unit.finish(logits[0])
+        self.members = [b for b in together if not b.finished]
+        for branch in rows:
+            if id(branch) not in events:
+                events[id(branch)] = branch.step()
+        return ran, [[events[id(b)] for b in rows if b.gen is g] for g in gens]
 
     def _routed(self, rows: list[Branch]) -> list[StreamEvent]:
         """One step of ``rows`` (two or more) on the layer loop: each decoder layer called once on

@@ -25,6 +25,7 @@ from fastprefill.cache import fork_cache
 from fastprefill.events import Answer, GenerationResult, StreamEvent, Timing, TimingWindow
 from fastprefill.host import device_clock, dtype_name
 from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
+from fastprefill.methods.layer_steps import LayerSteps
 from fastprefill.prefix_cache import PrefixCache
 from fastprefill.prompt import PromptInput, prepare_generation
 from fastprefill.sampling import Choice, SamplingParams, TokenLogprob, prompt_logprobs
@@ -34,6 +35,7 @@ __all__ = [
     "Branch",
     "Generation",
     "GenerationResult",
+    "LayeredUnit",
     "StreamEvent",
     "Timing",
     "TimingWindow",
@@ -102,6 +104,21 @@ class Branch:
         with torch.inference_mode(), TimingWindow(self.gen.model.device) as window:
             self.choice.pick(self.decoder.step(self.last_token))  # (V,) logits -> the next token
         return self.gen.accept(self, window.seconds)
+
+
+@dataclasses.dataclass
+class LayeredUnit:
+    """One unit of a generation's prefill a layer at a time (:meth:`Generation.prefill_steps`).
+
+    Attributes:
+        steps: the unit's rows, one group per decoder layer
+            (:data:`~fastprefill.methods.layer_steps.LayerSteps`); returns the last row's ``(1, 1, D)``.
+        finish: called with that row's ``(V,)`` float32 logits once the steps are done; ends the
+            unit as :meth:`Generation.prefill` does and returns the prompt tokens it computed.
+    """
+
+    steps: LayerSteps
+    finish: Callable[[torch.Tensor], int]
 
 
 class Generation:
@@ -187,17 +204,48 @@ class Generation:
         so far if the method is :attr:`chunked`, else (or with ``budget=None``) the whole rest.
         Once the last prompt token has run, every answer's first token is known
         (:meth:`first_events`). Returns the prompt tokens this call computed."""
-        self.lookup()
-        if self._started is None:  # TTFT: the lookup, then every unit of prefill through the first token
-            self._started = device_clock(self.model.device) - self.lookup_s
-        todo = self.remaining if budget is None or not self.chunked else max(1, min(budget, self.remaining))
-        end = self.done_tokens + todo
+        end = self._begin_unit(budget)
         with torch.inference_mode(), TimingWindow(self.model.device):  # synchronised: the clock below is honest
             ids = self.input_ids[:, :end]
             out = self.method.prefill(self.model, ids, self._cache) if self._cache is not None else (
                 self.method.prefill(self.model, ids))
             if end == self.n_prompt:
                 self.choices[0].pick(out.logits)
+        return self._end_unit(out, end)
+
+    def prefill_steps(self, budget: int | None = None) -> LayeredUnit:
+        """The unit :meth:`prefill` would run, a layer at a time
+        (:meth:`~fastprefill.methods.base.Method.prefill_steps`): whoever runs its steps (a
+        :class:`~fastprefill.batch.DecodeBatch` step with other streams' rows beside it) then
+        calls its ``finish`` with the ``(V,)`` logits of its last row, which does what the end of
+        :meth:`prefill` does and returns the prompt tokens the unit computed.
+
+        Raises:
+            UnsupportedModelError: the method does not prefill a layer at a time.
+        """
+        end = self._begin_unit(budget)
+        ids = self.input_ids[:, :end]
+        layered = self.method.prefill_steps(self.model, ids, self._cache)
+
+        def finish(logits: torch.Tensor) -> int:
+            out = layered.output(logits)
+            if end == self.n_prompt:
+                self.choices[0].pick(out.logits)
+            return self._end_unit(out, end)
+
+        return LayeredUnit(layered.steps, finish)
+
+    def _begin_unit(self, budget: int | None) -> int:
+        """Look up again, start the TTFT clock at the first unit; the prompt position the unit ends at."""
+        self.lookup()
+        if self._started is None:  # TTFT: the lookup, then every unit of prefill through the first token
+            self._started = device_clock(self.model.device) - self.lookup_s
+        todo = self.remaining if budget is None or not self.chunked else max(1, min(budget, self.remaining))
+        return self.done_tokens + todo
+
+    def _end_unit(self, out: PrefillOutput, end: int) -> int:
+        """Keep a unit's output (the K/V so far, or the whole prefill's); the tokens it computed."""
+        todo = end - self.done_tokens
         self._parts.append(out.stats)
         self.done_tokens = end
         if end < self.n_prompt:

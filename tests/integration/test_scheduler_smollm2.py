@@ -149,3 +149,38 @@ def test_a_short_request_gets_its_first_token_in_a_pause_of_a_whole_prefill(smol
         assert seen["short"] < seen["long"]
         assert metric_value(url, "fastprefill_prefill_pauses_total") >= 1
         assert metric_value(url, "fastprefill_prefill_chunks_total") == 2  # one unit each
+
+
+def test_a_stream_decodes_inside_the_chunks_of_a_long_prefill_with_mixed_chunks(smollm2):
+    """``mixed_chunk=64``: a stream of 40 tokens starts, then a ~1.2k-token prompt arrives; the
+    stream's tokens ride in the long prompt's chunks (counted), and both answers equal the
+    engine's alone."""
+    model, tok = smollm2
+    long_prompt = "\n".join([DOC] * 4) + "\nWhich station opened in 1940?"
+    story = "Tell me a long story about a dragon."
+    config = ServeConfig(MODEL, mixed_chunk=64, prefix_cache_mb=0, timeout_s=600)
+    want_long = generate(model, tok, long_prompt, FullPrefill(), 4, chat=True).text
+    want_story = generate(model, tok, story, FullPrefill(), 40, chat=True, stop_at_eos=False).text
+    with background(create_app(model, tok, config)) as url:
+        client = openai_client(url)
+        wait_health(url, is_idle)
+        texts: dict[str, list[str]] = {"long": [], "story": []}
+
+        def ask(name: str, prompt: str, n: int) -> None:
+            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                    max_tokens=n, stream=True,
+                                                    extra_body={"fastprefill": {"ignore_eos": name == "story"}})
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content is not None:
+                    texts[name].append(chunk.choices[0].delta.content)
+
+        thread = threading.Thread(target=ask, args=("story", story, 40))
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not texts["story"]:  # the stream decodes
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        ask("long", long_prompt, 4)
+        thread.join(300)
+        assert "".join(texts["story"]) == want_story and "".join(texts["long"]) == want_long
+        assert metric_value(url, "fastprefill_mixed_steps_total") >= 1

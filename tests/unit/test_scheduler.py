@@ -188,6 +188,30 @@ def test_answers_of_the_scheduler_equal_generate(tiny_llama, make_ids, loop):
         assert events[-1].answers[0].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 7, stop_at_eos=False).token_ids
 
 
+def test_answers_with_decode_steps_riding_in_prefill_chunks_equal_generate(tiny_llama, make_ids, loop):
+    """``mixed_chunk``: streams decode inside the chunks of the prompts that arrive after them
+    (one forward for both, counted in /metrics); every answer equals generate's."""
+    metrics = ServeMetrics()
+    backend = LocalBackend(tiny_llama, None, None)
+    sched = Scheduler(ModelExecutor(tiny_llama, None, 8), metrics, 8,
+                      ShortFirstPolicy(max_running=4, budget=64, mixed_chunk=16))
+    prompts = [make_ids(n, n) for n in (9, 70, 12, 90)]
+    jobs = [_job(backend, ids, loop, metrics, 9, float(i)) for i, ids in enumerate(prompts)]
+    for i, job in enumerate(jobs):
+        sched.submit(job)
+        sched.run_once()  # each later prompt arrives while the earlier ones decode
+        if i == 0:
+            sched.run_once()
+    while sched.running or sched.waiting:
+        sched.run_once()
+    for job, ids in zip(jobs, prompts, strict=True):
+        events = loop.events(job)
+        assert job.outcome == "ok" and isinstance(events[-1], Finished)
+        assert events[-1].answers[0].token_ids == generate(tiny_llama, None, ids, FullPrefill(), 9, stop_at_eos=False).token_ids
+    mixed = [s.value for f in metrics.registry.collect() for s in f.samples if s.name == "fastprefill_mixed_steps_total"]
+    assert mixed and mixed[0] >= 5
+
+
 @pytest.mark.parametrize(("budget", "arrive"), [(32, "together"), (8192, "together"), (32, "mid-prefill")])
 def test_requests_over_one_new_document_compute_it_once(tiny_llama, make_ids, loop, budget, arrive):
     """Four questions over one new 200-token document, submitted together (or three of them once the
@@ -298,7 +322,7 @@ def test_serve_config_refuses_bad_scheduler_settings():
     from fastprefill.errors import ConfigError
 
     for bad in ({"scheduler": "lifo"}, {"scheduler": ["fifo"]}, {"prefill_chunk": 8}, {"prefill_chunk": 64.0},
-                {"max_running": 0}):
+                {"max_running": 0}, {"mixed_chunk": 8}, {"mixed_chunk": -1}, {"mixed_chunk": 16.0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             ServeConfig("m", **bad)
 

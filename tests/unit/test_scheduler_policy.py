@@ -147,15 +147,17 @@ class Answers:
 
 
 class Executor:
-    """Runs what the scheduler asks and records it: ``("prefill", name, budget, pausable)`` and
-    ``("decode", names)``. ``fail``: names whose decode step raises; ``during``: called with the
-    :class:`Pause` of a pausable unit before it runs (a pause at a layer)."""
+    """Runs what the scheduler asks and records it: ``("prefill", name, budget, pausable)``,
+    ``("decode", names)`` and ``("mixed", name, budget, names)``. ``fail``: names whose decode
+    step (or mixed unit, by its prefill's name) raises; ``during``: called with the
+    :class:`Pause` of a pausable unit before it runs (a pause at a layer); ``mix``: whether a
+    chunked work's unit can carry a decode step."""
 
-    def __init__(self, pauses: bool = True) -> None:
+    def __init__(self, pauses: bool = True, mix: bool = True) -> None:
         self.calls: list[tuple] = []
         self.fail: set[str] = set()
         self.during = None
-        self.pauses, self.released = pauses, False
+        self.pauses, self.released, self.mix = pauses, False, mix
 
     def enable_pauses(self, cv) -> bool:
         return self.pauses
@@ -178,6 +180,15 @@ class Executor:
         steps = [Stepped([w], None, ValueError(f"{w.name} failed")) if w.name in self.fail else Stepped([w], [w.step()])
                  for w in works]
         return Decoded(steps, 0.01)
+
+    def mixes(self, work: Work, works) -> bool:
+        return self.mix and work.chunked
+
+    def mixed(self, work: Work, budget: int, works) -> tuple[int, Decoded]:
+        self.calls.append(("mixed", work.name, budget, [w.name for w in works]))
+        if work.name in self.fail:
+            raise ValueError(f"{work.name} failed")
+        return work.prefill(budget), Decoded([Stepped(list(works), [w.step() for w in works])], 0.01)
 
     def error(self, exc: Exception, fatal: bool) -> APIError:
         return APIError(400, str(exc))
@@ -378,6 +389,71 @@ def test_no_unit_is_pausable_when_the_executor_cannot_pause(loop):
     sched.submit(_job(loop, Backend(), "a", 10))
     sched.run_once()
     assert not sched.pausing and executor.calls == [("prefill", "a", 32, False)]
+
+
+def _mixing(loop, executor: Executor) -> tuple[Scheduler, Backend, list[Job]]:
+    """A stream of 4 tokens prefilled, then a 100-token prompt arriving, under ``mixed_chunk=16``."""
+    backend = Backend()
+    sched = _scheduler(executor, ShortFirstPolicy(max_running=4, budget=64, mixed_chunk=16))
+    jobs = [_job(loop, backend, "stream", 8, tokens=4), _job(loop, backend, "long", 100, arrived=1.0)]
+    sched.submit(jobs[0])
+    sched.run_once()  # its prefill and first token
+    sched.submit(jobs[1])
+    return sched, backend, jobs
+
+
+def test_with_mixed_chunks_the_streams_next_token_rides_in_a_chunk_of_the_prefill(loop):
+    """While a stream decodes, the long prompt runs in chunks of ``mixed_chunk`` that carry the
+    stream's next token (no decode step apart); once the stream is done, in chunks of the budget."""
+    executor = Executor()
+    sched, backend, jobs = _mixing(loop, executor)
+    _drain(sched)
+    assert all(job.outcome == "ok" for job in jobs)
+    assert executor.calls[0] == ("prefill", "stream", 64, True)
+    assert executor.calls[1:] == [("mixed", "long", 16, ["stream"])] * 3 + [("prefill", "long", 64, True)] + [
+        ("decode", ["long"])]
+    assert backend.works["long"].prefilled and backend.works["long"].published
+    steps = [s.value for f in sched.metrics.registry.collect() for s in f.samples if s.name == "fastprefill_mixed_steps_total"]
+    assert steps == [3.0]
+
+
+def test_with_mixed_chunks_requests_arriving_together_are_prefilled_one_after_the_other(loop):
+    """Three short requests at once: without mixing all three are prefilled in the first iteration
+    and then decode in lockstep; with it the first is prefilled alone and each next one's chunks
+    carry the tokens of those before."""
+    executor, backend = Executor(), Backend()
+    sched = _scheduler(executor, ShortFirstPolicy(max_running=4, budget=64, mixed_chunk=16))
+    for i in range(3):
+        sched.submit(_job(loop, backend, f"q{i}", 20, tokens=8, arrived=float(i)))
+    _drain(sched)
+    assert executor.calls[:4] == [("prefill", "q0", 64, True), ("mixed", "q1", 16, ["q0"]), ("mixed", "q1", 16, ["q0"]),
+                                  ("mixed", "q2", 16, ["q0", "q1"])]
+    executor = Executor()
+    sched = _scheduler(executor, ShortFirstPolicy(max_running=4, budget=64))
+    for i in range(3):
+        sched.submit(_job(loop, backend, f"r{i}", 20, tokens=8, arrived=float(i)))
+    sched.run_once()
+    assert [c[:2] for c in executor.calls] == [("prefill", "r0"), ("prefill", "r1"), ("prefill", "r2")]
+
+
+def test_no_chunk_carries_a_step_where_the_executor_cannot_mix_or_the_policy_says_no(loop):
+    """The executor cannot mix (a model without a layer loop): a decode step, then the budget's
+    chunk, as without ``mixed_chunk``; and the default policy never asks."""
+    executor = Executor(mix=False)
+    sched, _, _ = _mixing(loop, executor)
+    sched.run_once()
+    assert executor.calls[1:] == [("decode", ["stream"]), ("prefill", "long", 64, True)]
+    assert ShortFirstPolicy().mixed_chunk == 0
+
+
+def test_a_failed_mixed_unit_fails_its_prefill_and_every_stream_riding_in_it(loop):
+    executor = Executor()
+    executor.fail.add("long")
+    sched, backend, jobs = _mixing(loop, executor)
+    _drain(sched)
+    assert executor.calls[1:] == [("mixed", "long", 16, ["stream"])]
+    assert [job.outcome for job in jobs] == ["bad_request", "bad_request"]
+    assert backend.works["long"].closed and backend.works["stream"].closed
 
 
 def test_cancelled_and_late_requests_are_dropped_between_units(loop):

@@ -27,7 +27,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_body_mb=args.max_body_mb, drain_timeout_s=args.drain_timeout,
                          prefix_cache_mb=args.prefix_cache_mb, prefix_cache_dir=args.prefix_cache_dir,
                          scheduler=args.scheduler, prefill_chunk=args.prefill_chunk, max_running=args.max_running,
-                         prefill_pauses=args.prefill_pauses, decode_interval_s=args.decode_interval)
+                         prefill_pauses=args.prefill_pauses, decode_interval_s=args.decode_interval,
+                         mixed_chunk=args.mixed_chunk)
     if under_torchrun():  # every process is a rank; rank 0 serves HTTP (docs/serving.md)
         return serve_torchrun(config, host=args.host, port=args.port, threads=args.threads_per_rank,
                               log_level=args.log_level, control_port=args.control_port, device=args.device,
@@ -74,6 +75,9 @@ def add_parser(sub: Any) -> None:
                    help="interleaved: never pause a chunk between layers for a new short request (docs/serving.md)")
     p.add_argument("--decode-interval", type=float, default=2.0, metavar="S", help="interleaved: a chunk also "
                    "pauses for the running streams' next tokens S seconds after their last (docs/serving.md)")
+    p.add_argument("--mixed-chunk", type=int, default=0, metavar="TOKENS",
+                   help="interleaved: while streams decode, prefill in chunks of at most TOKENS (>= 16), each "
+                        "carrying the streams' next token in the same forward (mixed batches); 0: off (docs/serving.md)")
     p.add_argument("--max-running", type=_positive, default=8, metavar="N",
                    help="interleaved: requests run at once (the largest decode batch)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queue wait included")

@@ -113,6 +113,23 @@ class PrefillOutput:
     decoder: Decoder | None = None
 
 
+@dataclass
+class LayeredPrefill:
+    """One unit of prefill a layer at a time, so that other streams' rows can share its layer
+    calls (:meth:`Method.prefill_steps`; :meth:`fastprefill.batch.DecodeBatch.mixed` runs it).
+
+    Attributes:
+        steps: the prompt's rows as :data:`~fastprefill.methods.layer_steps.LayerSteps`: one
+            group per layer over the unit's own cache; after the last layer it returns the last
+            prompt row's hidden state ``(1, 1, D)``.
+        output: the unit's :class:`PrefillOutput` from the ``(V,)`` float32 logits of that row
+            (the final norm and head, run by whoever ran ``steps``).
+    """
+
+    steps: LayerSteps
+    output: Callable[[torch.Tensor], PrefillOutput]
+
+
 class ModelDecoder:
     """The model's own forward, one token at a time, over a prefill's cache (every method without
     its own :class:`~fastprefill.methods.base.Decoder`).
@@ -238,6 +255,17 @@ class Method(ABC):
                 keys and values of positions ``0..P-1`` (``P < T``) at every layer, owned by
                 this call (the method may append to it); ``None``: nothing cached.
         """
+
+    def prefill_steps(self, model: PreTrainedModel, input_ids: torch.Tensor,
+                      prefix: DynamicCache | None = None) -> LayeredPrefill:
+        """:meth:`prefill` a layer at a time (the same computation, so a decode step's rows may
+        ride in its layer calls); only a :attr:`chunked_prefill` method has it.
+
+        Raises:
+            UnsupportedModelError: this method (or this model's family) does not prefill a layer at a time.
+        """
+        del model, input_ids, prefix
+        raise UnsupportedModelError(f"{self.name} does not prefill a layer at a time beside decode rows")
 
     def own_decoder(self, model: PreTrainedModel) -> bool:
         """Whether :meth:`prefill` on ``model`` returns its own :class:`Decoder` (a decode step

@@ -67,7 +67,9 @@ class Rows:
         positions: ``(R,)`` int64 their original positions.
         rotary: ``(cos, sin)`` at those positions, each ``(1, R, d)``.
         mask: bool ``(1, 1, R, N)`` over the ``N`` keys the cache returns (``True``: attend), or
-            ``None``: every key (exact for one row; several rows need a mask).
+            ``None``: causal by position, the rows being the last ``R`` of the ``N`` keys (one
+            row attends every key; a chunk of a prompt over its own cache, each row the keys up
+            to its own).
         stage: the cache is position-indexed: ``positions`` are staged before its update.
         scores: if given, receives ``scores[layer] = (1, N)`` from ``scorer``.
         scorer: what a score is (with ``scores``).

@@ -60,6 +60,11 @@ class ServeConfig:
         decode_interval_s: with pauses, the running streams' longest wait for their next token
             while a chunk runs (> 0): the chunk also pauses for a decode step that long after
             the last one.
+        mixed_chunk: where > 0, the interleaved scheduler runs a prefill that has decoding streams
+            beside it in chunks of at most this many tokens (>= 16), each chunk carrying the
+            streams' next token in the same layer calls (mixed batches: one pass over the weights
+            for both; :meth:`fastprefill.batch.DecodeBatch.mixed`); 0 (the default): prefill
+            units and decode steps run apart.
     """
 
     model_name: str
@@ -77,6 +82,7 @@ class ServeConfig:
     max_running: int = 8
     prefill_pauses: bool = True
     decode_interval_s: float = 2.0
+    mixed_chunk: int = 0
 
     def __post_init__(self) -> None:
         def count(v: object) -> bool:
@@ -93,6 +99,8 @@ class ServeConfig:
             ("prefill_pauses", isinstance(self.prefill_pauses, bool), "True or False"),
             ("decode_interval_s", seconds(self.decode_interval_s, 0) and self.decode_interval_s > 0,
              "a finite number of seconds > 0"),
+            ("mixed_chunk", is_int(self.mixed_chunk, 0) and self.mixed_chunk not in range(1, 16),
+             "0 (off) or an integer number of tokens >= 16"),
             ("max_tokens", count(self.max_tokens), "an integer >= 1"),
             ("timeout_s", seconds(self.timeout_s, 0) and self.timeout_s > 0, "a finite number of seconds > 0"),
             ("max_body_mb", seconds(self.max_body_mb, 0) and self.max_body_mb > 0, "a finite number > 0"),

@@ -14,6 +14,9 @@ vLLM's executor and model runner are the model) does what touches the model or t
 - **prefill**: one unit of a request's prefill, on the pausable thread of
   :class:`~fastprefill.serve.pauses.LayerPauses` when the scheduler allows a pause and the unit is
   a local chunked prefill;
+- **mixed**: one chunk of a local chunked prefill with the local streams' decode step riding in
+  its layer calls (:meth:`~fastprefill.batch.DecodeBatch.mixed`), where the model runs a layer
+  loop (:meth:`ModelExecutor.mixes`);
 - **error**: what a failed unit answers (a request's fault: 400; a rank pool down: 503; anything
   else: 500).
 """
@@ -96,6 +99,21 @@ class ModelExecutor:
                 if not isinstance(work, Generation):
                     steps.append(_stepped([work], lambda w=work: [w.step()]))
         return Decoded(steps, window.seconds)
+
+    def mixes(self, work: Work, works: Sequence[Work]) -> bool:
+        """Whether ``work``'s next unit of prefill can carry ``works``' decode step: a chunked
+        generation on this model, a model of a layer-loop family, and only local generations decoding."""
+        return (self.batch.adapter is not None and isinstance(work, Generation) and work.chunked
+                and work.model is self.model and all(isinstance(w, Generation) for w in works))
+
+    def mixed(self, work: Work, budget: int, works: Sequence[Work]) -> tuple[int, Decoded]:
+        """One unit of ``work``'s prefill (at most ``budget`` tokens) and one decode step of every
+        answer of ``works`` in the same layer calls; never paused (the unit is short)."""
+        assert isinstance(work, Generation) and all(isinstance(w, Generation) for w in works), "check mixes() first"
+        gens = list(works)
+        with TimingWindow(self.model.device) as window:
+            ran, events = self.batch.mixed(gens, work, budget)  # type: ignore[arg-type]
+        return ran, Decoded([Stepped(gens, events)], window.seconds)
 
     @staticmethod
     def error(exc: Exception, fatal: bool) -> APIError:

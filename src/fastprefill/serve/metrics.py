@@ -42,6 +42,8 @@ class ServeMetrics:
                                       "prefill, or a whole prompt)", m, registry=r)
         self.prefill_pauses = Counter("fastprefill_prefill_pauses", "pauses of a chunk of prefill between two "
                                       "layers (interludes: requests that had just arrived, or a decode step due)", registry=r)
+        self.mixed_steps = Counter("fastprefill_mixed_steps", "decode steps whose rows rode in a chunk of prefill "
+                                   "(one forward for both: --mixed-chunk)", registry=r)
         self.decode_batch = Histogram("fastprefill_decode_batch_size", "streams decoded by one scheduler step",
                                       buckets=_BATCH, registry=r)
         self.decode_step = Histogram("fastprefill_decode_step_seconds", "seconds of one scheduler decode step (every "

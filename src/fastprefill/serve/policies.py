@@ -51,6 +51,8 @@ class ShortFirstPolicy:
         pause: pause a running chunk between two layers for a request that has just arrived,
             and for a decode step ``decode_interval_s`` after the last (``--prefill-pauses``,
             ``--decode-interval``; see the module docstring).
+        mixed_chunk: tokens of a chunk that carries the decoding streams' next token (``--mixed-chunk``;
+            0: none).
     """
 
     max_running: int = 8
@@ -58,6 +60,7 @@ class ShortFirstPolicy:
     max_skips: int = 4
     pause: bool = True
     decode_interval_s: float = 2.0
+    mixed_chunk: int = 0
 
     def order(self, prefilling: Sequence[Running]) -> list[Running]:
         """The aged prefills (oldest first), then the rest by remaining tokens (ties: arrival)."""
@@ -72,4 +75,4 @@ def make_policy(config: ServeConfig) -> FifoPolicy | ShortFirstPolicy:
     if config.scheduler == "fifo":
         return FifoPolicy()
     return ShortFirstPolicy(max_running=config.max_running, budget=config.prefill_chunk, pause=config.prefill_pauses,
-                            decode_interval_s=config.decode_interval_s)
+                            decode_interval_s=config.decode_interval_s, mixed_chunk=config.mixed_chunk)

@@ -27,6 +27,16 @@ repeats one *iteration*:
    started waits while a running exact prefill computes blocks of its prompt (its backend's
    ``waits_for``), then prefills only its rest: a new document is computed once.
 
+**Mixed batches** (``--mixed-chunk N``, off by default): where the prefill next in the policy's
+order (a short one included) is an exact method's on the server's own model, the iteration is
+one unit instead of steps 1-3. While streams decode, it is a chunk of at most ``N`` tokens of
+that prefill with every decoding stream's next token riding in its layer calls (the executor's
+``mixed``), never paused, so a decode step costs its rows, not a pass over the weights of its
+own, and the streams' next token waits for one short chunk. While none decodes, it is that
+prefill's unit alone (up to the budget, pausable): requests that arrive together are then
+prefilled one after the other, each next one carrying the tokens of those before, instead of
+all at once and then decoding in lockstep with no prefill left to ride in.
+
 **Pauses** (on by default; :mod:`fastprefill.serve.pauses`, put on the model by the executor).
 A chunk runs on a thread of its own and stops before its next decoder layer when a request arrives, or when a decode step is
 due (``--decode-interval``); the *interlude* then admits the new requests, prefills those of at
@@ -62,7 +72,7 @@ from typing import Any, TypeVar
 from fastprefill.serve.metrics import ServeMetrics
 from fastprefill.serve.policies import FifoPolicy, Running, ShortFirstPolicy
 from fastprefill.serve.protocol import APIError
-from fastprefill.serve.worker import Executor, Job, Pause, timeout_error
+from fastprefill.serve.worker import Decoded, Executor, Job, Pause, timeout_error
 
 __all__ = ["INTERLUDE_TOKENS", "Scheduler"]
 
@@ -261,6 +271,21 @@ class Scheduler:
     def _iteration(self) -> None:
         waiting = [r for r in self.running if not r.work.prefilled]
         served: set[int] = set()
+        decoding = [r for r in self.running if r.work.prefilled]
+        head = self._mixable(decoding)
+        if head is not None and decoding:
+            self._mixed(head, decoding, served)  # the streams' next token rides in a chunk of the head's prefill
+        elif head is not None:  # nothing decodes: the head's unit alone, the others' chunks will carry its tokens
+            served.add(id(head))
+            self._unit(head, self.policy.budget)
+        else:
+            self._apart(waiting, served)
+        for run in waiting:
+            run.skips = 0 if id(run) in served else run.skips + 1
+
+    def _apart(self, waiting: list[Running], served: set[int]) -> None:
+        """An iteration of units apart: the short prefills (unless a decode step is due), a decode
+        step, then the rest of the budget's prefill (see the module docstring)."""
         left = self.policy.budget
         if not self._decode_due():  # short prompts' first tokens before the streams' next token
             short = {id(r) for r in self._short(waiting)}  # those the policy puts first (an aged prompt stops them)
@@ -271,8 +296,6 @@ class Scheduler:
             self._decode(decoding)
         if (left is None and not served) or (left is not None and left > 0):  # None: one unit an iteration
             self._prefill([r for r in self.running if not r.work.prefilled], left, served)
-        for run in waiting:
-            run.skips = 0 if id(run) in served else run.skips + 1
 
     def _short(self, runs: list[Running]) -> list[Running]:
         """Of ``runs``, the requests not started whose uncached rest is at most
@@ -287,10 +310,39 @@ class Scheduler:
         """One decode step for every answer of every stream in ``runs`` (the executor's step; a
         group it decoded together fails together)."""
         self._last_decode = time.monotonic()
-        by_work = {id(r.work): r for r in runs}
         decoded = self._guard(runs, lambda: self.executor.decode([r.work for r in runs]))
-        if decoded is None:
+        if decoded is not None:
+            self._decoded(runs, decoded)
+
+    def _mixable(self, decoding: list[Running]) -> Running | None:
+        """With ``mixed_chunk`` set, the prefill that goes next in the policy's order if a chunk of
+        it can carry the decode step of ``decoding`` (the executor able to mix them); else None."""
+        if not getattr(self.policy, "mixed_chunk", 0):
+            return None
+        ready = [r for r in self.policy.order([r for r in self.running if not r.work.prefilled]) if not self._waits(r)]
+        head = ready[0] if ready else None
+        if head is None or not head.work.chunked or not self.executor.mixes(head.work, [r.work for r in decoding]):
+            return None
+        return head
+
+    def _mixed(self, run: Running, decoding: list[Running], served: set[int]) -> None:
+        """One chunk of ``run``'s prefill (``mixed_chunk`` tokens at most) with one decode step of
+        ``decoding`` in its layer calls, never paused; a failure fails all of them."""
+        self._begin(run)
+        self._last_decode = time.monotonic()
+        served.add(id(run))
+        budget = self.policy.mixed_chunk  # type: ignore[union-attr]  (_mixable checked it)
+        result = self._guard([run, *decoding], lambda: self.executor.mixed(run.work, budget, [r.work for r in decoding]))
+        if result is None:
             return
+        self.metrics.mixed_steps.inc()
+        self._decoded(decoding, result[1])
+        if run in self.running:
+            self._after_unit(run)
+
+    def _decoded(self, runs: list[Running], decoded: Decoded) -> None:
+        """Hand out one decode step's tokens (``runs``: the streams stepped; a group that failed fails)."""
+        by_work = {id(r.work): r for r in runs}
         self.metrics.decode_batch.observe(len(runs))
         self.metrics.decode_step.observe(decoded.seconds)
         emitted = []
@@ -338,9 +390,7 @@ class Scheduler:
         """One unit of ``run``'s prefill (at most ``budget`` tokens when chunked), pausable between
         layers for an interlude when it is a local chunked prefill; its first tokens once done.
         Returns the tokens it ran (None: it failed, and was dropped)."""
-        if run.started is None:
-            run.started = time.monotonic()
-            self.metrics.queue_wait.labels(run.job.label).observe(run.started - run.job.arrived)
+        self._begin(run)
         pause = None
         if pausable and self.pausing and run.work.chunked:
             pause = Pause(self._wants_pause, self._interlude)
@@ -349,15 +399,24 @@ class Scheduler:
             ran = self._guard([run], lambda: self.executor.prefill(run.work, budget, pause))
         finally:
             self._pausable = None
-        if ran is None:
-            return None
+        if ran is not None:
+            self._after_unit(run)
+        return ran
+
+    def _begin(self, run: Running) -> None:
+        """Mark ``run``'s first unit of work (the end of its queue wait)."""
+        if run.started is None:
+            run.started = time.monotonic()
+            self.metrics.queue_wait.labels(run.job.label).observe(run.started - run.job.arrived)
+
+    def _after_unit(self, run: Running) -> None:
+        """After a unit of ``run``'s prefill: count it; once prefilled, its first tokens, then its blocks published."""
         self.metrics.prefill_chunks.labels(run.job.label).inc()
         if run.work.prefilled:
             for event in run.work.first_events():
                 self._emit(run, event)
             if run in self.running:  # its prompt's blocks, visible to the requests that follow
                 self._guard([run], run.work.publish)
-        return ran
 
     def _wants_pause(self) -> bool:
         """Whether a request came since the last interlude, or a decode step is due (under the lock)."""

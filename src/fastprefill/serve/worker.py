@@ -179,6 +179,17 @@ class Executor(Protocol):
         """One decode step for every answer of ``works``."""
         ...
 
+    def mixes(self, work: Work, works: Sequence[Work]) -> bool:
+        """Whether a unit of ``work``'s prefill can carry the decode step of ``works`` in its
+        layer calls (:meth:`mixed`)."""
+        ...
+
+    def mixed(self, work: Work, budget: int, works: Sequence[Work]) -> tuple[int, Decoded]:
+        """One unit of ``work``'s prefill (at most ``budget`` tokens) with one decode step of every
+        answer of ``works`` in the same forward (a failure fails all of them); the tokens it
+        ran, and the step."""
+        ...
+
     def error(self, exc: Exception, fatal: bool) -> APIError:
         """The answer to a unit that raised ``exc`` (``fatal``: the server ends with it)."""
         ...
