@@ -119,8 +119,9 @@ def markdown(result: dict[str, Any]) -> str:
               f"{result['requests']} requests one after the other: {result['prompt']} random prompt tokens, "
               f"{result['output']} output tokens (ignore_eos), no prefix-cache hits; the server's scheduler with its "
               f"defaults (`off`) or `--mixed-chunk N` (`mixed:N`). Rate: output tokens over the run's wall time."), "",
-             ("| mode | streams | output tokens/s (median) | / off (paired median) | range | / one stream (paired median) "
-              "| range | TTFT p50 (s) | time between tokens (ms) | steps mixed | rounds |"),
+             ("| mode | streams | output tokens/s (median) | / off (paired median) | / off [min, max] "
+              "| / one stream (paired median) | / one stream [min, max] | TTFT p50 (s) | time between tokens (ms) "
+              "| steps mixed | rounds |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     one = _series(rows, "one stream", "tokens_per_s")
     off = _series(rows, "off", "tokens_per_s")

@@ -53,7 +53,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models.*", "kernels", "kernels.*", "data.*"),
     ("cache", "cache.*", "prefix_cache", "chunk_store"),
     ("methods.*",),
-    ("engine", "events", "prompt", "sampling", "batch"),
+    ("engine", "events", "prompt", "sampling", "batch", "units"),
     ("distributed", "distributed.*"),
     ("bench.*", "tune"),
     ("launch", "serve.*", "cli", "cli.*", "demo", "__init__"),

@@ -27,15 +27,10 @@ repeats one *iteration*:
    started waits while a running exact prefill computes blocks of its prompt (its backend's
    ``waits_for``), then prefills only its rest: a new document is computed once.
 
-**Mixed batches** (``--mixed-chunk N``, off by default): where the prefill next in the policy's
-order (a short one included) is an exact method's on the server's own model, the iteration is
-one unit instead of steps 1-3. While streams decode, it is a chunk of at most ``N`` tokens of
-that prefill with every decoding stream's next token riding in its layer calls (the executor's
-``mixed``), never paused, so a decode step costs its rows, not a pass over the weights of its
-own, and the streams' next token waits for one short chunk. While none decodes, it is that
-prefill's unit alone (up to the budget, pausable): requests that arrive together are then
-prefilled one after the other, each next one carrying the tokens of those before, instead of
-all at once and then decoding in lockstep with no prefill left to ride in.
+**Mixed batches** (``--mixed-chunk N``, off by default): where the policy's next prefill is an
+exact local one, an iteration is one unit: a chunk of at most ``N`` of its tokens carrying every
+decoding stream's next token (the executor's ``mixed``, never paused), or, while none decodes,
+its unit alone, so requests that arrive together are prefilled one after the other.
 
 **Pauses** (on by default; :mod:`fastprefill.serve.pauses`, put on the model by the executor).
 A chunk runs on a thread of its own and stops before its next decoder layer when a request arrives, or when a decode step is
@@ -284,8 +279,7 @@ class Scheduler:
             run.skips = 0 if id(run) in served else run.skips + 1
 
     def _apart(self, waiting: list[Running], served: set[int]) -> None:
-        """An iteration of units apart: the short prefills (unless a decode step is due), a decode
-        step, then the rest of the budget's prefill (see the module docstring)."""
+        """An iteration of units apart: steps 1-3 of the module docstring."""
         left = self.policy.budget
         if not self._decode_due():  # short prompts' first tokens before the streams' next token
             short = {id(r) for r in self._short(waiting)}  # those the policy puts first (an aged prompt stops them)
@@ -307,41 +301,35 @@ class Scheduler:
                 and not r.job.cancelled and r.work.remaining <= limit]
 
     def _decode(self, runs: list[Running]) -> None:
-        """One decode step for every answer of every stream in ``runs`` (the executor's step; a
-        group it decoded together fails together)."""
+        """One decode step of every stream in ``runs`` (a group decoded together fails together)."""
         self._last_decode = time.monotonic()
         decoded = self._guard(runs, lambda: self.executor.decode([r.work for r in runs]))
         if decoded is not None:
             self._decoded(runs, decoded)
 
     def _mixable(self, decoding: list[Running]) -> Running | None:
-        """With ``mixed_chunk`` set, the prefill that goes next in the policy's order if a chunk of
-        it can carry the decode step of ``decoding`` (the executor able to mix them); else None."""
+        """With ``mixed_chunk`` set, the policy's next prefill if it can carry ``decoding``'s step."""
         if not getattr(self.policy, "mixed_chunk", 0):
             return None
-        ready = [r for r in self.policy.order([r for r in self.running if not r.work.prefilled]) if not self._waits(r)]
-        head = ready[0] if ready else None
-        if head is None or not head.work.chunked or not self.executor.mixes(head.work, [r.work for r in decoding]):
-            return None
-        return head
+        head = next((r for r in self.policy.order([r for r in self.running if not r.work.prefilled])
+                     if not self._waits(r)), None)
+        mixes = head is not None and head.work.chunked and self.executor.mixes(head.work, [r.work for r in decoding])
+        return head if mixes else None
 
     def _mixed(self, run: Running, decoding: list[Running], served: set[int]) -> None:
-        """One chunk of ``run``'s prefill (``mixed_chunk`` tokens at most) with one decode step of
-        ``decoding`` in its layer calls, never paused; a failure fails all of them."""
+        """A chunk of ``run``'s prefill carrying ``decoding``'s step; a failure fails all of them."""
         self._begin(run)
         self._last_decode = time.monotonic()
         served.add(id(run))
         budget = self.policy.mixed_chunk  # type: ignore[union-attr]  (_mixable checked it)
         result = self._guard([run, *decoding], lambda: self.executor.mixed(run.work, budget, [r.work for r in decoding]))
-        if result is None:
-            return
-        self.metrics.mixed_steps.inc()
-        self._decoded(decoding, result[1])
-        if run in self.running:
-            self._after_unit(run)
+        if result is not None:
+            self.metrics.mixed_steps.inc()
+            self._decoded(decoding, result[1])
+            if run in self.running:
+                self._after_unit(run)
 
-    def _decoded(self, runs: list[Running], decoded: Decoded) -> None:
-        """Hand out one decode step's tokens (``runs``: the streams stepped; a group that failed fails)."""
+    def _decoded(self, runs: list[Running], decoded: Decoded) -> None:  # hand out a step's tokens; a failed group fails
         by_work = {id(r.work): r for r in runs}
         self.metrics.decode_batch.observe(len(runs))
         self.metrics.decode_step.observe(decoded.seconds)
@@ -403,14 +391,12 @@ class Scheduler:
             self._after_unit(run)
         return ran
 
-    def _begin(self, run: Running) -> None:
-        """Mark ``run``'s first unit of work (the end of its queue wait)."""
+    def _begin(self, run: Running) -> None:  # its first unit of work: the end of its queue wait
         if run.started is None:
             run.started = time.monotonic()
             self.metrics.queue_wait.labels(run.job.label).observe(run.started - run.job.arrived)
 
-    def _after_unit(self, run: Running) -> None:
-        """After a unit of ``run``'s prefill: count it; once prefilled, its first tokens, then its blocks published."""
+    def _after_unit(self, run: Running) -> None:  # count the unit; once prefilled, its first tokens, then its blocks
         self.metrics.prefill_chunks.labels(run.job.label).inc()
         if run.work.prefilled:
             for event in run.work.first_events():
