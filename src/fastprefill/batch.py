@@ -104,13 +104,11 @@ class DecodeBatch:
                 self._regroup(together, keep=rows)
             if together:
                 events.update(zip(map(id, together), self._forward(), strict=True))
-        for branch in rows:
-            if id(branch) not in events:
-                events[id(branch)] = branch.step()
+        out = self._rest_alone(gens, rows, events)
         if self.adapter is None and any(b.finished for b in self.members):
             left = [b for b in self.members if not b.finished]
             self._regroup(left, keep=left)
-        return [[events[id(b)] for b in rows if b.gen is g] for g in gens]
+        return out
 
     def mixed(self, gens: Sequence[Generation], prefill: Generation,
               budget: int | None) -> tuple[int, list[list[StreamEvent]]]:
@@ -143,10 +141,17 @@ class DecodeBatch:
         with torch.inference_mode():
             ran = unit.finish(logits[0])
         self.members = [b for b in together if not b.finished]
+        return ran, self._rest_alone(gens, rows, events)
+
+    @staticmethod
+    def _rest_alone(gens: Sequence[Generation], rows: list[Branch],
+                    events: dict[int, StreamEvent]) -> list[list[StreamEvent]]:
+        """Step alone each of ``rows`` (the live answers of ``gens``) that has no event in
+        ``events`` yet; then each generation's events, in the order of ``gens``."""
         for branch in rows:
             if id(branch) not in events:
                 events[id(branch)] = branch.step()
-        return ran, [[events[id(b)] for b in rows if b.gen is g] for g in gens]
+        return [[events[id(b)] for b in rows if b.gen is g] for g in gens]
 
     def _routed(self, rows: list[Branch]) -> list[StreamEvent]:
         """One step of ``rows`` (two or more) on the layer loop: each decoder layer called once on

@@ -16,6 +16,7 @@ from fastprefill.methods.full import FullPrefill
 from fastprefill.methods.registry import make_method
 from fastprefill.models.adapters import decoder_layers
 from fastprefill.models.random import random_model
+from tests.unit.test_batch_methods import _alone, _LayerCalls, _prefilled
 
 #: The riding streams (method spec, prompt length, new tokens): every kind of decode step.
 RIDERS = (
@@ -25,26 +26,6 @@ RIDERS = (
     ("static:keep=0.5,select_layer=1", 29, 8),
     ("kvp-prefix:layer=2", 27, 9),
 )
-
-
-def _prefilled(model, make_ids, cases) -> list[Generation]:
-    gens = [Generation(model, None, make_ids(n, 40 + i), make_method(spec), budget, stop_at_eos=False)
-            for i, (spec, n, budget) in enumerate(cases)]
-    for gen in gens:
-        gen.prefill(None)
-        gen.first_events()
-    return gens
-
-
-def _alone(model, make_ids, cases) -> list[list[int]]:
-    return [generate(model, None, make_ids(n, 40 + i), make_method(spec), budget, stop_at_eos=False).token_ids
-            for i, (spec, n, budget) in enumerate(cases)]
-
-
-def _layer_calls(model) -> tuple[list[int], object]:
-    count = [0]
-    hook = decoder_layers(model)[0].register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-    return count, hook
 
 
 @pytest.mark.parametrize("chunk", [7, 16, 64])
@@ -57,17 +38,18 @@ def test_a_prompt_prefilled_in_mixed_chunks_keeps_its_answer_and_every_riders(ti
     want = generate(model, None, ids, FullPrefill(), 6, stop_at_eos=False)
     riders = _prefilled(model, make_ids, RIDERS)
     prompt = Generation(model, None, ids, FullPrefill(), 6, stop_at_eos=False)
-    batch, (calls, hook) = DecodeBatch(model, max_batch=8), _layer_calls(model)
+    batch, calls = DecodeBatch(model, max_batch=8), _LayerCalls(model)
     try:
         units = 0
         while not prompt.prefilled:
-            before, live = calls[0], [len(g.live) for g in riders]
+            before, live = calls.layer, [len(g.live) for g in riders]
             ran, events = batch.mixed(riders, prompt, chunk)
             units += 1
-            assert ran == min(chunk, 61 - (units - 1) * chunk) and calls[0] == before + 1
+            assert ran == min(chunk, 61 - (units - 1) * chunk) and calls.layer == before + 1
             assert [len(e) for e in events] == live  # one token for each stream still decoding
+        assert calls.forward == 0  # no unit ran the model's own forward beside the layer calls
     finally:
-        hook.remove()
+        calls.remove()
     assert units == -(-61 // chunk) and prompt.out is not None
     assert prompt.out.stats.token_layers == want.timing.stats.token_layers
     prompt.first_events()
