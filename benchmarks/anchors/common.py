@@ -20,6 +20,13 @@ the timing and the output format live here, so every system is measured the same
   ``own_step_s`` is the system's own per-token figure where it reports one; ``tokens`` the
   ``1 + D`` ids.
 
+With ``--serve`` the process stays up across rounds (``rounds.py``, ``run_all.sh`` with
+``PERSISTENT=1``): it loads and runs every length's warm-up once, then runs the timed pairs once
+per line it reads on stdin (``{"round": r, "out": path}``), each into its own file with its own
+header, and answers each with a line ``{"done": path}`` on stdout (the console output goes to
+stderr then). The timed calls are the same; what changes is that a round's process was warmed up
+once, when it started, not at the start of that round.
+
 Output JSONL: a header line (``{"type": "header", ...}``) then one line per timed run
 (``{"type": "run", ...}``), flushed as each run ends.
 """
@@ -133,7 +140,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="JSONL written by prompts.py for this model")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="times each pair is measured (default 3)")
-    p.add_argument("--out", required=True, help="JSONL to write (header + one line per run)")
+    p.add_argument("--out", default=None, help="JSONL to write (header + one line per run; required without --serve)")
     p.add_argument("--lengths", type=int, nargs="*", default=None,
                    help="only these target lengths of the prompt set (default: all)")
     p.add_argument("--limit", type=int, default=None, help="only the first N pairs per length")
@@ -141,6 +148,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
                    help="the system's name in the records (default: the runner's; e.g. a fastprefill method's row)")
     p.add_argument("--decode-tokens", type=int, default=32,
                    help="decode steps timed after each hit (0: none; default 32)")
+    p.add_argument("--serve", action="store_true",
+                   help="stay up across rounds: warm up once, then one round per stdin line (see the module docstring)")
     return p
 
 
@@ -228,12 +237,87 @@ def _write(f: Any, item: dict[str, Any]) -> None:
     f.flush()
 
 
+def _warm(system: System, g: dict[str, Any], decode_steps: int) -> None:
+    """One length's warm-up pair, untimed: warms kernels and allocators at this length."""
+    warm = g["warmup"]
+    system.reset()
+    for key in ("first", "followup"):
+        _timed(system, warm[key]["ids"])
+    if decode_steps:  # the decode path's first run
+        _decode_step(system, warm["followup"]["ids"], 2)
+
+
+def _pairs(system: System, length: int, g: dict[str, Any], f: Any, args: argparse.Namespace,
+           meta: dict[str, Any], decode_steps: int) -> None:
+    """One length's timed runs: per repeat and pair, a cold prompt, its hit and a decode step."""
+    for repeat in range(args.repeats):
+        for pair in g["pairs"]:
+            system.reset()
+            run = {"type": "run", "system": system.name, "version": meta["version"], "model": meta["model"],
+                   "prompt_id": pair["id"], "length": length,
+                   "shared_prefix_tokens": pair["shared_prefix_tokens"], "repeat": repeat,
+                   "threads": args.threads, "dtype": system.dtype}  # what every run of this pair says
+            for kind, key in (("cold", "first"), ("hit", "followup")):
+                ids = pair[key]["ids"]
+                wall, info = _timed(system, ids)
+                _write(f, {**run, "prompt_tokens": len(ids), "kind": kind, "ttft_s": wall,
+                           "own_ttft_s": info.get("own_ttft_s"), "first_token": info["first_token"],
+                           "cached_tokens": info.get("cached_tokens"), "extra": info.get("extra", {})})
+                own = info.get("own_ttft_s")
+                print(f"  {length:>5} {pair['id']:<14} r{repeat} {kind:<4} {len(ids):>5} tok  "
+                      f"wall {wall * 1000:8.1f} ms  own {'-' if own is None else f'{own * 1000:8.1f} ms'}"
+                      f"  cached {info.get('cached_tokens')}  tok {info['first_token']}", flush=True)
+            if decode_steps:
+                step = _decode_step(system, pair["followup"]["ids"], decode_steps)
+                _write(f, {**run, "prompt_tokens": len(pair["followup"]["ids"]), "kind": "decode", **step,
+                           "first_token": step["tokens"][0]})
+                own = step["own_step_s"]
+                print(f"  {length:>5} {pair['id']:<14} r{repeat} step {decode_steps:>5} tok  "
+                      f"wall {step['step_s'] * 1000:8.2f} ms  own "
+                      f"{'-' if own is None else f'{own * 1000:8.2f} ms'}", flush=True)
+
+
+def _acks() -> Any:
+    """``--serve``'s answer channel: the process's stdout, which from now on is only that (anything
+    else printed, by the runner or the system's libraries, goes to stderr)."""
+    sys.stdout.flush()
+    acks = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    return acks
+
+
+def _serve(system: System, groups: dict[int, dict[str, Any]], args: argparse.Namespace,
+           header: dict[str, Any], decode_steps: int, acks: Any) -> None:
+    """``--serve``: every warm-up once, then one round per stdin line, acknowledged on ``acks``."""
+    for g in groups.values():
+        _warm(system, g, decode_steps)
+    acks.write(json.dumps({"ready": system.name}) + "\n")
+    acks.flush()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        order = json.loads(line)
+        out = Path(order["out"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            _write(f, {**header, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "serve_round": int(order["round"]),
+                       "warm_up": "once, when the process started (--serve)"})
+            for length, g in groups.items():
+                _pairs(system, length, g, f, args, header, decode_steps)
+        print(f"wrote {out}", flush=True)
+        acks.write(json.dumps({"done": str(out)}) + "\n")
+        acks.flush()
+
+
 def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None) -> int:
     """Parse the shared CLI (plus the runner's own options), run the protocol, write the JSONL."""
     parser = parser or base_parser(system_cls.__doc__ or system_cls.name)
     args = parser.parse_args()
     if args.threads < 1 or args.repeats < 1 or args.decode_tokens < 0:
         raise SystemExit("--threads and --repeats must be >= 1, --decode-tokens >= 0")
+    if (args.out is None) != args.serve:
+        raise SystemExit("give --out (one run) or --serve (rounds from stdin), not both or neither")
+    acks = _acks() if args.serve else None
     prompt_header, pairs = read_prompts(args.prompts)
     model = model_name_of(args.model_dir)
     if prompt_header.get("model") not in (None, model):
@@ -251,8 +335,6 @@ def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None
     load_s = time.perf_counter() - t_load
     versions = system.versions()
     version = next(iter(versions.values()), "?")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     header = {
         "type": "header", "system": system.name, "version": version, "versions": versions,
         "model": model, "model_dir": str(Path(args.model_dir).expanduser()), "dtype": system.dtype,
@@ -266,40 +348,17 @@ def main(system_cls: type[System], parser: argparse.ArgumentParser | None = None
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     print(f"[{system.name} {version}] {model}: loaded in {load_s:.1f} s; lengths {list(groups)}", flush=True)
+    if args.serve:
+        _serve(system, groups, args, header, decode_steps, acks)
+        system.close()
+        return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         _write(f, header)
         for length, g in groups.items():
-            warm = g["warmup"]
-            system.reset()
-            for key in ("first", "followup"):  # untimed: warms kernels and allocators at this length
-                _timed(system, warm[key]["ids"])
-            if decode_steps:  # untimed: the decode path's first run
-                _decode_step(system, warm["followup"]["ids"], 2)
-            for repeat in range(args.repeats):
-                for pair in g["pairs"]:
-                    system.reset()
-                    run = {"type": "run", "system": system.name, "version": version, "model": model,
-                           "prompt_id": pair["id"], "length": length,
-                           "shared_prefix_tokens": pair["shared_prefix_tokens"], "repeat": repeat,
-                           "threads": args.threads, "dtype": system.dtype}  # what every run of this pair says
-                    for kind, key in (("cold", "first"), ("hit", "followup")):
-                        ids = pair[key]["ids"]
-                        wall, info = _timed(system, ids)
-                        _write(f, {**run, "prompt_tokens": len(ids), "kind": kind, "ttft_s": wall,
-                                   "own_ttft_s": info.get("own_ttft_s"), "first_token": info["first_token"],
-                                   "cached_tokens": info.get("cached_tokens"), "extra": info.get("extra", {})})
-                        own = info.get("own_ttft_s")
-                        print(f"  {length:>5} {pair['id']:<14} r{repeat} {kind:<4} {len(ids):>5} tok  "
-                              f"wall {wall * 1000:8.1f} ms  own {'-' if own is None else f'{own * 1000:8.1f} ms'}"
-                              f"  cached {info.get('cached_tokens')}  tok {info['first_token']}", flush=True)
-                    if decode_steps:
-                        step = _decode_step(system, pair["followup"]["ids"], decode_steps)
-                        _write(f, {**run, "prompt_tokens": len(pair["followup"]["ids"]), "kind": "decode", **step,
-                                   "first_token": step["tokens"][0]})
-                        own = step["own_step_s"]
-                        print(f"  {length:>5} {pair['id']:<14} r{repeat} step {decode_steps:>5} tok  "
-                              f"wall {step['step_s'] * 1000:8.2f} ms  own "
-                              f"{'-' if own is None else f'{own * 1000:8.2f} ms'}", flush=True)
+            _warm(system, g, decode_steps)
+            _pairs(system, length, g, f, args, header, decode_steps)
     system.close()
     print(f"wrote {out}", flush=True)
     return 0

@@ -15,6 +15,8 @@
 # <SYSTEM>_ARGS (more arguments for one system's runner, e.g. VLLM_ARGS="--dtype float32" on a
 # CPU without bfloat16 units). Round r starts with the system at position r of SYSTEMS (the order
 # rotates, so no system always runs first or last). A system that fails is reported and skipped.
+# PERSISTENT=1: each system's process stays up across the rounds (rounds.py): it loads and warms
+# up once, then runs the timed pairs once per round; its console output goes to run-<system>.log.
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -35,23 +37,32 @@ fi
 
 read -r -a order <<< "$SYSTEMS"
 status=0
+# the runner command of one system (without --out), for either way of running the rounds
+command_of() {
+  local system="$1" runner="${1%%_*}" py extra
+  case "$runner" in
+    fastprefill) py="$FP_PY" ;;
+    *) py="$VENVS/$runner/bin/python" ;;
+  esac
+  extra="${system^^}_ARGS"
+  printf '%q ' "$py" "$HERE/${runner}_run.py" --model-dir "$CACHE/models/$MODEL" --prompts "$OUT/prompts.jsonl" \
+    --threads "$THREADS" --repeats "$REPEATS" --decode-tokens "$DECODE"
+  [[ "$runner" != "$system" ]] && printf '%q ' --name "$system"
+  printf '%s' "${!extra:-}"  # word-split by eval, as the command line would be
+}
+if [[ "${PERSISTENT:-0}" == 1 ]]; then
+  args=()
+  for system in "${order[@]}"; do args+=(--system "$system" "$(command_of "$system")"); done
+  python3 "$HERE/rounds.py" --out "$OUT" --rounds "$ROUNDS" "${args[@]}" || status=1  # each command split there by shlex
+  python3 "$HERE/summarize.py" "$OUT"/run-*-round*.jsonl --out "$OUT/summary.md"
+  exit $status
+fi
 for ((round = 0; round < ROUNDS; round++)); do
   for ((i = 0; i < ${#order[@]}; i++)); do
     system="${order[$(( (i + round) % ${#order[@]} ))]}"
-    runner="${system%%_*}"  # fastprefill_<row>: fastprefill's runner, its rows named <system>
-    case "$runner" in
-      fastprefill) py="$FP_PY" ;;
-      *) py="$VENVS/$runner/bin/python" ;;
-    esac
-    name=()
-    [[ "$runner" != "$system" ]] && name=(--name "$system")
-    extra="${system^^}_ARGS"
     run="$OUT/run-$system-round$round"
-    echo "== round $round/$ROUNDS: $system ${!extra:-}" >&2
-    # shellcheck disable=SC2086
-    if ! "$py" "$HERE/${runner}_run.py" --model-dir "$CACHE/models/$MODEL" --prompts "$OUT/prompts.jsonl" \
-        --threads "$THREADS" --repeats "$REPEATS" --decode-tokens "$DECODE" --out "$run.jsonl" "${name[@]}" \
-        ${!extra:-} > "$run.log" 2>&1; then
+    echo "== round $round/$ROUNDS: $system" >&2
+    if ! eval "$(command_of "$system") --out $(printf %q "$run.jsonl")" > "$run.log" 2>&1; then
       echo "$system FAILED in round $round: see $run.log" >&2
       rm -f "$run.jsonl"  # a partial file would pair only some prompts of this round
       status=1

@@ -229,6 +229,9 @@ def report(headers: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
     else:
         design = (f"One round: each system ran once, one after another, so every ratio rests on one sitting per "
                   f"system and carries the machine's drift between them (starts: {', '.join(started)}); no interval.")
+    if any("serve_round" in h for h in headers):
+        design += (" Each system's process stayed up across the rounds (`--serve`): it loaded its model and ran its "
+                   "warm-up prompts once, before the first round, not at the start of every round.")
     apart = sorted({f"{system} (round {rnd})" for rnd, _, system in other_sittings(headers)})
     if apart:
         design += (f" Not paired, because they began more than {SITTING_HOURS} h from fastprefill's run of the same "

@@ -116,6 +116,91 @@ with open(a.out, "w") as f:
     assert "| m | 8 | cold | fastprefill_lazy | ? |  | 3 | 3 | 8 | 500.0 | - | 1.00 |" in summary
 
 
+_SERVED = """import json, os, sys
+import common
+
+clock = [0.0]
+common.time.perf_counter = lambda: clock[0]
+LOG = sys.argv[0] + ".calls"
+
+
+class Fake(common.System):
+    name = "SYS"
+    rounds = 0
+
+    def load(self, max_prompt_tokens):
+        with open(LOG, "a") as f:
+            f.write("load\\n")
+
+    def reset(self):
+        pass
+
+    def generate_one(self, prepared):
+        with open(LOG, "a") as f:
+            f.write(json.dumps(prepared) + "\\n")
+        if prepared == [1, 2, 3]:  # the measured pair's first prompt: a new round
+            Fake.rounds += 1
+            if Fake.rounds > FAIL_AFTER:
+                raise RuntimeError("this system breaks in its second round")
+        clock[0] += TTFT
+        return 5
+
+    def inspect(self, raw, ids):
+        return {"first_token": raw}
+
+
+raise SystemExit(common.main(Fake))
+"""
+
+
+def test_persistent_rounds_load_and_warm_up_once_and_leave_out_a_system_that_breaks(tmp_path):
+    """run_all.sh with PERSISTENT=1: each runner (common.main on a stand-in system) starts once with
+    --serve, loads and runs its warm-up pair once, then one round per request into its own file with
+    its own header; the order rotates; a system that fails in round 1 loses that round's partial
+    file and the later rounds, the others go on, and the run reports the failure."""
+    here = tmp_path / "anchors"
+    here.mkdir()
+    for name in ("run_all.sh", "summarize.py", "rounds.py", "common.py"):
+        (here / name).write_text((ANCHORS / name).read_text())
+    for system, ttft, fail in (("fastprefill", "0.5", "99"), ("peer", "1.0", "1")):
+        (here / f"{system}_run.py").write_text(
+            _SERVED.replace("SYS", system).replace("TTFT", ttft).replace("FAIL_AFTER", fail))
+    venv = tmp_path / "venvs" / "peer" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "fastprefill.json").write_text(json.dumps({"name": "m"}))
+    out = tmp_path / "out"
+    out.mkdir()
+    pair = {"first": {"ids": [1, 2, 3]}, "followup": {"ids": [1, 2, 4]}}
+    warm = {"first": {"ids": [9, 9, 3]}, "followup": {"ids": [9, 9, 4]}}
+    (out / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [
+        {"type": "header", "model": "m"},
+        {"type": "prompt", "length": 8, "role": "warmup", "id": "w", "shared_prefix_tokens": 2, **warm},
+        {"type": "prompt", "length": 8, "role": "measure", "id": "p", "shared_prefix_tokens": 2, **pair}]))
+    env = {**os.environ, "ROUNDS": "3", "SYSTEMS": "fastprefill peer", "PERSISTENT": "1", "DECODE": "0",
+           "ANCHORS_VENVS": str(tmp_path / "venvs"), "FASTPREFILL_PYTHON": sys.executable,
+           "FASTPREFILL_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(["bash", str(here / "run_all.sh"), "m", str(out)], check=False, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "peer FAILED in round 1" in done.stderr, done.stderr
+    assert sorted(p.name for p in out.glob("run-*.jsonl")) == [
+        *(f"run-fastprefill-round{r}.jsonl" for r in range(3)), "run-peer-round0.jsonl"]
+    calls = (here / "fastprefill_run.py.calls").read_text().split("\n")[:-1]
+    assert calls == ["load", "[9, 9, 3]", "[9, 9, 4]", *["[1, 2, 3]", "[1, 2, 4]"] * 3]
+    assert "RuntimeError: this system breaks" in (out / "run-peer.log").read_text()
+    for r in range(3):
+        lines = [json.loads(x) for x in (out / f"run-fastprefill-round{r}.jsonl").read_text().splitlines()]
+        assert lines[0]["serve_round"] == r and "--serve" in lines[0]["command"]
+        assert [(x["kind"], x["ttft_s"]) for x in lines[1:]] == [("cold", 0.5), ("hit", 0.5)]
+    # round 1 starts with the second system: the peer was asked (and broke) before fastprefill ran
+    peer_broke = (out / "run-peer.log").stat().st_mtime_ns
+    assert peer_broke <= (out / "run-fastprefill-round1.jsonl").stat().st_mtime_ns
+    summary = (out / "summary.md").read_text()
+    assert "stayed up across the rounds" in summary
+    assert "| m | 8 | cold | peer | ? |  | 1 | 1 | 3 | 1000.0 | - | 2.00 | - |" in summary
+
+
 def test_runs_of_another_sitting_are_not_paired(tmp_path):
     """A peer run that began hours from fastprefill's run of the same round is not divided by it:
     its row keeps its own medians and gives no ratio, and the summary says why."""
