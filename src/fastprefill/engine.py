@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastprefill.cache import fork_cache
+from fastprefill.errors import UnsupportedModelError
 from fastprefill.events import Answer, GenerationResult, StreamEvent, Timing, TimingWindow
 from fastprefill.host import device_clock, dtype_name
 from fastprefill.methods.base import ComputeStats, Decoder, Method, ModelDecoder, PrefillOutput
@@ -175,9 +176,13 @@ class Generation:
         Raises:
             UnsupportedModelError: the method does not prefill a layer at a time.
         """
+        started = self._started
         end = self._begin_unit(budget)
-        ids = self.input_ids[:, :end]
-        layered = self.method.prefill_steps(self.model, ids, self._cache)
+        try:
+            layered = self.method.prefill_steps(self.model, self.input_ids[:, :end], self._cache)
+        except UnsupportedModelError:
+            self._started = started  # nothing ran: the TTFT clock starts with the first unit that does
+            raise
 
         def finish(logits: torch.Tensor) -> int:
             out = layered.output(logits)

@@ -104,8 +104,9 @@ def test_what_cannot_prefill_a_layer_at_a_time_says_so_before_running(tiny_llama
     with pytest.raises(UnsupportedModelError, match="lazyllm does not prefill a layer at a time"):
         DecodeBatch(tiny_llama).mixed([rider], lazy, 16)
     assert len(rider.choices[0].ids) == 1 and lazy.done_tokens == 0
+    assert lazy._started is None  # its TTFT clock starts with the prefill that runs, not the refused one
     gpt2 = random_model("gpt2")
     prompt = Generation(gpt2, None, make_ids(20, 6), FullPrefill(), 2, stop_at_eos=False)
     with pytest.raises(UnsupportedModelError, match="runs no layer loop"):
         DecodeBatch(gpt2).mixed([], prompt, 8)
-    assert prompt.done_tokens == 0
+    assert prompt.done_tokens == 0 and prompt._started is None
