@@ -69,8 +69,23 @@ class Served:
         return code
 
 
-def run(systems: list[tuple[str, str]], out: Path, rounds: int) -> int:
-    """Start every system (one after another), run ``rounds`` rounds, stop them; 0 when none failed."""
+def available_gib() -> float | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in GiB; ``None`` where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return round(int(line.split()[1]) / (1 << 20), 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def run(systems: list[tuple[str, str]], out: Path, rounds: int, min_free_gib: float = 1.5) -> int:
+    """Start every system (one after another), run ``rounds`` rounds, stop them; 0 when none failed.
+    Stops before the rounds (``SystemExit``) where less than ``min_free_gib`` of memory is left
+    with every system loaded: the idle systems' models stay in memory, and a first try of the 1.5B
+    in float32 beside vLLM with its 4 GiB cache left too little, its hits and decode steps many
+    times slower than alone (that run was stopped and nothing of it kept)."""
     out.mkdir(parents=True, exist_ok=True)
     status = 0
     served: list[Served] = []
@@ -81,6 +96,15 @@ def run(systems: list[tuple[str, str]], out: Path, rounds: int) -> int:
             print(f"{name} FAILED to start: see {s.log.name}", file=sys.stderr, flush=True)
             status = 1
         served.append(s)
+    free = available_gib()
+    if free is not None and free < min_free_gib:
+        for s in served:
+            s.close()
+        raise SystemExit(
+            f"only {free:.1f} GiB of memory is left with every system loaded (under {min_free_gib} GiB): the rounds "
+            "would time paging, not the systems. Give them less (e.g. VLLM_ARGS=\"... --kv-cache-gib 1\"), run fewer "
+            "systems at once, or run without PERSISTENT=1.")
+    print(f"== every system loaded; {free} GiB of memory left", file=sys.stderr, flush=True)
     for rnd in range(rounds):
         for i in range(len(served)):
             s = served[(i + rnd) % len(served)]
@@ -104,10 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
     p.add_argument("--system", nargs=2, action="append", required=True, metavar=("NAME", "COMMAND"),
                    help="a system's name and its runner's command line, without --out and --serve (repeatable)")
+    p.add_argument("--min-free-gib", type=float, default=1.5,
+                   help="stop before the rounds where less memory is left with every system loaded (default 1.5)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
-    return run([(n, c) for n, c in args.system], Path(args.out), args.rounds)
+    return run([(n, c) for n, c in args.system], Path(args.out), args.rounds, args.min_free_gib)
 
 
 if __name__ == "__main__":

@@ -50,11 +50,18 @@ command_of() {
   [[ "$runner" != "$system" ]] && printf '%q ' --name "$system"
   printf '%s' "${!extra:-}"  # word-split by eval, as the command line would be
 }
+summarize() {  # the table over every round's files, where any run was written
+  if compgen -G "$OUT/run-*-round*.jsonl" > /dev/null; then
+    python3 "$HERE/summarize.py" "$OUT"/run-*-round*.jsonl --out "$OUT/summary.md"
+  else
+    echo "no runs were written: no summary" >&2
+  fi
+}
 if [[ "${PERSISTENT:-0}" == 1 ]]; then
   args=()
   for system in "${order[@]}"; do args+=(--system "$system" "$(command_of "$system")"); done
   python3 "$HERE/rounds.py" --out "$OUT" --rounds "$ROUNDS" "${args[@]}" || status=1  # each command split there by shlex
-  python3 "$HERE/summarize.py" "$OUT"/run-*-round*.jsonl --out "$OUT/summary.md"
+  summarize
   exit $status
 fi
 for ((round = 0; round < ROUNDS; round++)); do
@@ -69,5 +76,5 @@ for ((round = 0; round < ROUNDS; round++)); do
     fi
   done
 done
-python3 "$HERE/summarize.py" "$OUT"/run-*-round*.jsonl --out "$OUT/summary.md"
+summarize
 exit $status

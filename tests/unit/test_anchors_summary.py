@@ -153,11 +153,9 @@ raise SystemExit(common.main(Fake))
 """
 
 
-def test_persistent_rounds_load_and_warm_up_once_and_leave_out_a_system_that_breaks(tmp_path):
-    """run_all.sh with PERSISTENT=1: each runner (common.main on a stand-in system) starts once with
-    --serve, loads and runs its warm-up pair once, then one round per request into its own file with
-    its own header; the order rotates; a system that fails in round 1 loses that round's partial
-    file and the later rounds, the others go on, and the run reports the failure."""
+def _served_anchors(tmp_path):
+    """The anchors folder with two stand-in --serve runners (the peer breaks in its second round),
+    a model folder and a prompt set with one warm-up and one measured pair; (folder, output folder)."""
     here = tmp_path / "anchors"
     here.mkdir()
     for name in ("run_all.sh", "summarize.py", "rounds.py", "common.py"):
@@ -178,6 +176,15 @@ def test_persistent_rounds_load_and_warm_up_once_and_leave_out_a_system_that_bre
         {"type": "header", "model": "m"},
         {"type": "prompt", "length": 8, "role": "warmup", "id": "w", "shared_prefix_tokens": 2, **warm},
         {"type": "prompt", "length": 8, "role": "measure", "id": "p", "shared_prefix_tokens": 2, **pair}]))
+    return here, out
+
+
+def test_persistent_rounds_load_and_warm_up_once_and_leave_out_a_system_that_breaks(tmp_path):
+    """run_all.sh with PERSISTENT=1: each runner (common.main on a stand-in system) starts once with
+    --serve, loads and runs its warm-up pair once, then one round per request into its own file with
+    its own header; the order rotates; a system that fails in round 1 loses that round's partial
+    file and the later rounds, the others go on, and the run reports the failure."""
+    here, out = _served_anchors(tmp_path)
     env = {**os.environ, "ROUNDS": "3", "SYSTEMS": "fastprefill peer", "PERSISTENT": "1", "DECODE": "0",
            "ANCHORS_VENVS": str(tmp_path / "venvs"), "FASTPREFILL_PYTHON": sys.executable,
            "FASTPREFILL_CACHE_DIR": str(tmp_path)}
@@ -199,6 +206,19 @@ def test_persistent_rounds_load_and_warm_up_once_and_leave_out_a_system_that_bre
     summary = (out / "summary.md").read_text()
     assert "stayed up across the rounds" in summary
     assert "| m | 8 | cold | peer | ? |  | 1 | 1 | 3 | 1000.0 | - | 2.00 | - |" in summary
+
+
+def test_persistent_rounds_stop_before_timing_where_memory_is_short(tmp_path):
+    """rounds.run stops with a message naming the memory left and what to do, before any round
+    (no run file), where the loaded systems leave less than the floor; the processes are stopped."""
+    here, out = _served_anchors(tmp_path)
+    import rounds  # beside summarize.py, which anchors_summarize() put on the path
+    base = f"--model-dir {tmp_path / 'models' / 'm'} --prompts {out / 'prompts.jsonl'} --decode-tokens 0"
+    systems = [(n, f"{sys.executable} {here / (n + '_run.py')} {base}") for n in ("fastprefill", "peer")]
+    with pytest.raises(SystemExit, match="GiB of memory is left with every system loaded.*--kv-cache-gib"):
+        rounds.run(systems, out, 2, min_free_gib=1e9)
+    assert not list(out.glob("run-*-round*.jsonl"))
+    assert (here / "fastprefill_run.py.calls").read_text().split() == ["load", "[9,", "9,", "3]", "[9,", "9,", "4]"]
 
 
 def test_runs_of_another_sitting_are_not_paired(tmp_path):
