@@ -241,38 +241,12 @@ def test_prepare_converts_and_load_matches_the_gguf(tiny_gguf, site, cache, conv
     reference_tokenizer = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
     assert not model.training
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
-    assert not _mapped_weights(model)  # all in the process's own memory (own_memory, tested below)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     assert ids.tolist() == reference_tokenizer(PROMPT, return_tensors="pt").input_ids.tolist()
     assert ids.shape[1] < len(PROMPT.encode())  # the merges were kept
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
     assert len(conversions) == 1
-
-
-def _mapped_weights(model):
-    """The names of ``model``'s parameters that are views of a mapped ``.safetensors`` file."""
-    mapped = [tuple(int(a, 16) for a in line.split()[0].split("-"))
-              for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(".safetensors")]
-    return [n for n, t in model.named_parameters() if any(lo <= t.data_ptr() < hi for lo, hi in mapped)]
-
-
-def test_own_memory_copies_the_weights_a_float32_checkpoint_left_mapped(tmp_path, tiny_llama):
-    """transformers keeps a float32 checkpoint's weights as views of the mapped file, pages the
-    kernel may take back under memory pressure; own_memory copies them into the process's own
-    memory (the loader calls it on the CPU), with the same values and a tied weight still tied."""
-    from fastprefill.models.pretrained import own_memory
-
-    tiny_llama.save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    mapped = _mapped_weights(model)
-    assert mapped, "transformers no longer maps the checkpoint: nothing here to copy"
-    ids = torch.arange(1, 20)[None]
-    with torch.no_grad():
-        before = model(ids).logits
-        assert own_memory(model) == len(mapped)
-        assert not _mapped_weights(model)
-        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
 
 
 def test_checksum_mismatch_refuses_and_caches_nothing(tiny_entry, cache, conversions):

@@ -89,45 +89,5 @@ def load_pretrained(
     except ValueError as exc:
         raise UnsupportedModelError(f"AutoModelForCausalLM cannot load {source}: {exc}") from exc
     model.to(device)
-    if torch.device(device).type == "cpu":
-        own_memory(model)
     model.eval()
     return model, tokenizer
-
-
-def _checkpoint_mappings() -> list[tuple[int, int]]:
-    """The address ranges of ``.safetensors`` files mapped into this process (``/proc/self/maps``;
-    none where it cannot be read)."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return []
-    ranges = []
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].endswith(".safetensors"):
-            lo, hi = fields[0].split("-")
-            ranges.append((int(lo, 16), int(hi, 16)))
-    return ranges
-
-
-def own_memory(model: torch.nn.Module) -> int:
-    """Copy into the process's own memory every parameter and buffer of ``model`` that is still a
-    view of a mapped checkpoint file (transformers keeps a float32 checkpoint loaded as float32
-    that way); the number copied.
-
-    Such a weight's pages belong to the page cache, which the kernel takes back when another
-    process needs memory, and reads from disk again on the next use. Tried beside a second
-    inference process, a float32 model's decode steps and prefix-cache hits (whose products read
-    the plain weights) ran many times slower than alone, its cold prompts (on packed copies in
-    process memory) did not. A tied weight stays tied: its one parameter gets the copy."""
-    ranges = _checkpoint_mappings()
-    if not ranges:
-        return 0
-    copied = 0
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            if t.device.type == "cpu" and any(lo <= t.data_ptr() < hi for lo, hi in ranges):
-                t.data = t.data.clone()
-                copied += 1
-    return copied
