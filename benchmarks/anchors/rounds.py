@@ -85,7 +85,8 @@ def run(systems: list[tuple[str, str]], out: Path, rounds: int, min_free_gib: fl
     Stops before the rounds (``SystemExit``) where less than ``min_free_gib`` of memory is left
     with every system loaded: the idle systems' models stay in memory, and a first try of the 1.5B
     in float32 beside vLLM with its 4 GiB cache left too little, its hits and decode steps many
-    times slower than alone (that run was stopped and nothing of it kept)."""
+    times slower than alone (that run was stopped and nothing of it kept). Passing the check is
+    no promise: a system may grow in its round beyond what it held after its warm-up."""
     out.mkdir(parents=True, exist_ok=True)
     status = 0
     served: list[Served] = []
@@ -103,7 +104,7 @@ def run(systems: list[tuple[str, str]], out: Path, rounds: int, min_free_gib: fl
         raise SystemExit(
             f"only {free:.1f} GiB of memory is left with every system loaded (under {min_free_gib} GiB): the rounds "
             "would time paging, not the systems. Give them less (e.g. VLLM_ARGS=\"... --kv-cache-gib 1\"), run fewer "
-            "systems at once, or run without PERSISTENT=1.")
+            "systems at once, or run without PERSISTENT=1 (one process per round).")
     print(f"== every system loaded; {free} GiB of memory left", file=sys.stderr, flush=True)
     for rnd in range(rounds):
         for i in range(len(served)):
