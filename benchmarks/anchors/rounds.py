@@ -105,7 +105,8 @@ def run(systems: list[tuple[str, str]], out: Path, rounds: int, min_free_gib: fl
             f"only {free:.1f} GiB of memory is left with every system loaded (under {min_free_gib} GiB): the rounds "
             "would time paging, not the systems. Give them less (e.g. VLLM_ARGS=\"... --kv-cache-gib 1\"), run fewer "
             "systems at once, or run without PERSISTENT=1 (one process per round).")
-    print(f"== every system loaded; {free} GiB of memory left", file=sys.stderr, flush=True)
+    left = "memory left unknown (/proc/meminfo unreadable)" if free is None else f"{free:.1f} GiB of memory left"
+    print(f"== every system loaded; {left}", file=sys.stderr, flush=True)
     for rnd in range(rounds):
         for i in range(len(served)):
             s = served[(i + rnd) % len(served)]

@@ -11,7 +11,6 @@ In float32 (on the AVX2 EPYC measured) oneDNN's packed products ran faster than 
 ones (``F.linear``) for a few rows (a decode step, a hit's suffix, the LM head's row) and for
 prompt-sized inputs alike; :func:`set_wide_rows` sends a float32 layer's products of more than a
 given number of rows to the plain weight instead, for a machine where MKL's are the faster ones.
-A float32 model keeps its compiled MLPs (no :class:`PackedSwiGLU`).
 
 :func:`pack_linears` turns every ``torch.nn.Linear`` of a model into a :class:`PackedLinear`
 in place: the same module (its ``weight`` and ``bias`` parameters stay, so fingerprints,
@@ -20,9 +19,9 @@ copy it multiplies with. The copy costs the linear weights' memory once more. It
 when the weight changes in place (outside ``torch.inference_mode``), and the plain call is used wherever the packed one does not
 apply (another device or dtype, autograd on the weight).
 
-:class:`PackedSwiGLU` goes one step further for a SwiGLU MLP over packed layers: its activation
-and product run inside the gate and up products (oneDNN post-ops) instead of as two passes over
-the ``(T, I)`` intermediate.
+:class:`PackedSwiGLU` goes one step further for a SwiGLU MLP over packed layers: its product
+(and in bfloat16 its activation) run inside the gate and up products (oneDNN post-ops) instead
+of as passes over the ``(T, I)`` intermediate.
 
 A row's result can depend on how many rows a product computes (oneDNN's few-row kernels round
 unlike its wider ones): each :class:`PackedLinear` has a ``row_floor`` below which its rows are
@@ -205,9 +204,10 @@ class PackedSwiGLU(torch.nn.Module):
     The same three :class:`PackedLinear` modules under the same names (``gate_proj``, ``up_proj``,
     ``down_proj``: parameters, ``state_dict`` and fingerprints unchanged). Where the packed
     products apply, the gate's product applies SiLU to its float32 accumulator before rounding
-    (oneDNN's ``swish`` post-op) and the up product multiplies its accumulator by that (the
-    ``mul`` binary post-op), so the two ``(B, T, I)`` element-wise passes the MLP would make over
-    memory are not made; otherwise (another device, dtype or autograd, or a float32 product its
+    (oneDNN's ``swish`` post-op; in a dtype outside :data:`SILU_IN_PRODUCT`, torch's SiLU in place
+    over the gate's output instead) and the up product multiplies its accumulator by that (the
+    ``mul`` binary post-op), so the ``(B, T, I)`` element-wise passes the MLP would make over
+    memory are not made (in float32, one is); otherwise (another device, dtype or autograd, or a float32 product its
     layers' ``wide_rows`` sends to the plain weight) it computes the formula with the layers' own
     calls. Rounding once instead of three times, it can differ from the unfused MLP in the last
     bits. Rows for the few-row kernel take it: in bfloat16 its own SwiGLU, in float32 the gate's
