@@ -1,13 +1,14 @@
 """A decoder layer's SwiGLU MLP three ways on a packed model's own layers, in one process,
-interleaved: where the float32 default comes from.
+interleaved: what a float32 model's MLP would gain fused (it loads unfused).
 
-- ``silu pass``: :class:`fastprefill.models.packed.PackedSwiGLU` outside ``SILU_IN_PRODUCT`` (the
-  float32 default): the gate's plain packed product, torch's SiLU over it in place, the up
+- ``silu pass``: :class:`fastprefill.models.packed.PackedSwiGLU` outside ``SILU_IN_PRODUCT`` (a
+  float32 model fused with ``fuse_mlps``): the gate's plain packed product, torch's SiLU over it in place, the up
   product's ``mul`` post-op, then the down product.
 - ``swish post-op``: the same module with SiLU inside the gate's product (oneDNN's ``swish``
   post-op, bfloat16's way).
 - ``unfused``: ``down(silu(gate(x)) * up(x))`` over the same packed layers, compiled as
-  ``compile_blocks`` compiles an unfused MLP (inductor fuses the element-wise passes into one).
+  ``compile_blocks`` compiles an unfused MLP (inductor fuses the element-wise passes into one):
+  the float32 default.
 
 Per model and prompt length: ``--rounds`` rounds, each timing every variant once on the same
 ``(1, T, D)`` input (the order rotating); per variant the median and the median of the per-round
@@ -31,6 +32,7 @@ import torch
 from fastprefill.bench.records import environment
 from fastprefill.models import load as load_model
 from fastprefill.models import packed
+from fastprefill.models.adapters import fuse_mlps
 from fastprefill.models.packed import PackedSwiGLU
 from packed_bench import machine, parser, run_all
 from reporting import paired_ratios
@@ -61,6 +63,7 @@ def _variants(mlp: PackedSwiGLU, dtype: torch.dtype) -> dict[str, Callable[[torc
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     model, _ = load_model(name, dtype=args.dtype, progress=False)
+    fuse_mlps(model)  # a float32 model loads unfused
     mlp = model.model.layers[args.layer].mlp
     if not isinstance(mlp, PackedSwiGLU) or model.dtype in packed.SILU_IN_PRODUCT:
         raise SystemExit(f"{name} in {model.dtype}: its MLPs are not fused with a separate SiLU pass here "
@@ -93,9 +96,9 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     lines = [f"# A SwiGLU MLP three ways: {result['model']}, {env['dtype']}", "",
-             f"{machine(env)}. One process; layer {result['layer']}'s MLP on its packed weights, a random input; "
-             f"{result['rounds']} rounds, each variant once per round (the order rotating). Paired: the per-round "
-             "ratio of a variant's time over `silu pass`'s (the float32 default), median [min, max].", "",
+             (f"{machine(env)}. One process; layer {result['layer']}'s MLP on its packed weights, a random input; "
+              f"{result['rounds']} rounds, each variant once per round (the order rotating). Paired: the per-round "
+              "ratio of a variant's time over `silu pass`'s, median [min, max]."), "",
              "| T | variant | median (ms) | / silu pass (paired median) | range | max abs diff from unfused | rounds |",
              "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:

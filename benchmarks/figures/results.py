@@ -343,7 +343,8 @@ RENDERED = {"attention_": ("attention_bench", "markdown"), "machine_speed_": ("m
             "kernel_versions_": ("kernel_versions", "markdown"), "row_products_": ("row_products", "markdown"),
             "hit_storage_": ("hit_storage", "markdown"), "row_floor_cost_": ("row_floor_cost", "markdown"),
             "stream_rows_": ("stream_rows", "markdown"), "mixed_streams_": ("mixed_streams", "markdown"),
-            "fused_attention_": ("packed_bench", "markdown"), "wide_rows_": ("packed_bench", "markdown")}
+            "fused_": ("packed_bench", "markdown"), "wide_rows_": ("packed_bench", "markdown"),
+            "mlp_variants_": ("mlp_variants", "markdown")}
 
 
 def _check_rendered(report: VerifyReport, path: Path) -> None:

@@ -156,7 +156,7 @@ def test_float32_packs_by_default_where_the_copy_fits_in_memory(monkeypatch):
     monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: models.random_models.load(
         "random:llama", dtype=k.get("dtype", torch.float32)))
     model, _ = models.load("smollm2-135m", dtype="float32", compile=False)
-    assert linears_packed(model) and isinstance(model.model.layers[0].mlp, PackedSwiGLU)  # its MLPs fused
+    assert linears_packed(model) and not isinstance(model.model.layers[0].mlp, PackedSwiGLU)  # its MLP as it was
     with pytest.warns(UserWarning, match=r"in 1000000000 process\(es\)"):  # runahead's ranks: a copy each
         model, _ = models.load("smollm2-135m", dtype="float32", compile=False, processes=10**9)
     assert not linears_packed(model)
@@ -246,11 +246,11 @@ def test_load_sets_wide_rows_on_every_packed_layer_and_refuses_what_cannot_apply
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_a_float32_model_packs_when_asked_and_stays_exact_within_itself(make_ids, loop_matches_forward):
-    """``pack=True`` on a float32 model: packed (its MLPs fused), the layer loop equal to its own
+    """``pack=True`` on a float32 model: packed (its MLPs unfused), the layer loop equal to its own
     forward, and the logits the plain model's to float32 rounding."""
     packed, _ = models.load("random:qwen2", dtype="float32", pack=True)
     plain, _ = models.load("random:qwen2", dtype="float32")
-    assert linears_packed(packed) and all(isinstance(layer.mlp, PackedSwiGLU) for layer in packed.model.layers)
+    assert linears_packed(packed) and not isinstance(packed.model.layers[0].mlp, PackedSwiGLU)
     ids = make_ids(40, 3)
     full = loop_matches_forward(packed, ids, new_tokens=6)
     with torch.inference_mode():
@@ -304,15 +304,15 @@ def test_a_fused_mlp_computes_the_swiglu_inside_the_products(make_ids):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_a_float32_fused_mlp_gives_a_few_rows_their_unfused_bits_and_a_prompt_the_formula():
-    """A packed float32 model's MLPs are fused: up to FEW_ROWS rows take the few-row kernel (gate
-    and up in one call) and get the bits of the unfused formula over the same layers, each row
+    """A float32 model keeps its MLPs unfused; fused on request (``fuse_mlps``), up to FEW_ROWS
+    rows take the few-row kernel (gate and up in one call) and get the bits of the unfused formula over the same layers, each row
     whatever the row count; more rows take the gate's plain product, torch's SiLU over it (float32
     is not in SILU_IN_PRODUCT: counted in a profile, no swish post-op) and the up product's ``mul``
     post-op, the formula to float32 rounding; with ``wide_rows`` set, a product above it is the
     formula on the plain weights exactly."""
     model, _ = models.load("random:llama", dtype="float32", pack=True)
-    assert torch.float32 not in SILU_IN_PRODUCT
-    assert fuse_mlps(model) == 0  # the loader fused them
+    assert torch.float32 not in SILU_IN_PRODUCT and not isinstance(model.model.layers[0].mlp, PackedSwiGLU)
+    assert fuse_mlps(model) == len(model.model.layers)
     mlp = model.model.layers[0].mlp
     assert isinstance(mlp, PackedSwiGLU)
 

@@ -174,7 +174,7 @@ def _pack(model: Any, device: str | torch.device, processes: int, pack: bool | N
                if model.dtype == torch.bfloat16 and not onednn_bf16() else "")
         raise ConfigError(f"pack=True needs a bfloat16 or float32 model on the CPU with oneDNN (got {model.dtype} "
                           f"on {device}{cpu}); pass pack=None (auto) or False")
-    if pack and pack_linears(model):
+    if pack and pack_linears(model) and model.dtype == torch.bfloat16:  # float32: MLPs stay compiled
         fuse_mlps(model)
     if wide_rows is not None and set_wide_rows(model, wide_rows) == 0:
         why = "this device or dtype cannot pack" if not packable(device, model.dtype) else "the loader chose not to pack"

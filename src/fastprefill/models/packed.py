@@ -11,6 +11,7 @@ In float32 (on the AVX2 EPYC measured) oneDNN's packed products ran faster than 
 ones (``F.linear``) for a few rows (a decode step, a hit's suffix, the LM head's row) and for
 prompt-sized inputs alike; :func:`set_wide_rows` sends a float32 layer's products of more than a
 given number of rows to the plain weight instead, for a machine where MKL's are the faster ones.
+A float32 model keeps its compiled MLPs (no :class:`PackedSwiGLU`; ``benchmarks/mlp_variants.py``).
 
 :func:`pack_linears` turns every ``torch.nn.Linear`` of a model into a :class:`PackedLinear`
 in place: the same module (its ``weight`` and ``bias`` parameters stay, so fingerprints,
@@ -71,10 +72,9 @@ FEW_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 2, torch.float32: 40}
 #: positions stay on oneDNN, whose products give them the bits they get inside a longer prompt.
 PROMPT_ROWS: frozenset[torch.dtype] = frozenset({torch.float32})
 #: The dtypes whose fused SwiGLU (:class:`PackedSwiGLU`) applies SiLU inside the gate's product
-#: (oneDNN's ``swish`` post-op, on its float32 accumulator). Elsewhere the gate's product is plain
-#: and torch's SiLU runs over its output in place before the up product multiplies by it: on an
-#: AVX2 CPU oneDNN's float32 ``swish`` post-op made the gate product about a tenth slower, more
-#: than the separate pass costs.
+#: (oneDNN's ``swish`` post-op). Elsewhere the gate's product is plain and torch's SiLU runs over
+#: it in place (on an AVX2 CPU the float32 post-op cost more than that pass); float32 MLPs stay
+#: unfused by default all the same (level with this, ``benchmarks/mlp_variants.py``).
 SILU_IN_PRODUCT: frozenset[torch.dtype] = frozenset({torch.bfloat16})
 
 
