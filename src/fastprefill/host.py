@@ -17,6 +17,9 @@
 - :func:`device_clock` is the one clock read of a timing: the device's queued work finished
   first (CUDA and other accelerators run asynchronously), then ``time.perf_counter()``.
   :class:`fastprefill.events.TimingWindow` and every timed span below it read it.
+- :func:`lock_in_memory` pins the pages under some tensors (a model's weights) in memory with
+  ``mlock``, so another process's demand cannot take them: the float32 weights of a zoo model
+  are pages of the mapped checkpoint, which the kernel may otherwise drop and read again.
 - :func:`set_threads` fixes torch's thread counts: every entry point that sets threads (the
   CLI, the benchmark harness, the rank pool's workers, torchrun ranks, partition calibration)
   calls it.
@@ -30,9 +33,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+import resource
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,12 +49,14 @@ from fastprefill.errors import ConfigError, is_int
 __all__ = [
     "DTYPES",
     "CpuInfo",
+    "LockedMemory",
     "accelerator_report",
     "auto_dtype",
     "cpu_info",
     "device_clock",
     "dtype_name",
     "keep_freed_memory",
+    "lock_in_memory",
     "precision_line",
     "precision_report",
     "resolve_dtype",
@@ -297,3 +305,86 @@ def set_threads(threads: int, *, interop: int | None = None) -> None:
             torch.set_num_interop_threads(interop)
         except RuntimeError:
             pass  # already set or parallel work has started: torch keeps the old value
+
+
+def _libc_memlock() -> tuple[Any, Any]:
+    """glibc's ``mlock`` and ``munlock`` (``(address, length) -> 0 | -1``, errno set)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    for fn in (libc.mlock, libc.munlock):
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    return libc.mlock, libc.munlock
+
+
+@dataclass
+class LockedMemory:
+    """Page ranges :func:`lock_in_memory` locked: ``(start, end)`` addresses, page-aligned, disjoint."""
+
+    ranges: list[tuple[int, int]]
+
+    @property
+    def bytes(self) -> int:
+        return sum(end - start for start, end in self.ranges)
+
+    def unlock(self) -> None:
+        """Let the kernel reclaim the pages again (``munlock``; idempotent)."""
+        if self.ranges:
+            munlock = _libc_memlock()[1]
+            for start, end in self.ranges:
+                munlock(start, end - start)
+            self.ranges = []
+
+
+def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """The page-aligned, merged address ranges of ``tensors``' CPU storages (each storage once;
+    tensors without one, such as oneDNN's packed copies, are skipped)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    spans = []
+    for t in tensors:
+        if t.device.type != "cpu" or t.is_mkldnn or t.is_sparse:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() > 0:
+            start = storage.data_ptr()
+            spans.append((start // page * page, -(-(start + storage.nbytes()) // page) * page))
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def lock_in_memory(tensors: Iterable[torch.Tensor]) -> LockedMemory:
+    """Lock the pages under ``tensors``' CPU storages in memory (``mlock``): they are read in now
+    if they are not already, and stay until :meth:`LockedMemory.unlock` or until they are freed.
+
+    A model's weights loaded as views of a memory-mapped checkpoint (a float32 zoo model) are
+    page-cache pages: under another process's demand the kernel may drop them and read them from
+    disk again at their next use. Locked, they stay, still shared with every process that maps
+    the same file (runahead's ranks), and that memory is no longer the host's to reclaim.
+
+    Returns:
+        The locked ranges (``.bytes``: how much).
+
+    Raises:
+        ConfigError: not Linux, or the kernel refused (``RLIMIT_MEMLOCK``, ``ulimit -l``, below
+            the size, or too little memory); nothing stays locked then.
+    """
+    if not sys.platform.startswith("linux"):
+        raise ConfigError(f"locking weights in memory needs Linux's mlock (this is {sys.platform}); run without it")
+    mlock = _libc_memlock()[0]
+    done = LockedMemory([])
+    for start, end in _page_ranges(tensors):
+        if mlock(start, end - start) != 0:
+            err = ctypes.get_errno()
+            want = sum(e - s for s, e in _page_ranges(tensors))
+            done.unlock()
+            soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
+            raise ConfigError(
+                f"could not lock {want / 2**30:.2f} GiB of weights in memory: {os.strerror(err)} (the process may "
+                f"lock {limit}: ulimit -l). Raise the limit (ulimit -l unlimited; docker run --ulimit memlock=-1; "
+                "or the CAP_IPC_LOCK capability), free memory, or run without locking")
+        done.ranges.append((start, end))
+    return done

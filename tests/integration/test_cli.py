@@ -14,6 +14,7 @@ import pytest
 
 from fastprefill.cli import main
 from fastprefill.engine import generate
+from fastprefill.errors import ConfigError
 from fastprefill.models import zoo
 from fastprefill.runtime import free_port
 from fastprefill.sampling import SamplingParams
@@ -104,6 +105,26 @@ def test_generate_binary_stdin_exits_2_with_the_prompt_error():
 def test_serve_refuses_a_bad_method(capsys):
     assert main(["serve", "--method", "nosuch", "--port", "1"]) == 2
     assert "unknown method" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_serve_mlock_refused_says_why_and_exits_2(capsys, monkeypatch):
+    """``--mlock`` where the kernel refuses the lock: the lock's error, exit 2, no server; under
+    torchrun it is refused before anything loads."""
+    from fastprefill import host
+
+    def refuse(tensors):
+        assert sum(t.numel() for t in tensors) > 0  # the model's weights were handed over
+        raise ConfigError("could not lock 0.50 GiB of weights in memory: Operation not permitted (ulimit -l)")
+
+    monkeypatch.setattr(host, "lock_in_memory", refuse)
+    assert main(["serve", "--mlock", "--threads", "1", "--port", "1", "--no-compile"]) == 2
+    err = capsys.readouterr().err
+    assert "could not lock 0.50 GiB" in err and "Traceback" not in err
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["serve", "--mlock", "--port", "1"]) == 2
+    assert "drop --mlock" in capsys.readouterr().err
 
 
 @pytest.mark.integration

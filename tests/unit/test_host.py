@@ -4,7 +4,11 @@ tuning profiles."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import os
+import sys
 import warnings
 
 import pytest
@@ -141,3 +145,59 @@ def test_a_cuda_header_names_the_gpu_driver_and_versions(monkeypatch):
     assert host.accelerator_report("cpu") is None
     assert host.accelerator_report("meta") == {"device_type": "meta"}
     assert "accelerator" not in environment(2, torch.float32)  # a CPU header is unchanged
+
+
+def _locked_kib() -> int:
+    """``VmLck`` of this process, in KiB."""
+    line = next(ln for ln in open("/proc/self/status") if ln.startswith("VmLck:"))
+    return int(line.split()[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mlock is Linux's")
+def test_locking_tensors_locks_each_storage_once_and_unlocking_gives_it_back():
+    """Two tensors and a view of the first: each storage's pages locked once (the view adds
+    nothing), counted by the kernel (VmLck), a oneDNN packed copy (no storage) skipped, and all
+    of it unlocked again."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    a, b = torch.ones(3 << 20, dtype=torch.uint8), torch.ones(1 << 20, dtype=torch.float32)
+    extra = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 4), 8)] if torch.backends.mkldnn.is_available() else []
+    before = _locked_kib()
+    try:
+        locked = host.lock_in_memory([a, a[10:], b, *extra])
+    except ConfigError as e:  # a host whose limit (ulimit -l) is below a few MiB
+        pytest.skip(str(e))
+    spans = [(t.data_ptr() // page * page, -(-(t.data_ptr() + t.untyped_storage().nbytes()) // page) * page) for t in (a, b)]
+    pages = {p for start, end in spans for p in range(start, end, page)}  # adjacent storages merge into one range
+    assert len(locked.ranges) <= 2 and locked.bytes == len(pages) * page
+    assert _locked_kib() - before == locked.bytes // 1024
+    locked.unlock()
+    assert _locked_kib() == before and locked.bytes == 0
+    locked.unlock()  # idempotent
+
+
+def test_a_refused_lock_says_how_to_fix_it_and_leaves_nothing_locked(monkeypatch):
+    """The kernel refusing the second range: ConfigError naming the size, the reason and ``ulimit -l``,
+    and the first range unlocked again."""
+    calls: list[tuple[str, int]] = []
+
+    def mlock(addr: int, length: int) -> int:
+        calls.append(("lock", addr))
+        if len(calls) == 1:
+            return 0
+        ctypes.set_errno(errno.ENOMEM)
+        return -1
+
+    def munlock(addr: int, length: int) -> int:
+        calls.append(("unlock", addr))
+        return 0
+
+    gib = 1 << 30
+    monkeypatch.setattr(host, "_libc_memlock", lambda: (mlock, munlock))
+    monkeypatch.setattr(host, "_page_ranges", lambda tensors: [(gib, gib + gib // 2), (4 * gib, 5 * gib)])
+    monkeypatch.setattr(host.sys, "platform", "linux")
+    with pytest.raises(ConfigError, match=r"could not lock 1\.50 GiB .*Cannot allocate memory.*ulimit -l"):
+        host.lock_in_memory([torch.ones(1)])
+    assert calls == [("lock", gib), ("lock", 4 * gib), ("unlock", gib)]
+    monkeypatch.setattr(host.sys, "platform", "darwin")
+    with pytest.raises(ConfigError, match="needs Linux"):
+        host.lock_in_memory([torch.ones(1)])

@@ -29,6 +29,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          scheduler=args.scheduler, prefill_chunk=args.prefill_chunk, max_running=args.max_running,
                          prefill_pauses=args.prefill_pauses, decode_interval_s=args.decode_interval,
                          mixed_chunk=args.mixed_chunk)
+    if args.mlock and under_torchrun():
+        raise FastprefillError("--mlock locks the weights of a server that loads its model itself; under torchrun "
+                               "each rank loads its own: drop --mlock there")
     if under_torchrun():  # every process is a rank; rank 0 serves HTTP (docs/serving.md)
         return serve_torchrun(config, host=args.host, port=args.port, threads=args.threads_per_rank,
                               log_level=args.log_level, control_port=args.control_port, device=args.device,
@@ -40,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                "under torchrun")
     model, tok = _load(args.model, args.device, args.dtype, args.compile, args.row_floor,
                        processes=1 + max((m.ranks for m in on_ranks.values()), default=0))
+    locked = _lock_weights(model) if args.mlock else None
     with console.status("starting the ranks ..."):
         ranks = start_ranks(config, args.model, dtype=args.dtype, threads_per_rank=args.threads_per_rank)
     app = create_app(model, tok, config, ranks)
@@ -51,9 +55,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       f"; {args.scheduler} scheduler, queue {args.queue}, timeout {args.timeout:g} s, bodies up to {args.max_body_mb:g} MiB, "
                       f"drain {args.drain_timeout:g} s on SIGTERM, {args.threads} threads, prefix cache "
                       f"{f'{args.prefix_cache_mb:g} MiB' if args.prefix_cache_mb else 'off'}"
-                      f"{f', {ranks.procs} ranks (pids {ranks.pids})' if ranks else ''}", highlight=False)
+                      f"{f', {ranks.procs} ranks (pids {ranks.pids})' if ranks else ''}"
+                      f"{f', {locked.bytes / 2**30:.2f} GiB of weights locked in memory' if locked else ''}",
+                      highlight=False)
     run(app, args.host, args.port, log_level=args.log_level)
     return 0
+
+def _lock_weights(model: Any) -> Any:
+    """The model's weights (parameters and buffers) locked in memory (``--mlock``)."""
+    from fastprefill.host import lock_in_memory
+
+    with console.status("locking the weights in memory ..."):
+        return lock_in_memory([*model.parameters(), *model.buffers()])
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over one model")
@@ -103,6 +117,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--control-port", type=int, default=0, metavar="PORT",
                    help="under torchrun: the port rank 0 listens on for the other ranks' control connections "
                         "(default: a free one)")
+    p.add_argument("--mlock", action="store_true",
+                   help="lock the model's weights in memory, so another process's demand on this host cannot make "
+                        "the kernel drop them (a float32 model's weights are pages of the mapped checkpoint) and "
+                        "slow decode steps and hits; that memory is then no longer the host's to reclaim. Needs "
+                        "ulimit -l at least the weights' size (or CAP_IPC_LOCK)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     model_args(p)
     p.set_defaults(func=cmd_serve)
