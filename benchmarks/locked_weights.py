@@ -44,8 +44,8 @@ HOG = ("import sys; n = int(sys.argv[1]); b = bytearray(n); b[::4096] = b'\\x01'
 
 
 def meminfo_gib(key: str) -> float:
-    """A ``/proc/meminfo`` (``MemAvailable``) or ``/proc/self/status`` (``VmLck``) value in GiB."""
-    source = "/proc/self/status" if key.startswith("Vm") else "/proc/meminfo"
+    """A ``/proc/meminfo`` (``MemAvailable``) or ``/proc/self/status`` (``VmLck``, ``RssAnon``) value in GiB."""
+    source = "/proc/self/status" if key.startswith(("Vm", "Rss")) else "/proc/meminfo"
     line = next(ln for ln in Path(source).read_text().splitlines() if ln.startswith(key + ":"))
     return int(line.split()[1]) / (1 << 20)
 
@@ -85,12 +85,13 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     memory: list[dict[str, float]] = []
     for _ in range(args.rounds):
         for setting in SETTINGS:
+            anon = meminfo_gib("RssAnon")
             locked = lock_in_memory(weights) if setting.endswith("locked") else None
             hog, took = _hog(args.margin_gib) if setting != "idle" else (None, 0.0)
             try:
                 if locked is not None:
                     memory.append({"locked_gib": locked.bytes / (1 << 30), "vmlck_gib": meminfo_gib("VmLck"),
-                                   "hog_gib": took})
+                                   "own_added_gib": meminfo_gib("RssAnon") - anon, "hog_gib": took})
                 seconds, tokens[setting] = _steps(model, cache, nxt, args.length, args.steps)
                 times[setting].append(seconds)
             finally:
@@ -126,11 +127,12 @@ def markdown(result: dict[str, Any]) -> str:
         ratio, lo, hi = result["paired"][s]
         lines.append(f"| {s} | {result['medians'][s] * 1000:.1f} | {ratio:.2f} | [{lo:.2f}, {hi:.2f}] "
                      f"| {result['tokens'][s]} | {len(result['times'][s])} |")
-    med = {k: statistics.median(m[k] for m in mem) for k in ("locked_gib", "vmlck_gib", "hog_gib")}
-    lines += ["", ("| locked (GiB) | VmLck (GiB) | MemAvailable before the lock (GiB) | after (GiB) "
-                   "| taken by the other process, locked rounds (GiB, median) |"), "|---|---|---|---|---|",
-              (f"| {med['locked_gib']:.2f} | {med['vmlck_gib']:.2f} | {avail['before']:.2f} | {avail['locked']:.2f} "
-               f"| {med['hog_gib']:.2f} |")]
+    med = {k: statistics.median(m[k] for m in mem) for k in ("locked_gib", "vmlck_gib", "own_added_gib", "hog_gib")}
+    lines += ["", ("| locked (GiB) | VmLck (GiB) | own memory the lock added (RssAnon, GiB) "
+                   "| MemAvailable before the lock (GiB) | after (GiB) "
+                   "| taken by the other process, locked rounds (GiB, median) |"), "|---|---|---|---|---|---|",
+              (f"| {med['locked_gib']:.2f} | {med['vmlck_gib']:.2f} | {med['own_added_gib']:.2f} | {avail['before']:.2f} "
+               f"| {avail['locked']:.2f} | {med['hog_gib']:.2f} |")]
     return "\n".join(lines) + "\n"
 
 

@@ -307,12 +307,32 @@ def set_threads(threads: int, *, interop: int | None = None) -> None:
             pass  # already set or parallel work has started: torch keeps the old value
 
 
+_MLOCK_ONFAULT = 1
+
+
 def _libc_memlock() -> tuple[Any, Any]:
-    """glibc's ``mlock`` and ``munlock`` (``(address, length) -> 0 | -1``, errno set)."""
+    """``(address, length) -> 0 | -1`` (errno set) calls: glibc's ``mlock2`` with ``MLOCK_ONFAULT``
+    and ``munlock``. Raises ConfigError where the C library has no ``mlock2`` (glibc < 2.27)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    for fn in (libc.mlock, libc.munlock):
-        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
-    return libc.mlock, libc.munlock
+    try:
+        mlock2 = libc.mlock2
+    except AttributeError as e:
+        raise ConfigError("locking weights in memory needs mlock2 (glibc 2.27 or later, Linux 4.4 or later), "
+                          "which this C library lacks; run without locking") from e
+    mlock2.argtypes, mlock2.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], ctypes.c_int
+    libc.munlock.argtypes, libc.munlock.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    return (lambda addr, length: mlock2(addr, length, _MLOCK_ONFAULT)), libc.munlock
+
+
+def _read_every_page(tensors: Iterable[torch.Tensor]) -> None:
+    """Read one element of each page of ``tensors``' CPU storages (read faults: a page of a private
+    file mapping stays the file's page, where a write fault, or plain ``mlock``, would copy it)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    with torch.no_grad():
+        for t in tensors:
+            if t.device.type == "cpu" and not (t.is_mkldnn or t.is_sparse) and t.numel():
+                flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().flatten()
+                flat[:: max(1, page // t.element_size())].sum()
 
 
 @dataclass
@@ -356,23 +376,27 @@ def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
 
 
 def lock_in_memory(tensors: Iterable[torch.Tensor]) -> LockedMemory:
-    """Lock the pages under ``tensors``' CPU storages in memory (``mlock``): they are read in now
-    if they are not already, and stay until :meth:`LockedMemory.unlock` or until they are freed.
+    """Lock the pages under ``tensors``' CPU storages in memory: they are read in now if they are
+    not already, and stay until :meth:`LockedMemory.unlock` or until they are freed.
 
     A model's weights loaded as views of a memory-mapped checkpoint (a float32 zoo model) are
     page-cache pages: under another process's demand the kernel may drop them and read them from
-    disk again at their next use. Locked, they stay, still shared with every process that maps
-    the same file (runahead's ranks), and that memory is no longer the host's to reclaim.
+    disk again at their next use. Locked, they stay, and that memory is no longer the host's to
+    reclaim. They are locked as they are (``mlock2`` with ``MLOCK_ONFAULT``, then a read of every
+    page), so they stay the file's pages, shared with every process that maps the same file
+    (runahead's ranks): plain ``mlock`` populates a private writable mapping with write faults,
+    which would give this process its own copy of every page.
 
     Returns:
         The locked ranges (``.bytes``: how much).
 
     Raises:
-        ConfigError: not Linux, or the kernel refused (``RLIMIT_MEMLOCK``, ``ulimit -l``, below
+        ConfigError: not Linux, no ``mlock2``, or the kernel refused (``RLIMIT_MEMLOCK``, ``ulimit -l``, below
             the size, or too little memory); nothing stays locked then.
     """
     if not sys.platform.startswith("linux"):
         raise ConfigError(f"locking weights in memory needs Linux's mlock (this is {sys.platform}); run without it")
+    tensors = list(tensors)
     mlock = _libc_memlock()[0]
     done = LockedMemory([])
     for start, end in _page_ranges(tensors):
@@ -387,4 +411,5 @@ def lock_in_memory(tensors: Iterable[torch.Tensor]) -> LockedMemory:
                 f"lock {limit}: ulimit -l). Raise the limit (ulimit -l unlimited; docker run --ulimit memlock=-1; "
                 "or the CAP_IPC_LOCK capability), free memory, or run without locking")
         done.ranges.append((start, end))
+    _read_every_page(tensors)
     return done

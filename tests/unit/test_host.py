@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,9 +148,9 @@ def test_a_cuda_header_names_the_gpu_driver_and_versions(monkeypatch):
     assert "accelerator" not in environment(2, torch.float32)  # a CPU header is unchanged
 
 
-def _locked_kib() -> int:
-    """``VmLck`` of this process, in KiB."""
-    line = next(ln for ln in open("/proc/self/status") if ln.startswith("VmLck:"))
+def _status_kib(key: str = "VmLck") -> int:
+    """A ``/proc/self/status`` value of this process (``VmLck``, ``RssAnon``), in KiB."""
+    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith(key + ":"))
     return int(line.split()[1])
 
 
@@ -161,7 +162,7 @@ def test_locking_tensors_locks_each_storage_once_and_unlocking_gives_it_back():
     page = os.sysconf("SC_PAGE_SIZE")
     a, b = torch.ones(3 << 20, dtype=torch.uint8), torch.ones(1 << 20, dtype=torch.float32)
     extra = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 4), 8)] if torch.backends.mkldnn.is_available() else []
-    before = _locked_kib()
+    before = _status_kib()
     try:
         locked = host.lock_in_memory([a, a[10:], b, *extra])
     except ConfigError as e:  # a host whose limit (ulimit -l) is below a few MiB
@@ -169,9 +170,9 @@ def test_locking_tensors_locks_each_storage_once_and_unlocking_gives_it_back():
     spans = [(t.data_ptr() // page * page, -(-(t.data_ptr() + t.untyped_storage().nbytes()) // page) * page) for t in (a, b)]
     pages = {p for start, end in spans for p in range(start, end, page)}  # adjacent storages merge into one range
     assert len(locked.ranges) <= 2 and locked.bytes == len(pages) * page
-    assert _locked_kib() - before == locked.bytes // 1024
+    assert _status_kib() - before == locked.bytes // 1024
     locked.unlock()
-    assert _locked_kib() == before and locked.bytes == 0
+    assert _status_kib() == before and locked.bytes == 0
     locked.unlock()  # idempotent
 
 
@@ -201,3 +202,24 @@ def test_a_refused_lock_says_how_to_fix_it_and_leaves_nothing_locked(monkeypatch
     monkeypatch.setattr(host.sys, "platform", "darwin")
     with pytest.raises(ConfigError, match="needs Linux"):
         host.lock_in_memory([torch.ones(1)])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mlock is Linux's")
+def test_locking_a_private_file_mapping_keeps_the_files_pages(tmp_path):
+    """A tensor over a private, writable mapping of a file (as a float32 checkpoint's weights are)
+    is locked as the file's pages: the process's own memory (RssAnon) does not grow by its size,
+    as it would if the lock copied each page, and the values are the file's."""
+    path, size = tmp_path / "weights.bin", 32 << 20
+    path.write_bytes(b"\x07" * size)
+    t = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    anon = _status_kib("RssAnon")
+    try:
+        locked = host.lock_in_memory([t])
+    except ConfigError as e:
+        pytest.skip(str(e))
+    try:
+        assert locked.bytes >= size and _status_kib() >= size // 1024
+        assert _status_kib("RssAnon") - anon < size // 1024 // 4, "the lock copied the file's pages"
+        assert int(t[:: 1 << 20].min()) == 7
+    finally:
+        locked.unlock()
