@@ -17,8 +17,8 @@
 - :func:`device_clock` is the one clock read of a timing: the device's queued work finished
   first (CUDA and other accelerators run asynchronously), then ``time.perf_counter()``.
   :class:`fastprefill.events.TimingWindow` and every timed span below it read it.
-- :func:`lock_in_memory` pins the pages under some tensors (a model's weights) in memory with
-  ``mlock``, so another process's demand cannot take them: the float32 weights of a zoo model
+- :func:`lock_in_memory` pins the pages under some tensors (a model's weights) in memory
+  (``mlock2``), so another process's demand cannot take them: the float32 weights of a zoo model
   are pages of the mapped checkpoint, which the kernel may otherwise drop and read again.
 - :func:`set_threads` fixes torch's thread counts: every entry point that sets threads (the
   CLI, the benchmark harness, the rank pool's workers, torchrun ranks, partition calibration)

@@ -61,6 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run(app, args.host, args.port, log_level=args.log_level)
     return 0
 
+
 def _lock_weights(model: Any) -> Any:
     """The model's weights (parameters and buffers) locked in memory (``--mlock``)."""
     from fastprefill.host import lock_in_memory
