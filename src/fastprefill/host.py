@@ -324,15 +324,22 @@ def _libc_memlock() -> tuple[Any, Any]:
     return (lambda addr, length: mlock2(addr, length, _MLOCK_ONFAULT)), libc.munlock
 
 
-def _read_every_page(tensors: Iterable[torch.Tensor]) -> None:
-    """Read one element of each page of ``tensors``' CPU storages (read faults: a page of a private
-    file mapping stays the file's page, where a write fault, or plain ``mlock``, would copy it)."""
+def _with_storage(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``tensors`` on the CPU with a storage of their own bytes (not oneDNN's packed
+    copies, which expose none, nor sparse ones), and not empty."""
+    return [t for t in tensors if t.device.type == "cpu" and not (t.is_mkldnn or t.is_sparse)
+            and t.untyped_storage().nbytes() > 0]
+
+
+def _read_every_page(tensors: list[torch.Tensor]) -> None:
+    """Read one element of each page of ``tensors`` (:func:`_with_storage`'s; read faults: a page
+    of a private file mapping stays the file's page, where a write fault, or plain ``mlock``,
+    would copy it)."""
     page = os.sysconf("SC_PAGE_SIZE")
     with torch.no_grad():
         for t in tensors:
-            if t.device.type == "cpu" and not (t.is_mkldnn or t.is_sparse) and t.numel():
-                flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().flatten()
-                flat[:: max(1, page // t.element_size())].sum()
+            if t.numel():
+                t.detach().reshape(-1)[:: max(1, page // t.element_size())].sum()
 
 
 @dataclass
@@ -354,18 +361,14 @@ class LockedMemory:
             self.ranges = []
 
 
-def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
-    """The page-aligned, merged address ranges of ``tensors``' CPU storages (each storage once;
-    tensors without one, such as oneDNN's packed copies, are skipped)."""
+def _page_ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """The page-aligned, merged address ranges of ``tensors``' storages (:func:`_with_storage`'s;
+    each storage once)."""
     page = os.sysconf("SC_PAGE_SIZE")
     spans = []
     for t in tensors:
-        if t.device.type != "cpu" or t.is_mkldnn or t.is_sparse:
-            continue
-        storage = t.untyped_storage()
-        if storage.nbytes() > 0:
-            start = storage.data_ptr()
-            spans.append((start // page * page, -(-(start + storage.nbytes()) // page) * page))
+        start, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        spans.append((start // page * page, -(-(start + size) // page) * page))
     merged: list[tuple[int, int]] = []
     for start, end in sorted(spans):
         if merged and start <= merged[-1][1]:
@@ -396,13 +399,14 @@ def lock_in_memory(tensors: Iterable[torch.Tensor]) -> LockedMemory:
     """
     if not sys.platform.startswith("linux"):
         raise ConfigError(f"locking weights in memory needs Linux's mlock (this is {sys.platform}); run without it")
-    tensors = list(tensors)
+    held = _with_storage(tensors)
+    ranges = _page_ranges(held)
     mlock = _libc_memlock()[0]
     done = LockedMemory([])
-    for start, end in _page_ranges(tensors):
+    for start, end in ranges:
         if mlock(start, end - start) != 0:
             err = ctypes.get_errno()
-            want = sum(e - s for s, e in _page_ranges(tensors))
+            want = sum(e - s for s, e in ranges)
             done.unlock()
             soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
             limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
@@ -411,5 +415,5 @@ def lock_in_memory(tensors: Iterable[torch.Tensor]) -> LockedMemory:
                 f"lock {limit}: ulimit -l). Raise the limit (ulimit -l unlimited; docker run --ulimit memlock=-1; "
                 "or the CAP_IPC_LOCK capability), free memory, or run without locking")
         done.ranges.append((start, end))
-    _read_every_page(tensors)
+    _read_every_page(held)
     return done
