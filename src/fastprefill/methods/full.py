@@ -25,6 +25,7 @@ from fastprefill.methods.base import ComputeStats, LayeredPrefill, Method, Prefi
 from fastprefill.methods.layer_steps import LayerSteps, Rows
 from fastprefill.models.adapters import DecoderAdapter, supports_layer_loop
 from fastprefill.models.attention import MASK_MEMO_KWARG, attention_backend, fastprefill_attention
+from fastprefill.models.fused import last_row_only
 from fastprefill.models.shape import ModelShape, causal_pairs
 
 
@@ -47,9 +48,9 @@ class FullPrefill(Method):
         scope = fastprefill_attention(model) if over_prefix or layered and attention_backend(model)[0] == "kernel" \
             else contextlib.nullcontext()
         masks = {MASK_MEMO_KWARG: {}} if over_prefix else {}
-        with scope:
+        with scope, last_row_only(model, cache) as last_row:  # the last layer's rest on the one row the head reads
             out = model(input_ids=input_ids[:, p:], past_key_values=cache, use_cache=True, logits_to_keep=1, **masks)
-        return _output(model, out.logits[0, -1].float(), cache, n, p)
+        return _output(model, out.logits[0, -1].float(), cache, n, p, last_row and n - p > 1)
 
     def prefill_steps(self, model: PreTrainedModel, input_ids: torch.Tensor,
                       prefix: DynamicCache | None = None) -> LayeredPrefill:
@@ -78,13 +79,17 @@ class FullPrefill(Method):
         return LayeredPrefill(steps(), lambda logits: _output(model, logits, cache, n, p))
 
 
-def _output(model: PreTrainedModel, logits: torch.Tensor, cache: DynamicCache, n: int, p: int) -> PrefillOutput:
-    """Full prefill's output for positions ``p..n-1`` computed over ``cache``; ``logits`` ``(V,)`` float32."""
+def _output(model: PreTrainedModel, logits: torch.Tensor, cache: DynamicCache, n: int, p: int,
+            last_row: bool = False) -> PrefillOutput:
+    """Full prefill's output for positions ``p..n-1`` computed over ``cache``; ``logits`` ``(V,)``
+    float32; ``last_row``: the last layer computed the rest of the layer for the last row only."""
     shape = ModelShape.from_config(model.config)
+    layer = shape.layer_flops(n - p, (n - p) * p + causal_pairs(n - p))
+    last = shape.last_row_layer_flops(n - p, n) if last_row else layer
     stats = ComputeStats(
         token_layers=(n - p) * shape.num_layers,
         total_token_layers=n * shape.num_layers,
-        flops=shape.num_layers * shape.layer_flops(n - p, (n - p) * p + causal_pairs(n - p)) + shape.head_flops(1),
+        flops=(shape.num_layers - 1) * layer + last + shape.head_flops(1),
     )
     return PrefillOutput(logits=logits, cache=cache, stats=stats, next_position=n, exact_tokens=n)
 

@@ -77,6 +77,10 @@ class ModelShape:
         mlp = 3 * self.hidden_size * self.intermediate_size
         return 2.0 * (attn + mlp)
 
+    def kv_flops_per_token(self) -> float:
+        """FLOPs of one token through one layer's k and v projections."""
+        return 4.0 * self.hidden_size * self.num_kv_heads * self.head_dim
+
     def qkv_share(self) -> float:
         """Fraction of :meth:`linear_flops_per_token` spent in the q/k/v projections."""
         d_q = self.num_heads * self.head_dim
@@ -99,6 +103,12 @@ class ModelShape:
         """
         pairs = causal_pairs(rows) if key_pairs is None else key_pairs
         return self.linear_flops_per_token() * rows + self.attention_flops(pairs)
+
+    def last_row_layer_flops(self, rows: int, keys: int) -> float:
+        """FLOPs of a decoder layer that computes ``rows`` rows' keys and values but the rest for
+        the last row only, which attends ``keys`` keys (a prefill's last layer when one position's
+        logits are kept: :func:`fastprefill.models.fused.last_row_only`)."""
+        return self.kv_flops_per_token() * (rows - 1) + self.linear_flops_per_token() + self.attention_flops(keys)
 
     def head_flops(self, n_tokens: int = 1) -> float:
         """FLOPs of the LM head for ``n_tokens`` rows."""
