@@ -14,9 +14,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from fastprefill.cache import layer_kv
 from fastprefill.engine import generate
 from fastprefill.host import cpu_info
 from fastprefill.methods.full import FullPrefill
+from fastprefill.methods.registry import make_method
 from fastprefill.models import fused
 from fastprefill.models import load as load_model
 from fastprefill.models.shape import ModelShape
@@ -123,3 +125,34 @@ def test_a_call_over_another_cache_inside_the_scope_computes_every_row():
             h.remove()
     assert out.logits.shape[1] == 12
     assert all(counts == [12] for counts in seen.values())
+
+
+@pytest.mark.parametrize("spec", ["lazyllm", "lazyllm:preset=paper"])
+def test_lazyllm_runs_its_last_layer_on_the_last_row_with_the_same_cache_and_tokens(spec):
+    model, tok = load_model("random:qwen2", dtype="float32")
+    ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(7))
+    outs, seen, tokens = {}, {}, {}
+    for on in (True, False):
+        fused.set_last_row_only(model, on)
+        rows, handles = _rows_seen(model)
+        try:
+            with torch.inference_mode():
+                outs[on] = make_method(spec).prefill(model, ids)
+        finally:
+            for h in handles:
+                h.remove()
+        seen[on] = rows
+        tokens[on] = list(generate(model, tok, ids, make_method(spec), max_new_tokens=8, stop_at_eos=False).token_ids)
+    fused.set_last_row_only(model, True)
+    last = model.config.num_hidden_layers - 1
+    kept = seen[False][last, "q_proj"][0]
+    assert kept > 1 and seen[True][last, "q_proj"] == [1] and seen[True][last, "o_proj"] == [1]
+    assert all(seen[True][key] == counts for key, counts in seen[False].items() if key[0] != last)
+    for layer in range(model.config.num_hidden_layers):
+        for a, b in zip(layer_kv(outs[True].cache, layer), layer_kv(outs[False].cache, layer), strict=True):
+            assert torch.equal(a, b)
+    torch.testing.assert_close(outs[True].logits, outs[False].logits, atol=1e-5 * float(outs[False].logits.abs().max()),
+                               rtol=0)
+    assert outs[True].stats.token_layers == outs[False].stats.token_layers
+    assert outs[True].stats.flops < outs[False].stats.flops
+    assert tokens[True] == tokens[False]

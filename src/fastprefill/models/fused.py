@@ -37,7 +37,7 @@ from fastprefill.models.adapters import decoder_layers, supports_layer_loop
 from fastprefill.models.packed import MergedProduct, PackedLinear, few_row_kernel
 
 __all__ = ["EAGER_ROWS", "FusedAttention", "FusedDecoderLayer", "attention_fused", "fuse_attention", "fuse_layers",
-           "last_row_only", "layers_fused", "set_last_row_only"]
+           "last_row_only", "layers_fused", "set_last_row_only", "trims_last_row"]
 
 #: A decoder layer's call of at most this many rows (batch times positions) runs its norms and MLP
 #: by their own ``forward``, not through their compiled graphs (:func:`~fastprefill.models.adapters.compile_blocks`):
@@ -290,14 +290,20 @@ def last_row_only(model: Any, cache: Any) -> Iterator[bool]:
     :class:`FusedDecoderLayer`'s forward (:func:`fuse_layers`) and the attention
     :class:`FusedAttention`'s; elsewhere the forward is the model's own, every row computed.
     """
-    layers = decoder_layers(model)
-    last = layers[-1] if layers and isinstance(layers[-1], FusedDecoderLayer) \
-        and isinstance(layers[-1].self_attn, FusedAttention) and not getattr(model, _EVERY_ROW, False) else None
+    last = decoder_layers(model)[-1] if trims_last_row(model) else None
     token = _LAST_ROW.set(None if last is None else (last, cache))
     try:
         yield last is not None
     finally:
         _LAST_ROW.reset(token)
+
+
+def trims_last_row(model: Any) -> bool:
+    """Whether :func:`last_row_only` applies to ``model``: its last decoder layer and attention
+    have fastprefill's forwards and :func:`set_last_row_only` did not switch it off."""
+    layers = decoder_layers(model)
+    return bool(layers) and isinstance(layers[-1], FusedDecoderLayer) \
+        and isinstance(layers[-1].self_attn, FusedAttention) and not getattr(model, _EVERY_ROW, False)
 
 
 def set_last_row_only(model: Any, on: bool = True) -> None:

@@ -197,9 +197,11 @@ def _run_layer(state: LazyState, rows: _Rows, layer: int, scorer: Scorer, scored
     # an empty layer cache and ascending rows: mask=None (causal kernel) is exact; over a
     # prefix or filled rows the rows are not the first keys, so the mask goes by position
     mask = causal_mask(positions, state.cache.key_positions_after(layer, positions)) if p or filled else None
-    rows.hidden = run_rows(state, layer, rows.hidden, positions, rows.rotary, mask, scores, scorer)
+    last = layer == state.adapter.num_layers - 1 and scores is None  # the head reads the last row alone
+    rows.hidden = run_rows(state, layer, rows.hidden, positions, rows.rotary, mask, scores, scorer, last_row=last)
     rows.token_layers += r
-    rows.flops += shape.layer_flops(r, r * p + causal_pairs(r))
+    trimmed = last and r > 1 and rows.hidden.shape[1] == 1
+    rows.flops += shape.last_row_layer_flops(r, r + p) if trimmed else shape.layer_flops(r, r * p + causal_pairs(r))
     rows.filled_layer_calls += filled  # the pairs with the filled rows before them: counted in _output
     if scores is None:
         return None

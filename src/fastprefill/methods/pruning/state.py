@@ -169,15 +169,16 @@ def new_state(
 def run_rows(
     state: LazyState, layer: int, hidden: torch.Tensor, positions: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-    scores: dict[int, torch.Tensor] | None = None, scorer: Scorer = LAST_QUERY,
+    scores: dict[int, torch.Tensor] | None = None, scorer: Scorer = LAST_QUERY, last_row: bool = False,
 ) -> torch.Tensor:
     """Run ``layer`` on rows ``hidden`` ``(1, R, D)`` at ``positions`` ``(R,)``, writing their KV; count them.
+    ``last_row``: only the last row's output is read (:meth:`DecoderAdapter.layer`).
 
     Every position is below ``state.next_pos + 1`` (the prompt, revived tokens, the token being
     decoded), so the count reads nothing back from the device."""
     state.cache.stage(layer, positions)
     out = state.adapter.layer(layer, hidden, positions[None], state.cache, mask=mask, rotary=rotary, scores=scores,
-                              scorer=scorer)
+                              scorer=scorer, last_row=last_row)
     state.counter.add(layer, positions, bound=max(state.next_pos, state.prompt_len) + 1)
     return out
 

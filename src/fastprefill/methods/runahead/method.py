@@ -64,6 +64,7 @@ from fastprefill.methods.runahead.search import CostModel, search_partition
 from fastprefill.methods.runahead.tables import PartitionTable, find_table
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.attention import causal_mask
+from fastprefill.models.fused import trims_last_row
 from fastprefill.models.shape import ModelShape
 
 __all__ = ["KVRunahead", "SequenceParallel"]
@@ -241,21 +242,24 @@ class _DistributedPrefill(DistributedMethod):
             hidden = ad.embed(input_ids[:, start : start + c])  # (1, c, D)
             pos = own[None]  # (1, c)
             rot = ad.rotary(hidden, pos)
-            for layer in range(ad.num_layers):
-                hidden = ad.layer(layer, hidden, pos, cache, mask=mask, rotary=rot)
+            for layer in range(ad.num_layers):  # the last layer's rest on the last row, the one the head reads
+                hidden = ad.layer(layer, hidden, pos, cache, mask=mask, rotary=rot, last_row=layer == ad.num_layers - 1)
                 if layer_hook is not None:
                     layer_hook(rank, layer)
             comm = getattr(cache, "comm", None)
             if comm is not None:
                 comm.flush()
             logits = ad.head(hidden[:, -1:])[0, -1] if rank == self.procs - 1 else None  # (V,)
-        stats = self._stats(ad.shape, plan, rank, cache)
+        stats = self._stats(ad.shape, plan, rank, cache, trims_last_row(model))
         return logits, cache.store, stats
 
-    def _stats(self, shape: ModelShape, plan: PartitionPlan, rank: int, cache: Any) -> ComputeStats:
+    def _stats(self, shape: ModelShape, plan: PartitionPlan, rank: int, cache: Any, last_row: bool) -> ComputeStats:
         total, layers = plan.length, shape.num_layers
         pairs = self._attention_pairs(plan)
         flops = layers * shape.layer_flops(total, sum(pairs))
+        if last_row:  # each rank's last layer: its rows' keys and values, the rest for its last row
+            flops -= sum(shape.layer_flops(c, n) - shape.last_row_layer_flops(c, plan.start(r) + c)
+                         for r, (c, n) in enumerate(zip(plan.chunks, pairs)))
         comm = getattr(cache, "comm", None)
         received = comm.bytes_received if comm is not None else getattr(cache, "bytes_received", 0)
         sent = comm.bytes_sent if comm is not None else 0
