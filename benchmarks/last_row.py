@@ -9,7 +9,8 @@ For each prompt length ``T``, ``--rounds`` rounds, the two modes alternating in 
 - **hit**: the last ``--suffix`` tokens over a copy of the cached first ``T - suffix`` (the
   copy made before the clock starts);
 - **last layer**: the model's last decoder layer alone on ``T`` random rows over an empty cache
-  (``DecoderAdapter.layer`` with ``last_row`` on or off): the time the switch can save, measured
+  (``DecoderAdapter.layer`` inside ``last_row_only``, the switch on or off): the time the switch
+  can save, measured
   apart from the whole prefill's run-to-run drift.
 
 Per setting: each mode's median, the median of the per-round paired ratios ``off / on`` with
@@ -36,7 +37,7 @@ from fastprefill.bench.records import environment
 from fastprefill.methods.full import FullPrefill
 from fastprefill.models import load as load_model
 from fastprefill.models.adapters import DecoderAdapter
-from fastprefill.models.fused import set_last_row_only
+from fastprefill.models.fused import last_row_only, set_last_row_only
 from packed_bench import machine, parser, run_all
 from reporting import paired_ratios
 
@@ -55,9 +56,9 @@ def _timed(model: Any, ids: torch.Tensor, prefix: Any, mode: str) -> tuple[float
                              generator=torch.Generator().manual_seed(1))
         positions = torch.arange(ids.shape[1])[None]
         rotary, cache = ad.rotary(hidden, positions), DynamicCache(config=model.config)
-        with ad.attention_scope():
+        with ad.attention_scope(), last_row_only(model, cache):  # applies only while the switch is on
             t0 = time.perf_counter()
-            out = ad.layer(ad.num_layers - 1, hidden, positions, cache, rotary=rotary, last_row=mode == "on")
+            out = ad.layer(ad.num_layers - 1, hidden, positions, cache, rotary=rotary)
             return time.perf_counter() - t0, out[0, -1].float()
     cache = copy.deepcopy(prefix) if prefix is not None else None
     t0 = time.perf_counter()

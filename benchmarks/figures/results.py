@@ -344,7 +344,8 @@ RENDERED = {"attention_": ("attention_bench", "markdown"), "machine_speed_": ("m
             "hit_storage_": ("hit_storage", "markdown"), "row_floor_cost_": ("row_floor_cost", "markdown"),
             "stream_rows_": ("stream_rows", "markdown"), "mixed_streams_": ("mixed_streams", "markdown"),
             "fused_": ("packed_bench", "markdown"), "wide_rows_": ("packed_bench", "markdown"),
-            "mlp_variants_": ("mlp_variants", "markdown"), "locked_weights_": ("locked_weights", "markdown")}
+            "mlp_variants_": ("mlp_variants", "markdown"), "locked_weights_": ("locked_weights", "markdown"),
+            "last_row_": ("last_row", "markdown")}
 
 
 def _check_rendered(report: VerifyReport, path: Path) -> None:

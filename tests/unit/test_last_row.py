@@ -156,3 +156,18 @@ def test_lazyllm_runs_its_last_layer_on_the_last_row_with_the_same_cache_and_tok
     assert outs[True].stats.token_layers == outs[False].stats.token_layers
     assert outs[True].stats.flops < outs[False].stats.flops
     assert tokens[True] == tokens[False]
+
+
+def test_the_loader_can_leave_every_row_computed():
+    model, _ = load_model("random:qwen2", dtype="float32", last_row=False)
+    assert not fused.trims_last_row(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(8))
+    seen, handles = _rows_seen(model)
+    try:
+        with torch.inference_mode():
+            FullPrefill().prefill(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert all(counts == [20] for counts in seen.values())
+    assert fused.trims_last_row(load_model("random:qwen2", dtype="float32")[0])

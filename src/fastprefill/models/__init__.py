@@ -21,7 +21,7 @@ from fastprefill.host import cpu_info, resolve_dtype
 from fastprefill.models import random as random_models
 from fastprefill.models.adapters import compile_blocks, fuse_mlps
 from fastprefill.models.attention import ATTENTION_BACKENDS, attention_backend, set_attention_backend
-from fastprefill.models.fused import fuse_attention, fuse_layers
+from fastprefill.models.fused import fuse_attention, fuse_layers, set_last_row_only
 from fastprefill.models.packed import (
     can_pack,
     check_wide_rows,
@@ -79,6 +79,7 @@ def load(
     processes: int = 1,
     attention: str = "auto",
     wide_rows: int | None = None,
+    last_row: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
 ) -> tuple[Any, Any]:
@@ -108,14 +109,14 @@ def load(
             why), ``"kernel"`` (refused where the kernel cannot run) or ``"sdpa"``.
         wide_rows: a packed float32 model's products of more than this many input rows run on the
             plain weight (MKL's sgemm in torch's CPU wheels) instead of oneDNN's packed copy
-            (:func:`~fastprefill.models.packed.set_wide_rows`), for a CPU where MKL's
-            prompt-sized products are the faster ones (``benchmarks/packed_bench.py --against
-            mkl-wide`` measures it). ``None`` (the default): every product on the packed copy.
+            (:func:`~fastprefill.models.packed.set_wide_rows`), for a CPU where MKL's prompt-sized
+            products are faster (``packed_bench.py --against mkl-wide``). ``None``: packed copy.
+        last_row: ``False``: a prefill's last layer computes every row, as transformers' forward
+            does, not the last row only (:func:`~fastprefill.models.fused.last_row_only`).
         cache_dir, progress: for zoo models (see :func:`~fastprefill.models.pretrained.load_pretrained`).
 
-    On the CPU, a Llama or Qwen2 model's attention modules and decoder layers run fastprefill's
-    forwards (:mod:`fastprefill.models.fused`: the rotary in one pass, bit for bit eager's, q, k
-    and v as one product, a decode step's norms on the few-row kernel).
+    On the CPU, a Llama or Qwen2 model's attention and decoder layers run fastprefill's forwards
+    (:mod:`fastprefill.models.fused`: rotary in one pass, one q/k/v product, few-row norms).
 
     Raises:
         ConfigError: an unknown ``dtype`` or ``attention``; ``wide_rows`` not a non-negative int,
@@ -138,8 +139,7 @@ def load(
                                            progress=progress)
     _pack(model, device, processes, pack, wide_rows, warn=not random_models.is_random_spec(spec))
     if torch.device(device).type == "cpu":
-        fuse_attention(model)
-        fuse_layers(model)
+        _fuse(model, last_row)
     if compile is None:
         compile = torch.device(device).type == "cpu" and _inductor_can_compile()
     if compile:
@@ -149,6 +149,14 @@ def load(
     if not random_models.is_random_spec(spec):
         _warn_if_no_kernel(model)
     return model, tokenizer
+
+
+def _fuse(model: Any, last_row: bool) -> None:
+    """Give a CPU model fastprefill's attention and layer forwards, the last layer on the last
+    row only unless ``last_row`` is False (:mod:`fastprefill.models.fused`)."""
+    fuse_attention(model)
+    fuse_layers(model)
+    set_last_row_only(model, last_row)
 
 
 def _check_wide_rows(wide_rows: int | None, dtype: torch.dtype, pack: bool | None) -> None:

@@ -235,7 +235,6 @@ class DecoderAdapter:
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         scores: dict[int, torch.Tensor] | None = None,
         scorer: ScoreFn | None = None,
-        last_row: bool = False,
     ) -> torch.Tensor:
         """Run decoder layer ``idx`` on the rows ``hidden`` (``(B, T, D)``) at ``positions``.
 
@@ -250,32 +249,26 @@ class DecoderAdapter:
             rotary: precomputed :meth:`rotary` output for ``positions`` (shared across layers).
             scores: if given, receives ``scores[idx] = (B, N)``, one score per key from ``scorer``.
             scorer: what the scores are (a :data:`ScoreFn`; required with ``scores``).
-            last_row: only the last row's output is read (the model's last layer in a prefill):
-                every row's keys and values are written, the rest of the layer computed for the
-                last row only where the layers have fastprefill's forward
-                (:func:`fastprefill.models.fused.last_row_only`), which returns ``(B, 1, D)``.
 
         Returns:
-            ``(B, T, D)`` hidden states after the layer (``(B, 1, D)`` where ``last_row`` took
-            effect: read the last row either way). Must be called inside :meth:`attention_scope`.
+            ``(B, T, D)`` hidden states after the layer (``(B, 1, D)`` for the model's last layer
+            inside :func:`fastprefill.models.fused.last_row_only` over ``cache``). Must be called
+            inside :meth:`attention_scope`.
         """
         if rotary is None:
             rotary = self.rotary(hidden, positions)
         if scores is not None and scorer is None:
             raise ValueError("DecoderAdapter.layer: scores need a scorer")
         extra = {SCORE_SINK_KWARG: scores, SCORER_KWARG: scorer} if scores is not None else {}
-        from fastprefill.models.fused import last_row_only  # fused builds on this module
-
-        with last_row_only(self.model, cache) if last_row and scores is None else contextlib.nullcontext():
-            return self.layers[idx](
-                hidden,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                position_embeddings=rotary,
-                **extra,
-            )
+        return self.layers[idx](
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            position_embeddings=rotary,
+            **extra,
+        )
 
     def shift_keys(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Move cached keys ``delta`` positions: ``(B, H_kv, N, d)`` keys rotated at positions

@@ -7,6 +7,7 @@ Shapes: positions ``(N,)`` int64; the counter is ``(L, N)`` int32.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from fastprefill.methods.pruning.schedule import Schedule
 from fastprefill.methods.pruning.scorers import AttentionScorer, Scorer
 from fastprefill.methods.pruning.select import SelectFn, top_k_keep
 from fastprefill.models.adapters import DecoderAdapter
+from fastprefill.models.fused import last_row_only
 
 __all__ = ["LAST_QUERY", "ComputeCounter", "DeferredAuxCache", "LazyState", "new_state", "rows_for", "run_rows"]
 
@@ -172,13 +174,16 @@ def run_rows(
     scores: dict[int, torch.Tensor] | None = None, scorer: Scorer = LAST_QUERY, last_row: bool = False,
 ) -> torch.Tensor:
     """Run ``layer`` on rows ``hidden`` ``(1, R, D)`` at ``positions`` ``(R,)``, writing their KV; count them.
-    ``last_row``: only the last row's output is read (:meth:`DecoderAdapter.layer`).
+    ``last_row``: only the last row's output is read (the model's last layer in a prefill), so
+    the layer runs inside :func:`~fastprefill.models.fused.last_row_only` (``(1, 1, D)`` back
+    where that applies).
 
     Every position is below ``state.next_pos + 1`` (the prompt, revived tokens, the token being
     decoded), so the count reads nothing back from the device."""
     state.cache.stage(layer, positions)
-    out = state.adapter.layer(layer, hidden, positions[None], state.cache, mask=mask, rotary=rotary, scores=scores,
-                              scorer=scorer, last_row=last_row)
+    with last_row_only(state.adapter.model, state.cache) if last_row else contextlib.nullcontext():
+        out = state.adapter.layer(layer, hidden, positions[None], state.cache, mask=mask, rotary=rotary,
+                                  scores=scores, scorer=scorer)
     state.counter.add(layer, positions, bound=max(state.next_pos, state.prompt_len) + 1)
     return out
 

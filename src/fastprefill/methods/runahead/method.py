@@ -47,6 +47,7 @@ Both run in the default torch.distributed process group (gloo on CPU, NCCL on CU
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -64,7 +65,7 @@ from fastprefill.methods.runahead.search import CostModel, search_partition
 from fastprefill.methods.runahead.tables import PartitionTable, find_table
 from fastprefill.models.adapters import DecoderAdapter
 from fastprefill.models.attention import causal_mask
-from fastprefill.models.fused import trims_last_row
+from fastprefill.models.fused import last_row_only, trims_last_row
 from fastprefill.models.shape import ModelShape
 
 __all__ = ["KVRunahead", "SequenceParallel"]
@@ -242,8 +243,10 @@ class _DistributedPrefill(DistributedMethod):
             hidden = ad.embed(input_ids[:, start : start + c])  # (1, c, D)
             pos = own[None]  # (1, c)
             rot = ad.rotary(hidden, pos)
-            for layer in range(ad.num_layers):  # the last layer's rest on the last row, the one the head reads
-                hidden = ad.layer(layer, hidden, pos, cache, mask=mask, rotary=rot, last_row=layer == ad.num_layers - 1)
+            for layer in range(ad.num_layers):
+                last = layer == ad.num_layers - 1  # its rest on the last row, the one the head reads
+                with last_row_only(model, cache) if last else contextlib.nullcontext():
+                    hidden = ad.layer(layer, hidden, pos, cache, mask=mask, rotary=rot)
                 if layer_hook is not None:
                     layer_hook(rank, layer)
             comm = getattr(cache, "comm", None)
