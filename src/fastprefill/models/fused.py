@@ -229,8 +229,9 @@ class FusedDecoderLayer(torch.nn.Module):
         more than one row, the fused attention, and no mask or a tensor one (whose last query row
         it slices)."""
         mask = kwargs.get("attention_mask")
-        return (kwargs.get("past_key_values") is _LAST_ROW.get()[1] and hidden.dim() == 3 and hidden.shape[0] == 1 and hidden.shape[1] > 1
-                and isinstance(self.self_attn, FusedAttention) and (mask is None or isinstance(mask, torch.Tensor)))
+        return (kwargs.get("past_key_values") is _LAST_ROW.get()[1] and hidden.dim() == 3
+                and hidden.shape[0] == 1 and hidden.shape[1] > 1 and isinstance(self.self_attn, FusedAttention)
+                and (mask is None or isinstance(mask, torch.Tensor)))
 
     def _last_row(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The layer's output for the last row only, ``(1, 1, D)`` from ``(1, T, D)``: every row's
