@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from fastprefill.methods.kv_prediction.prefix.predictor import (
 )
 from fastprefill.models.adapters import DecoderAdapter, require_layer_loop
 from fastprefill.models.attention import causal_mask
+from fastprefill.models.fused import last_row_only, trims_last_row
 from fastprefill.models.kv import rotate_keys
 from fastprefill.models.shape import ModelShape, causal_pairs
 
@@ -157,17 +159,22 @@ class KVPrefix(Method):
         with torch.no_grad(), ad.attention_scope():
             hidden = ad.embed(input_ids[:, q:])  # (1, M, D)
             cos, sin = ad.rotary(hidden, positions)  # (1, M, d) each
-            for i in range(l):  # exact on every computed prompt token
-                hidden = ad.layer(i, hidden, positions, cache, mask=mask, rotary=(cos, sin))
+            for i in range(l):  # exact on every computed prompt token (the last layer: its last row's output)
+                with last_row_only(model, cache) if i == L - 1 else contextlib.nullcontext():
+                    hidden = ad.layer(i, hidden, positions, cache, mask=mask, rotary=(cos, sin))
             p = max(n - q - self.tail, 0) if l < L else 0  # predicted rows
             tail = predicted_tail(ad, lambda h: pred.predict(ad, h), hidden, positions, (cos, sin), cache, l, p,
-                                  context=q)
+                                  context=q, last_row=True)
             logits = ad.head(tail[:, -1:])[0, -1]  # (V,)
         m = n - q
         w = m - p
         map_flops = pred.flops(p)
         exact_flops = l * shape.layer_flops(m, m * q + causal_pairs(m))
         tail_flops = (L - l) * shape.layer_flops(w, w * (q + p) + causal_pairs(w))
+        r = m if l == L else w  # the rows at the last layer, which computed the rest for the last row only
+        if trims_last_row(model) and r > 1:
+            saved = shape.layer_flops(r, r * (n - r) + causal_pairs(r)) - shape.last_row_layer_flops(r, n)
+            exact_flops, tail_flops = (exact_flops - saved, tail_flops) if l == L else (exact_flops, tail_flops - saved)
         stats = ComputeStats(
             token_layers=l * m + (L - l) * w,
             total_token_layers=n * L,
@@ -192,6 +199,7 @@ def predicted_tail(
     layer: int,
     predicted: int,
     context: int = 0,
+    last_row: bool = False,
 ) -> torch.Tensor:
     """Steps 2-3 of kvp-prefix: the first ``predicted`` rows' K/V at every layer ``j >= layer``
     come from ``predict``, the other rows run through layers ``layer..L-1`` over them.
@@ -206,9 +214,12 @@ def predicted_tail(
         layer: ``l``; predicted: ``p`` in ``[0, T)``.
         context: ``P``, positions ``0..P-1`` already in ``cache`` at every layer (a cached
             prefix); ``positions`` then start at ``P``.
+        last_row: only the last row is read: the model's last layer computes the rest for it
+            alone (:func:`~fastprefill.models.fused.last_row_only`).
 
     Returns:
-        ``(1, T - p, D)``: the exact rows' output of the last layer (before the final norm).
+        ``(1, T - p, D)``: the exact rows' output of the last layer (before the final norm);
+        ``(1, 1, D)`` where ``last_row`` took effect.
     """
     cos, sin = rotary
     p = predicted
@@ -221,5 +232,6 @@ def predicted_tail(
     keys = torch.cat([torch.arange(context, device=positions.device), positions[0]])  # (P + T,)
     mask = causal_mask(tail_pos[0], keys) if (p or context) and tail.shape[1] > 1 else None  # (1, 1, W, P + T)
     for j in range(layer, ad.num_layers):  # the tail through every later layer (causal, over the predicted rows)
-        tail = ad.layer(j, tail, tail_pos, cache, mask=mask, rotary=tail_rot)
+        with last_row_only(ad.model, cache) if last_row and j == ad.num_layers - 1 else contextlib.nullcontext():
+            tail = ad.layer(j, tail, tail_pos, cache, mask=mask, rotary=tail_rot)
     return tail
