@@ -86,3 +86,15 @@ def test_the_command_line_is_from_the_checkouts_root_wherever_it_ran(monkeypatch
     monkeypatch.chdir(REPO / "benchmarks")
     monkeypatch.setattr(sys, "argv", ["packed_bench.py", "--against", "own-attention"])
     assert command_line() == "python benchmarks/packed_bench.py --against own-attention"
+
+
+def test_the_command_line_quotes_what_a_shell_would_split(monkeypatch):
+    import shlex
+
+    from fastprefill.bench.records import command_line
+
+    args = ["--settings", "last layer", "--method", "runahead(procs=2)", "lazyllm:preset=default"]
+    monkeypatch.setattr(sys, "argv", ["/x/src/fastprefill/cli/__main__.py", *args])
+    line = command_line()
+    assert line == "fastprefill --settings 'last layer' --method 'runahead(procs=2)' lazyllm:preset=default"
+    assert shlex.split(line)[1:] == args

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -93,7 +94,8 @@ def result_name(out_dir: str | Path, default: str, *, name: str | None = None, r
 
 
 def command_line() -> str:
-    """The command that is running, as a user would type it from the repository root."""
+    """The command that is running, as a user would type it from the repository root: each argument
+    quoted as a shell needs it (``--settings 'last layer'``), so the line runs as recorded."""
     if not sys.argv:
         return ""
     first = sys.argv[0]
@@ -105,7 +107,7 @@ def command_line() -> str:
         first = f"python {script.relative_to(root) if root is not None else os.path.relpath(first)}"
     else:
         first = Path(first).name
-    return " ".join([first, *sys.argv[1:]])
+    return " ".join([first, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
 def _git_commit() -> str:
